@@ -1,0 +1,243 @@
+"""The scenario: one typed configuration tree (pydantic), loaded from YAML.
+
+A scenario names the traffic (``workload``), the wire (``network``, ``stream``),
+the serving fleet (``cluster``), the engine and its scheduling policy
+(``engine``), the model and its measured cost profile (``model``), the SLOs and
+the seed. Every section forbids unknown keys, so a typo is an error, not a
+silently ignored setting. ``load_scenario`` turns any validation problem into a
+one-line ``LatsimError`` naming the file, the field and the value.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from . import plugins  # noqa: F401  (registers the built-in plug-ins)
+from .errors import LatsimError
+from .pluginfield import plugin
+from .registry import COST_MODELS, ROUTERS, WORKLOADS
+from .scheduling import POLICIES
+from .workload.classes import SLO
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NetworkConfig(_Strict):
+    """Client to serving region: RTT, connection set-up, upload."""
+
+    distance_km: float = Field(500.0, ge=0, description="client to region distance")
+    base_rtt_ms: float = Field(2.0, ge=0, description="RTT floor: switching, last mile")
+    fibre_km_per_s: float = Field(200_000.0, gt=0, description="propagation speed in fibre")
+    tls: Literal["none", "1.2", "1.3", "0rtt"] = "1.3"
+    connection_reuse: bool = True
+    clients: int = Field(64, ge=1, description="distinct clients, each with its own pool")
+    pool_size: int = Field(8, ge=1, description="keep-alive connections per client")
+    keepalive_s: float = Field(300.0, ge=0, description="idle connection expiry")
+    uplink_mbps: float = Field(100.0, gt=0)
+    request_overhead_bytes: int = Field(400, ge=0, description="HTTP headers + JSON envelope")
+    bytes_per_prompt_token: float = Field(4.0, ge=0, description="prompt text bytes per token")
+    gateway_ms: float = Field(0.5, ge=0, description="gateway/proxy/routing processing")
+
+
+class StreamConfig(_Strict):
+    """Streaming back: SSE frames per token over the client's downlink."""
+
+    frame_overhead_bytes: int = Field(80, ge=0, description="SSE + JSON envelope per frame")
+    bytes_per_token: float = Field(4.0, ge=0, description="token text bytes")
+    downlink_mbps: float = Field(50.0, gt=0)
+
+
+class ClusterConfig(_Strict):
+    """Replicas of the engine behind a router."""
+
+    replicas: int = Field(1, ge=1)
+    router: str = "round_robin"
+    gpus_per_replica: int = Field(1, ge=1)
+
+    @field_validator("router")
+    @classmethod
+    def _router(cls, v: str) -> str:
+        if v not in ROUTERS.names():
+            raise ValueError(f"unknown router {v!r}; known: {', '.join(ROUTERS.names())}")
+        return v
+
+
+class KVConfig(_Strict):
+    """Paged KV cache: capacity from GPU memory or an explicit block count."""
+
+    block_size: int = Field(16, ge=1)
+    num_blocks: Optional[int] = Field(None, ge=1, description="overrides the memory-derived count")
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+
+
+class EngineConfig(_Strict):
+    """One replica's engine: scheduling policy and its limits."""
+
+    policy: str = "chunked"
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
+    chunk_size: Optional[int] = Field(None, ge=1, description="max prefill chunk (default: budget)")
+    aging_s: float = Field(30.0, gt=0, description="priority_aging: one class per aging_s waited")
+    kv: KVConfig = Field(default_factory=KVConfig)
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; known: {', '.join(POLICIES)}")
+        return v
+
+
+class ModelShape(_Strict):
+    """The served model's shape: what sets weight and KV memory."""
+
+    name: str = "llama3-8b"
+    n_layers: int = Field(32, ge=1)
+    d_model: int = Field(4096, ge=1)
+    n_heads: int = Field(32, ge=1)
+    n_kv_heads: int = Field(8, ge=1)
+    head_dim: int = Field(128, ge=1)
+    params_b: float = Field(8.03, gt=0, description="parameters, billions")
+    dtype_bytes: int = Field(2, ge=1)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params_b * 1e9 * self.dtype_bytes
+
+
+class ModelConfig(_Strict):
+    """The model and how its step cost is obtained."""
+
+    shape: ModelShape = Field(default_factory=ModelShape)
+    cost: plugin(COST_MODELS) = Field(default_factory=lambda: COST_MODELS.validate(
+        {"kind": "profile", "path": "profiles/h200-llama3-8b-refbench.json"}))
+
+
+class Scenario(_Strict):
+    """A whole scenario; see module docstring."""
+
+    name: str = "scenario"
+    seed: int = 0
+    workload: plugin(WORKLOADS)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    slo: SLO = Field(default_factory=SLO, description="default SLO for classes without one")
+    policies: Optional[list[str]] = Field(None, description="run each of these policies")
+    max_sim_time_s: Optional[float] = Field(None, gt=0, description="stop the clock here")
+
+    @field_validator("policies")
+    @classmethod
+    def _policies(cls, v):
+        if v is not None:
+            for p in v:
+                if p not in POLICIES:
+                    raise ValueError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+            if not v:
+                raise ValueError("policies list is empty")
+        return v
+
+
+def _set_path(data: dict, dotted: str, value: Any, source: str) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise LatsimError("cannot set a key inside a non-mapping", source=source, field=dotted)
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=value`` -> ``("a.b", parsed value)``; the value is read as YAML."""
+    if "=" not in text:
+        raise LatsimError("override must look like a.b=value", source="--set", value=text,
+                          has_value=True)
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise LatsimError("override key is empty", source="--set", value=text, has_value=True)
+    try:
+        val = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        val = raw
+    return key, val
+
+
+def apply_overrides(data: dict, overrides: list[str] | None, source: str = "--set") -> dict:
+    """Return a deep copy of ``data`` with every ``a.b=value`` override applied."""
+    out = copy.deepcopy(data)
+    for text in overrides or []:
+        key, val = parse_override(text)
+        _set_path(out, key, val, source)
+    return out
+
+
+def _format_validation(e: ValidationError, source: str, data: dict) -> LatsimError:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"]
+    if err["type"] in ("plugin_field",):
+        # The plug-in already folded its inner location and value into the message.
+        inner = err["ctx"]["loc"]
+        return LatsimError(f"{err['ctx']['msg']}", source=source, field=f"{loc}.{inner}",
+                           value=err["ctx"]["value"], has_value=True)
+    if err["type"] == "extra_forbidden":
+        return LatsimError("unknown key", source=source, field=loc,
+                           value=err.get("input"), has_value=True)
+    if err["type"] == "missing":
+        return LatsimError("required field is missing", source=source, field=loc)
+    return LatsimError(msg, source=source, field=loc, value=err.get("input"), has_value=True)
+
+
+def validate_scenario(data: Any, source: str = "<scenario>") -> Scenario:
+    """Validate a mapping into a ``Scenario``, or raise a one-line ``LatsimError``."""
+    if not isinstance(data, dict):
+        raise LatsimError("a scenario must be a YAML mapping", source=source,
+                          value=type(data).__name__, has_value=True)
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        raise _format_validation(e, source, data) from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Read a YAML file into a mapping, with one-line errors."""
+    p = Path(path)
+    if not p.exists():
+        raise LatsimError("file not found", source=str(p))
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise LatsimError(f"invalid YAML{where}: {problem}", source=str(p)) from None
+    if data is None:
+        raise LatsimError("file is empty", source=str(p))
+    return data
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None) -> tuple[Scenario, Path]:
+    """Load, override and validate a scenario file; returns it and its directory."""
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise LatsimError("a scenario must be a YAML mapping", source=str(path))
+    data = apply_overrides(data, overrides, source=str(path))
+    return validate_scenario(data, source=str(path)), Path(path).resolve().parent

@@ -1,0 +1,162 @@
+"""Turning runs into what a person reads: console tables and result files.
+
+This is the only module of the simulator (with the CLI) that does I/O.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from .metrics import BREAKDOWN, per_class, requests_table, summarize
+
+
+def run_outputs(res) -> tuple[pd.DataFrame, dict]:
+    """The per-request table and the summary (overall, per class, run facts) of a run."""
+    df = requests_table(res)
+    summary = summarize(df, res.rec.itl, res.scenario)
+    out = {
+        "policy": res.policy,
+        "seed": res.seed,
+        "overall": summary,
+        "per_class": per_class(df, res.scenario),
+        "run": {
+            "replicas": res.scenario.cluster.replicas,
+            "kv_capacity_blocks": res.kv_capacity_blocks,
+            "kv_capacity_tokens": res.kv_capacity_tokens,
+            "engine_steps": res.rec.steps,
+            "cost_model": res.cost_info,
+            "cost_extrapolations": res.extrapolations,
+            "cost_lookups": res.cost_lookups,
+            "connections": res.connections,
+            "sim_end_s": res.sim_end,
+        },
+    }
+    return df, out
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:,.2f}"
+    return str(v)
+
+
+def latency_table(title: str, columns: dict[str, dict]) -> Table:
+    """P50/P90/P99 of TTFT, TPOT, ITL, E2EL (ms) for each named summary."""
+    t = Table(title=title, title_justify="left")
+    t.add_column("metric (ms)")
+    for name in columns:
+        for q in ("P50", "P90", "P99"):
+            t.add_column(f"{name} {q}" if len(columns) > 1 else q, justify="right")
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        row = [m.upper()]
+        for s in columns.values():
+            row += [_fmt(s.get(f"median_{m}_ms")), _fmt(s.get(f"p90_{m}_ms")),
+                    _fmt(s.get(f"p99_{m}_ms"))]
+        t.add_row(*row)
+    return t
+
+
+def breakdown_table(columns: dict[str, dict]) -> Table:
+    """Mean and P99 of each additive stage (ms)."""
+    t = Table(title="E2E breakdown (ms)", title_justify="left")
+    t.add_column("stage")
+    for name in columns:
+        t.add_column(f"{name} mean" if len(columns) > 1 else "mean", justify="right")
+        t.add_column(f"{name} P99" if len(columns) > 1 else "P99", justify="right")
+    for b in BREAKDOWN:
+        row = [b.upper()]
+        for s in columns.values():
+            row += [_fmt(s.get(f"mean_{b}_ms")), _fmt(s.get(f"p99_{b}_ms"))]
+        t.add_row(*row)
+    row = ["E2EL"]
+    for s in columns.values():
+        row += [_fmt(s.get("mean_e2el_ms")), _fmt(s.get("p99_e2el_ms"))]
+    t.add_row(*row)
+    return t
+
+
+def throughput_table(columns: dict[str, dict]) -> Table:
+    t = Table(title="Throughput", title_justify="left")
+    t.add_column("")
+    for name in columns:
+        t.add_column(name, justify="right")
+    for key, label in (("completed", "completed"), ("not_finished", "not finished"),
+                       ("request_throughput", "requests/s"),
+                       ("output_throughput", "output tokens/s"),
+                       ("request_goodput", "goodput requests/s"), ("diagnosis", "diagnosis")):
+        t.add_row(label, *[_fmt(s.get(key)) for s in columns.values()])
+    return t
+
+
+def print_run(console: Console, outs: dict[str, dict]) -> None:
+    """Print one or several runs (keyed by policy) side by side."""
+    overall = {k: o["overall"] for k, o in outs.items()}
+    console.print(latency_table("Latency, all requests", overall))
+    classes = sorted({c for o in outs.values() for c in o["per_class"]})
+    if len(classes) > 1:
+        for c in classes:
+            cols = {k: o["per_class"].get(c, {}) for k, o in outs.items()}
+            console.print(latency_table(f"Latency, class {c}", cols))
+    console.print(breakdown_table(overall))
+    console.print(throughput_table(overall))
+    for k, o in outs.items():
+        run = o["run"]
+        if run["cost_extrapolations"]:
+            console.print(f"[yellow]warning[/]: {k}: {run['cost_extrapolations']} of "
+                          f"{run['cost_lookups']} step-cost lookups fell outside the profile's "
+                          "measured range and were extrapolated")
+
+
+def _clean(o):
+    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write_run(out_dir: Path, scenario, outs: dict[str, dict], tables: dict[str, pd.DataFrame],
+              series: dict[str, pd.DataFrame] | None = None) -> list[Path]:
+    """Write requests.csv (one per policy when several), summary.json, scenario.yaml."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    multi = len(tables) > 1
+    for k, df in tables.items():
+        p = out_dir / (f"requests-{k}.csv" if multi else "requests.csv")
+        df.to_csv(p, index=False, float_format="%.9g")
+        written.append(p)
+    for k, s in (series or {}).items():
+        p = out_dir / (f"timeseries-{k}.csv" if multi else "timeseries.csv")
+        s.to_csv(p, index=False, float_format="%.9g")
+        written.append(p)
+    p = out_dir / "summary.json"
+    p.write_text(json.dumps(_clean(outs if multi else next(iter(outs.values()))), indent=2) + "\n")
+    written.append(p)
+    p = out_dir / "scenario.yaml"
+    p.write_text(yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False))
+    written.append(p)
+    return written
+
+
+def series_table(res) -> pd.DataFrame:
+    """Per-replica time series (queue length, running batch, KV use) as one table."""
+    frames = []
+    for i, (ts, wq, run, blk, kv) in enumerate(res.rec.series):
+        frames.append(pd.DataFrame({"replica": i, "time": list(ts), "waiting": list(wq),
+                                    "running": list(run), "kv_blocks_reserved": list(blk),
+                                    "kv_tokens": list(kv)}))
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if len(df):
+        df["kv_reserved_frac"] = df["kv_blocks_reserved"] / res.kv_capacity_blocks
+    return df

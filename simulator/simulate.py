@@ -1,0 +1,168 @@
+"""``simulate(scenario, seed) -> Results``: one run of the whole SimPy model.
+
+The run is a pure function of the scenario and the seed: one
+``numpy.random.Generator`` per concern is spawned from the seed (workload,
+network, router, cost noise), nothing global is touched, and nothing is written
+to disk here (the CLI writes files).
+
+Flow of a request: the client sends at ``arrival``; the network stage picks a
+connection from its client's keep-alive pool (or opens one) and delivers the
+request to the router after ``T_net``; the router picks a replica, whose queue it
+joins (``enqueued``); the replica's engine loop schedules, prefills and decodes it;
+frames stream back; the connection returns to the pool when the last frame is
+delivered.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import simpy
+
+from .config import Scenario
+from .costmodel import build_cost_model, profile_search_dirs
+from .network import ConnectionPools, NetworkTiming
+from .recorder import Recorder
+from .replica import Replica, SimSeq
+from .routers import make_router
+from .scheduling import make_policy
+from .stream import StreamTiming
+from .workload import Workload, build_workload
+
+
+@dataclass
+class Results:
+    """Everything a run produced, in memory."""
+
+    scenario: Scenario
+    seed: int
+    policy: str
+    workload: Workload
+    rec: Recorder
+    kv_capacity_blocks: int
+    kv_capacity_tokens: int
+    cost_info: dict
+    extrapolations: int
+    cost_lookups: int
+    connections: dict
+    sim_end: float
+    meta: dict = field(default_factory=dict)
+
+
+def kv_capacity_blocks(scenario: Scenario) -> int:
+    """KV blocks per replica: explicit, or (GPU memory x utilisation - weights) / block bytes."""
+    kv = scenario.engine.kv
+    if kv.num_blocks is not None:
+        return kv.num_blocks
+    shape = scenario.model.shape
+    free = kv.gpu_memory_gb * 1e9 * kv.gpu_memory_utilization - shape.weight_bytes
+    per_block = shape.kv_bytes_per_token * kv.block_size
+    blocks = int(free // per_block)
+    if blocks < 1:
+        from .errors import LatsimError
+        raise LatsimError("the model's weights leave no memory for the KV cache",
+                          field="engine.kv.gpu_memory_gb", value=kv.gpu_memory_gb, has_value=True)
+    return blocks
+
+
+def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
+             policy: Optional[str] = None, workload: Optional[Workload] = None,
+             profile: Optional[dict] = None) -> Results:
+    """Run the scenario once. ``policy`` overrides ``engine.policy``; ``workload`` and
+    ``profile`` may be passed in pre-built (e.g. to run several policies on the same
+    traffic without rebuilding it)."""
+    seed = scenario.seed if seed is None else seed
+    ss = np.random.SeedSequence(seed)
+    rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
+    if workload is None:
+        workload = build_workload(scenario.workload, rng_wl, base_dir or Path.cwd())
+    eng = scenario.engine
+    pname = policy or eng.policy
+    pol = make_policy(pname, max_num_seqs=eng.max_num_seqs,
+                      max_num_batched_tokens=eng.max_num_batched_tokens,
+                      chunk_size=eng.chunk_size, aging_s=eng.aging_s)
+    n_rep = scenario.cluster.replicas
+    capacity = kv_capacity_blocks(scenario)
+    bs = eng.kv.block_size
+
+    env = simpy.Environment()
+    n = len(workload)
+    rec = Recorder(n, n_rep)
+    net = NetworkTiming.from_config(scenario.network)
+    stream = StreamTiming.from_config(scenario.stream, net.one_way)
+    ncfg = scenario.network
+    pools = ConnectionPools(ncfg.clients, ncfg.pool_size, ncfg.keepalive_s, ncfg.connection_reuse)
+    clients = (workload.client % ncfg.clients if workload.client is not None
+               else rng_net.integers(0, ncfg.clients, size=n))
+
+    def on_finish(s: SimSeq, delivered_at: float) -> None:
+        pools.release(s.client, delivered_at, s.pooled)
+
+    costs = []
+    replicas = []
+    for i in range(n_rep):
+        # Each replica draws its own noise stream so adding replicas does not shift others.
+        cm = build_cost_model(scenario.model.cost, np.random.default_rng(rng_cost.integers(2**63)),
+                              profile_search_dirs(base_dir), profile=profile)
+        costs.append(cm)
+        replicas.append(Replica(env, i, pol, cm, capacity, rec, stream.frame_time, stream.one_way,
+                                on_finish, series_interval=_series_interval(workload)))
+    router = make_router(scenario.cluster.router, n_rep, rng_router)
+
+    arrival = workload.arrival_s
+    prompt = workload.prompt_tokens
+    output = workload.output_tokens
+    prio = workload.priority
+    rec.arrival[:] = arrival
+
+    def deliver(seq: SimSeq) -> None:
+        rid = seq.rid
+        seq.enqueued = env.now
+        rec.enqueued[rid] = env.now
+        if seq.blocks_needed > capacity:
+            # Can never fit in this replica's KV cache: rejected, reported as not finished.
+            rec.rejected[rid] = True
+            pools.release(seq.client, env.now + net.one_way, seq.pooled)
+            return
+        k = router.pick(replicas, seq)
+        rec.replica[rid] = k
+        replicas[k].enqueue(seq)
+
+    def arrivals():
+        t = 0.0
+        for rid in range(n):
+            a = arrival[rid]
+            if a > t:
+                yield env.timeout(a - t)
+                t = a
+            c = int(clients[rid])
+            is_new, pooled = pools.acquire(c, env.now)
+            rec.new_connection[rid] = is_new
+            p = int(prompt[rid])
+            o = int(output[rid])
+            seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), -(-(p + o) // bs), c, pooled)
+            t_net = net.send_time(p) + (net.handshake if is_new else 0.0)
+            env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))
+
+    env.process(arrivals())
+    env.run(until=scenario.max_sim_time_s)
+    return Results(
+        scenario=scenario, seed=seed, policy=pname, workload=workload, rec=rec,
+        kv_capacity_blocks=capacity, kv_capacity_tokens=capacity * bs,
+        cost_info=costs[0].describe(),
+        extrapolations=sum(c.extrapolations for c in costs),
+        cost_lookups=sum(c.lookups for c in costs),
+        connections={"new": pools.new_connections, "reused": pools.reused_connections},
+        sim_end=float(env.now),
+    )
+
+
+def _series_interval(wl: Workload) -> float:
+    """Sample time series often enough for a plot, rarely enough to stay small."""
+    if len(wl) == 0:
+        return 0.0
+    span = float(wl.arrival_s[-1] - wl.arrival_s[0])
+    return 0.0 if span <= 0 else max(span / 20000.0, 0.0) if len(wl) > 5000 else 0.0

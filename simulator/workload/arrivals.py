@@ -1,0 +1,57 @@
+"""Arrival processes: inter-arrival gaps for synthetic traffic.
+
+- ``poisson``: exponential gaps at ``rate`` req/s.
+- ``gamma``: gamma gaps with shape ``burstiness`` and mean ``1/rate``, as
+  ``vllm bench serve --burstiness`` (1 = Poisson; < 1 burstier; > 1 smoother).
+- ``constant``: evenly spaced arrivals at ``rate``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..registry import ARRIVALS
+
+
+class _Arrival(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rate: float = Field(gt=0, description="mean requests per second")
+
+
+class PoissonArrival(_Arrival):
+    kind: Literal["poisson"] = "poisson"
+
+
+class GammaArrival(_Arrival):
+    kind: Literal["gamma"] = "gamma"
+    burstiness: float = Field(1.0, gt=0, description="gamma shape; 1 = Poisson, <1 burstier")
+
+
+class ConstantArrival(_Arrival):
+    kind: Literal["constant"] = "constant"
+
+
+def _poisson(cfg: PoissonArrival, n: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.exponential(1.0 / cfg.rate, size=n)
+
+
+def _gamma(cfg: GammaArrival, n: int, rng: np.random.Generator) -> np.ndarray:
+    # Shape k and scale 1/(k*rate) keep the mean gap at 1/rate; CV = 1/sqrt(k).
+    return rng.gamma(cfg.burstiness, 1.0 / (cfg.burstiness * cfg.rate), size=n)
+
+
+def _constant(cfg: ConstantArrival, n: int, rng: np.random.Generator) -> np.ndarray:
+    return np.full(n, 1.0 / cfg.rate)
+
+
+ARRIVALS.register("poisson", PoissonArrival, _poisson)
+ARRIVALS.register("gamma", GammaArrival, _gamma)
+ARRIVALS.register("constant", ConstantArrival, _constant)
+
+
+def arrival_times(cfg, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` arrival times (s): the first request at its first gap, sorted."""
+    gaps = ARRIVALS.build(cfg, n, rng)
+    return np.cumsum(gaps)

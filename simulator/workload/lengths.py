@@ -1,0 +1,83 @@
+"""Token-length distributions for prompts and outputs.
+
+- ``constant``: always ``value``.
+- ``uniform``: integers in ``[low, high]``.
+- ``lognormal``: given ``mean`` and coefficient of variation ``cv`` (heavy tail, as
+  real prompt lengths), clipped to ``[min, max]``.
+- ``exponential``: given ``mean``, clipped.
+Sampling a ``lengths_file`` (paired prompt/output columns) lives in ``synthetic``.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..registry import LENGTHS
+
+
+class _Len(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    min: int = Field(1, ge=1)
+    max: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max ({self.max}) < min ({self.min})")
+        return self
+
+
+class ConstantLen(_Len):
+    kind: Literal["constant"] = "constant"
+    value: int = Field(ge=1)
+
+
+class UniformLen(_Len):
+    kind: Literal["uniform"] = "uniform"
+    low: int = Field(ge=1)
+    high: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.high < self.low:
+            raise ValueError(f"high ({self.high}) < low ({self.low})")
+        return self
+
+
+class LognormalLen(_Len):
+    kind: Literal["lognormal"] = "lognormal"
+    mean: float = Field(gt=0)
+    cv: float = Field(1.0, gt=0)
+
+
+class ExponentialLen(_Len):
+    kind: Literal["exponential"] = "exponential"
+    mean: float = Field(gt=0)
+
+
+def _clip(cfg: _Len, x: np.ndarray) -> np.ndarray:
+    x = np.maximum(np.rint(x), cfg.min)
+    if cfg.max is not None:
+        x = np.minimum(x, cfg.max)
+    return x.astype(np.int64)
+
+
+def _lognormal(cfg: LognormalLen, n: int, rng: np.random.Generator) -> np.ndarray:
+    sigma2 = np.log1p(cfg.cv ** 2)
+    mu = np.log(cfg.mean) - sigma2 / 2
+    return _clip(cfg, rng.lognormal(mu, np.sqrt(sigma2), size=n))
+
+
+LENGTHS.register("constant", ConstantLen, lambda c, n, rng: _clip(c, np.full(n, c.value)))
+LENGTHS.register("uniform", UniformLen,
+                 lambda c, n, rng: _clip(c, rng.integers(c.low, c.high + 1, size=n)))
+LENGTHS.register("lognormal", LognormalLen, _lognormal)
+LENGTHS.register("exponential", ExponentialLen,
+                 lambda c, n, rng: _clip(c, rng.exponential(c.mean, size=n)))
+
+
+def sample_lengths(cfg, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` token counts from the distribution ``cfg``."""
+    return LENGTHS.build(cfg, n, rng)

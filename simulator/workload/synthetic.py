@@ -1,0 +1,117 @@
+"""Synthetic workloads: an arrival process, token lengths, and priority classes.
+
+Lengths come either from two independent distributions or, jointly, from a
+lengths file (rows of prompt/output token counts, e.g. ShareGPT stats), sampled
+with replacement. Priority classes (P0/P1/P2 with shares) are drawn i.i.d. per
+request.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..errors import LatsimError
+from ..registry import ARRIVALS, LENGTHS, WORKLOADS
+from ..pluginfield import plugin
+from .arrivals import arrival_times
+from .base import Workload
+from .classes import PriorityClass, assign_classes, class_names
+from .lengths import sample_lengths
+
+
+class LengthsFile(BaseModel):
+    """A CSV of (prompt, output) token counts sampled jointly, with replacement."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    prompt_column: str = "num_prefill_tokens"
+    output_column: str = "num_decode_tokens"
+    max_prompt_tokens: Optional[int] = Field(None, ge=1)
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+
+
+class SyntheticWorkload(BaseModel):
+    """Synthetic traffic: ``num_requests`` (or ``duration_s`` of) arrivals."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["synthetic"] = "synthetic"
+    num_requests: Optional[int] = Field(None, gt=0)
+    duration_s: Optional[float] = Field(None, gt=0)
+    arrival: plugin(ARRIVALS) = Field(default_factory=lambda: ARRIVALS.validate({"rate": 1.0}))
+    prompt_tokens: plugin(LENGTHS) = Field(
+        default_factory=lambda: LENGTHS.validate({"kind": "constant", "value": 512}))
+    output_tokens: plugin(LENGTHS) = Field(
+        default_factory=lambda: LENGTHS.validate({"kind": "constant", "value": 128}))
+    lengths_file: Optional[LengthsFile] = None
+    classes: list[PriorityClass] = Field(default_factory=lambda: [PriorityClass(name="default")])
+
+    @model_validator(mode="after")
+    def _size(self):
+        if self.num_requests is None and self.duration_s is None:
+            raise ValueError("give num_requests or duration_s")
+        return self
+
+
+def _load_lengths(lf: LengthsFile, base_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    path = Path(lf.path)
+    if not path.is_absolute():
+        path = base_dir / path
+    if not path.exists():
+        raise LatsimError("file not found", source=str(path), field="workload.lengths_file.path")
+    try:
+        df = pd.read_csv(path)
+    except Exception as e:  # pandas raises many kinds; the user needs the file and the cause
+        raise LatsimError(f"cannot read CSV: {e}", source=str(path)) from None
+    for col in (lf.prompt_column, lf.output_column):
+        if col not in df.columns:
+            raise LatsimError(f"missing column {col!r} (columns: {', '.join(map(str, df.columns))})",
+                              source=str(path))
+        if not pd.api.types.is_numeric_dtype(df[col]):
+            raise LatsimError(f"column {col!r} is not numeric", source=str(path))
+    p = df[lf.prompt_column].to_numpy()
+    o = df[lf.output_column].to_numpy()
+    keep = (p >= 1) & (o >= 1)
+    if lf.max_prompt_tokens:
+        keep &= p <= lf.max_prompt_tokens
+    if lf.max_output_tokens:
+        keep &= o <= lf.max_output_tokens
+    if not keep.any():
+        raise LatsimError("no usable rows (token counts >= 1 within the limits)", source=str(path))
+    return p[keep].astype(np.int64), o[keep].astype(np.int64)
+
+
+def build_synthetic(cfg: SyntheticWorkload, rng: np.random.Generator, base_dir: Path) -> Workload:
+    """Draw arrivals, lengths and classes from ``rng`` (one stream, fixed order)."""
+    if cfg.num_requests is not None:
+        arr = arrival_times(cfg.arrival, cfg.num_requests, rng)
+        if cfg.duration_s is not None:
+            arr = arr[arr <= cfg.duration_s]
+    else:
+        # Draw in blocks until the horizon is passed; the mean rate sizes the first block.
+        rate = cfg.arrival.rate
+        parts, t = [], 0.0
+        while t <= cfg.duration_s:
+            gaps_n = max(16, int(rate * (cfg.duration_s - t) * 1.2) + 16)
+            a = t + arrival_times(cfg.arrival, gaps_n, rng)
+            parts.append(a)
+            t = a[-1]
+        arr = np.concatenate(parts)
+        arr = arr[arr <= cfg.duration_s]
+    n = len(arr)
+    if cfg.lengths_file is not None:
+        p_all, o_all = _load_lengths(cfg.lengths_file, base_dir)
+        idx = rng.integers(0, len(p_all), size=n)
+        prompt, output = p_all[idx], o_all[idx]
+    else:
+        prompt = sample_lengths(cfg.prompt_tokens, n, rng)
+        output = sample_lengths(cfg.output_tokens, n, rng)
+    prio = assign_classes(cfg.classes, n, rng)
+    return Workload(arrival_s=arr, prompt_tokens=prompt, output_tokens=output, priority=prio,
+                    class_names=class_names(cfg.classes))
+
+
+WORKLOADS.register("synthetic", SyntheticWorkload, build_synthetic)
