@@ -67,9 +67,16 @@ class Registry(Generic[T]):
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
-            raise PydanticCustomError(
-                "plugin_field", "{loc}: {msg} (got {value!r})",
-                {"loc": loc, "msg": err["msg"], "value": err.get("input")}) from None
+            msg, value = err["msg"], err.get("input")
+            if err["type"] == "plugin_field":
+                # A plug-in nested in this one: fold its location and value into ours.
+                ctx = err["ctx"]
+                loc = f"{loc}.{ctx['loc']}" if loc else ctx["loc"]
+                msg, value = ctx["msg"], ctx["value"]
+            elif err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            raise PydanticCustomError("plugin_field", "{loc}: {msg}",
+                                      {"loc": loc, "msg": msg, "value": value}) from None
 
 
 ARRIVALS: Registry = Registry("arrival process", default="poisson")

@@ -1,0 +1,78 @@
+"""Tiny factories shared by the tests: scenarios, profiles and workloads."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def make_profile(prefill=((1, 0, 1.0), (100_000, 0, 100_000.0)),
+                 decode=((1, 1, 1.0),), mixed=(), padded=False, host_overhead_ms=None) -> dict:
+    """A profile dict from (chunk, prior, ms) and (batch, context, ms) rows."""
+    return {
+        "format": "latsim-profile/1",
+        "meta": {"hardware": "test", "source": "tests"},
+        "engine": {"decode_attention": "padded" if padded else "paged",
+                   "host_overhead_ms": host_overhead_ms},
+        "prefill": [{"chunk": c, "prior": p, "ms": ms} for c, p, ms in prefill],
+        "decode": [{"batch": b, "context": x, "ms": ms} for b, x, ms in decode],
+        "mixed": [{"batch": b, "context": x, "chunk": c, "prior": p, "ms": ms}
+                  for b, x, c, p, ms in mixed],
+    }
+
+
+ZERO_NET = {"distance_km": 0, "base_rtt_ms": 0, "tls": "none", "gateway_ms": 0,
+            "request_overhead_bytes": 0, "bytes_per_prompt_token": 0}
+ZERO_STREAM = {"frame_overhead_bytes": 0, "bytes_per_token": 0}
+
+
+def make_scenario_dict(**over) -> dict:
+    """A small valid scenario mapping; keyword args replace whole top-level sections."""
+    base = {
+        "name": "test",
+        "seed": 1,
+        "workload": {"kind": "synthetic", "num_requests": 200,
+                     "arrival": {"kind": "poisson", "rate": 5.0},
+                     "prompt_tokens": {"kind": "uniform", "low": 50, "high": 400},
+                     "output_tokens": {"kind": "uniform", "low": 5, "high": 60}},
+        "network": dict(ZERO_NET),
+        "stream": dict(ZERO_STREAM),
+        "engine": {"policy": "chunked", "max_num_seqs": 32, "max_num_batched_tokens": 256,
+                   "kv": {"num_blocks": 4096}},
+        "model": {"cost": {"kind": "profile", "path": str(REPO / "profiles" /
+                                                          "h200-llama3-8b-refbench.json")}},
+    }
+    for k, v in over.items():
+        base[k] = v
+    return copy.deepcopy(base)
+
+
+def make_scenario(**over):
+    from simulator.config import validate_scenario
+    return validate_scenario(make_scenario_dict(**over))
+
+
+def make_workload(n, *, rate=5.0, prompt=100, output=10, priority=None, seed=0, class_names=None):
+    """A Poisson workload of ``n`` requests with constant (or given array) lengths."""
+    from simulator.workload import Workload
+    rng = np.random.default_rng(seed)
+    arr = np.cumsum(rng.exponential(1 / rate, n))
+    p = np.broadcast_to(np.asarray(prompt), (n,)).copy()
+    o = np.broadcast_to(np.asarray(output), (n,)).copy()
+    pr = np.zeros(n, dtype=int) if priority is None else np.asarray(priority)
+    names = class_names or tuple(f"P{i}" for i in range(int(pr.max()) + 1))
+    return Workload(arrival_s=arr, prompt_tokens=p, output_tokens=o, priority=pr,
+                    class_names=names)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA}")
+    return SHARED_DATA

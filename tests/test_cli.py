@@ -1,0 +1,138 @@
+"""The command line as a user types it: results, files, and one-line errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, make_scenario_dict
+
+LATSIM = [sys.executable, "-m", "simulator.cli"]
+
+
+def latsim(*args, cwd=REPO):
+    return subprocess.run([*LATSIM, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def _write(tmp_path: Path, data, name="s.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def test_quickstart_runs_and_writes_results(tmp_path):
+    r = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "out",
+               "--set", "workload.num_requests=300")
+    assert r.returncode == 0, r.stderr
+    for word in ("TTFT", "TPOT", "ITL", "E2EL", "T_QUEUE", "T_STREAM", "class P0", "goodput"):
+        assert word in r.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["overall"]["completed"] == 300
+    assert set(summary["per_class"]) == {"P0", "P1", "P2"}
+    for k in ("median_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "request_goodput", "diagnosis"):
+        assert k in summary["overall"]
+    resolved = yaml.safe_load((tmp_path / "out" / "scenario.yaml").read_text())
+    assert resolved["workload"]["num_requests"] == 300
+    assert (tmp_path / "out" / "requests.csv").stat().st_size > 0
+
+
+def test_policies_side_by_side(tmp_path):
+    r = latsim("run", "scenarios/policies-compare.yaml", "--out", tmp_path,
+               "--set", "workload.num_requests=200")
+    assert r.returncode == 0, r.stderr
+    for p in ("fifo", "chunked", "priority_aging"):
+        assert p in r.stdout
+        assert (tmp_path / f"requests-{p}.csv").exists()
+    assert set(json.loads((tmp_path / "summary.json").read_text())) == {
+        "fifo", "chunked", "priority_aging"}
+
+
+def test_same_seed_identical_requests_csv(tmp_path):
+    a = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "a",
+               "--set", "workload.num_requests=200")
+    b = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "b",
+               "--set", "workload.num_requests=200")
+    assert a.returncode == b.returncode == 0
+    assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
+
+
+def _bad(tmp_path, data):
+    p = _write(tmp_path, data)
+    r = latsim("run", p)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert str(p) in lines[0]
+    return lines[0]
+
+
+def test_unknown_key(tmp_path):
+    d = make_scenario_dict()
+    d["engine"]["polcy"] = "fifo"
+    line = _bad(tmp_path, d)
+    assert "engine.polcy" in line and "unknown key" in line
+
+
+def test_wrong_type(tmp_path):
+    d = make_scenario_dict()
+    d["engine"]["max_num_seqs"] = "lots"
+    line = _bad(tmp_path, d)
+    assert "engine.max_num_seqs" in line and "'lots'" in line
+
+
+def test_negative_rate(tmp_path):
+    d = make_scenario_dict()
+    d["workload"]["arrival"]["rate"] = -3
+    line = _bad(tmp_path, d)
+    assert "workload.arrival.rate" in line and "-3" in line
+
+
+def test_unknown_policy(tmp_path):
+    d = make_scenario_dict()
+    d["engine"]["policy"] = "lifo"
+    line = _bad(tmp_path, d)
+    assert "engine.policy" in line and "'lifo'" in line and "fifo" in line
+
+
+def test_unknown_arrival_kind(tmp_path):
+    d = make_scenario_dict()
+    d["workload"]["arrival"] = {"kind": "weibul", "rate": 1}
+    line = _bad(tmp_path, d)
+    assert "workload.arrival" in line and "weibul" in line
+
+
+def test_invalid_yaml(tmp_path):
+    line = _bad(tmp_path, "workload: {kind: synthetic\n  rate: [\n")
+    assert "invalid YAML" in line and "line" in line
+
+
+def test_missing_profile(tmp_path):
+    d = make_scenario_dict()
+    d["model"]["cost"]["path"] = "nope/missing.json"
+    p = _write(tmp_path, d)
+    r = latsim("run", p)
+    assert r.returncode == 2 and "missing.json" in r.stderr and "model.cost.path" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_file_and_bad_override(tmp_path):
+    r = latsim("run", tmp_path / "none.yaml")
+    assert r.returncode == 2 and "none.yaml" in r.stderr and "not found" in r.stderr
+    r = latsim("run", "scenarios/quickstart.yaml", "--set", "engine.policy")
+    assert r.returncode == 2 and "a.b=value" in r.stderr
+    r = latsim("run", "scenarios/quickstart.yaml", "--set", "engine.policy=sjf")
+    assert r.returncode == 2 and "'sjf'" in r.stderr and "engine.policy" in r.stderr
+
+
+def test_override_applies(tmp_path):
+    r = latsim("run", "scenarios/quickstart.yaml", "--set", "workload.num_requests=50",
+               "--set", "engine.policy=fifo", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["policy"] == "fifo" and s["overall"]["num_requests"] == 50
