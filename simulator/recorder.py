@@ -33,8 +33,8 @@ class ItlHistogram:
         self.n = 0
 
     def add(self, gap: float, weight: int = 1) -> None:
-        i = int(math.log(max(gap, _ITL_LO) / _ITL_LO) / _ITL_STEP)
-        self.counts[min(i, _ITL_BINS - 1)] += weight
+        i = int(math.log((gap if gap > _ITL_LO else _ITL_LO) / _ITL_LO) / _ITL_STEP)
+        self.counts[i if i < _ITL_BINS else _ITL_BINS - 1] += weight
         self.total += gap * weight
         self.n += weight
 

@@ -58,6 +58,7 @@ class Replica:
         self._series = rec.series[index]
         self._series_interval = series_interval
         self._last_sample = -float("inf")
+        self._last_end = -1.0  # end of the previous engine step
         self.process = env.process(self._run())
 
     # -- arrivals -----------------------------------------------------------------
@@ -130,16 +131,29 @@ class Replica:
         itl = rec.itl
         finished = []
         produced = 0
-        # Decodes: one token each.
+        # Decodes: one token each. Most decoders also produced a token at the previous
+        # step's end and their client kept up, so their last frame left at exactly
+        # ``prev_end + ft`` and their gap is the same: count those, histogram once.
+        common_old = self._last_end + ft
+        fast = common_old <= t
+        t_ft = t + ft
+        same = 0
         for s in dseqs:
             s.generated += 1
             s.context += 1
             d_old = s.depart
-            d = (t if t > d_old else d_old) + ft
-            s.depart = d
-            itl.add(d - d_old)
+            if fast and d_old == common_old:
+                same += 1
+                s.depart = t_ft
+            else:
+                d = (t if t > d_old else d_old) + ft
+                s.depart = d
+                itl.add(d - d_old)
             if s.generated >= s.output_tokens:
                 finished.append(s)
+        if same:
+            itl.add(t_ft - common_old, same)
+        self._last_end = t
         produced += len(dseqs)
         # Prefill chunks; a chunk that completes the prompt yields the first token.
         by_id = self.by_id

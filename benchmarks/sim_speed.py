@@ -1,0 +1,50 @@
+"""Simulator speed: simulated requests per wall-second and peak memory.
+
+Runs the chunked policy on 4 replicas of the H200 reference profile with
+Azure-conv-like traffic (lognormal prompts ~1k tokens, outputs ~200) at a load
+that keeps each replica busy but stable, for 10k, 100k and 1M requests (pass
+sizes as arguments to change). A benchmark, not a test: it prints its figures.
+
+    python benchmarks/sim_speed.py [10000 100000 1000000]
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+from simulator.config import validate_scenario
+from simulator.simulate import simulate
+
+REPLICAS = 4
+
+
+def scenario(n: int):
+    return validate_scenario({
+        "name": "speed", "seed": 1,
+        "workload": {"kind": "synthetic", "num_requests": n,
+                     "arrival": {"kind": "poisson", "rate": 3.5 * REPLICAS},
+                     "prompt_tokens": {"kind": "lognormal", "mean": 1155, "cv": 0.9, "max": 4000},
+                     "output_tokens": {"kind": "lognormal", "mean": 211, "cv": 0.9, "max": 1000}},
+        "cluster": {"replicas": REPLICAS, "router": "least_outstanding"},
+        "engine": {"policy": "chunked", "max_num_seqs": 64, "max_num_batched_tokens": 512,
+                   "kv": {"num_blocks": 16384}},
+    })
+
+
+def main(sizes: list[int]) -> None:
+    print(f"{'requests':>10} {'wall s':>8} {'req/s':>9} {'steps':>10} {'steps/s':>9} "
+          f"{'max RSS MB':>10}")
+    for n in sizes:
+        sc = scenario(n)
+        t0 = time.perf_counter()
+        res = simulate(sc)
+        wall = time.perf_counter() - t0
+        # Peak RSS of the process so far (sizes run in increasing order, so it is this run's).
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"{n:>10,} {wall:>8.2f} {n / wall:>9,.0f} {res.rec.steps:>10,} "
+              f"{res.rec.steps / wall:>9,.0f} {rss:>10.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [10_000, 100_000, 1_000_000])
