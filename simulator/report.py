@@ -50,37 +50,49 @@ def _fmt(v) -> str:
 
 
 def latency_table(title: str, columns: dict[str, dict]) -> Table:
-    """P50/P90/P99 of TTFT, TPOT, ITL, E2EL (ms) for each named summary."""
+    """P50/P90/P99 of TTFT, TPOT, ITL, E2EL (ms): one column per percentile for a single
+    run, one column per run (rows metric x percentile) when comparing several."""
+    metrics = ("ttft", "tpot", "itl", "e2el")
+    if not any(s.get("p99_itl_ms") is not None and not math.isnan(s.get("p99_itl_ms"))
+               for s in columns.values()):
+        metrics = ("ttft", "tpot", "e2el")  # per-class tables: ITL is pooled run-wide only
     t = Table(title=title, title_justify="left")
     t.add_column("metric (ms)")
-    for name in columns:
+    if len(columns) == 1:
+        s = next(iter(columns.values()))
         for q in ("P50", "P90", "P99"):
-            t.add_column(f"{name} {q}" if len(columns) > 1 else q, justify="right")
-    for m in ("ttft", "tpot", "itl", "e2el"):
-        row = [m.upper()]
-        for s in columns.values():
-            row += [_fmt(s.get(f"median_{m}_ms")), _fmt(s.get(f"p90_{m}_ms")),
-                    _fmt(s.get(f"p99_{m}_ms"))]
-        t.add_row(*row)
+            t.add_column(q, justify="right")
+        for m in metrics:
+            t.add_row(m.upper(), _fmt(s.get(f"median_{m}_ms")), _fmt(s.get(f"p90_{m}_ms")),
+                      _fmt(s.get(f"p99_{m}_ms")))
+        return t
+    for name in columns:
+        t.add_column(name, justify="right")
+    for m in metrics:
+        for q, key in (("P50", "median"), ("P90", "p90"), ("P99", "p99")):
+            t.add_row(f"{m.upper()} {q}", *[_fmt(s.get(f"{key}_{m}_ms")) for s in columns.values()])
     return t
 
 
 def breakdown_table(columns: dict[str, dict]) -> Table:
-    """Mean and P99 of each additive stage (ms)."""
+    """Mean and P99 of each additive stage (ms); one column per run when comparing."""
     t = Table(title="E2E breakdown (ms)", title_justify="left")
     t.add_column("stage")
-    for name in columns:
-        t.add_column(f"{name} mean" if len(columns) > 1 else "mean", justify="right")
-        t.add_column(f"{name} P99" if len(columns) > 1 else "P99", justify="right")
-    for b in BREAKDOWN:
-        row = [b.upper()]
-        for s in columns.values():
-            row += [_fmt(s.get(f"mean_{b}_ms")), _fmt(s.get(f"p99_{b}_ms"))]
-        t.add_row(*row)
-    row = ["E2EL"]
-    for s in columns.values():
-        row += [_fmt(s.get("mean_e2el_ms")), _fmt(s.get("p99_e2el_ms"))]
-    t.add_row(*row)
+    single = len(columns) == 1
+    if single:
+        t.add_column("mean", justify="right")
+        t.add_column("P99", justify="right")
+    else:
+        for name in columns:
+            t.add_column(name, justify="right")
+    for b in (*BREAKDOWN, "e2el"):
+        if single:
+            s = next(iter(columns.values()))
+            t.add_row(b.upper(), _fmt(s.get(f"mean_{b}_ms")), _fmt(s.get(f"p99_{b}_ms")))
+        else:
+            for key in ("mean", "p99"):
+                t.add_row(f"{b.upper()} {key}", *[_fmt(s.get(f"{key}_{b}_ms"))
+                                                   for s in columns.values()])
     return t
 
 

@@ -161,8 +161,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
 
 
 def _series_interval(wl: Workload) -> float:
-    """Sample time series often enough for a plot, rarely enough to stay small."""
-    if len(wl) == 0:
+    """Sample time series at every step for small runs, ~20k points for large ones."""
+    if len(wl) <= 5000:
         return 0.0
     span = float(wl.arrival_s[-1] - wl.arrival_s[0])
-    return 0.0 if span <= 0 else max(span / 20000.0, 0.0) if len(wl) > 5000 else 0.0
+    return max(span, 0.0) / 20000.0

@@ -15,8 +15,11 @@ A step's time is looked up from what the engine was measured to take:
   there are none). Adding the parts' times naively would count the fixed cost
   twice (DESIGN.md §7).
 
-Outside the measured range the tables extrapolate linearly from their last two
+Above the measured range the tables extrapolate linearly from their last two
 points, and every such lookup is counted in ``extrapolations``; the run reports it.
+Below the smallest measured size (a 3-token chunk, a context of 40) they hold the
+smallest row's value: less work than the smallest measured step cannot cost more,
+and small steps sit on the engine's fixed floor.
 """
 from __future__ import annotations
 
@@ -58,11 +61,13 @@ class _Curve:
     def __call__(self, q: float) -> tuple[float, bool]:
         x, y = self.x, self.y
         n = len(x)
+        if q <= x[0]:
+            # Below the smallest measured size the step only gets smaller work; at that
+            # size engines are already at their fixed host floor, so hold the value.
+            return y[0], False
         if n == 1:
             return y[0], q != x[0]
-        if q <= x[0]:
-            i, out = 1, q < x[0]
-        elif q >= x[-1]:
+        if q >= x[-1]:
             i, out = n - 1, q > x[-1]
         else:
             i, out = bisect.bisect_right(x, q), False
@@ -84,11 +89,9 @@ class _Table2D:
 
     def __call__(self, qa: float, qb: float) -> tuple[float, bool]:
         a = self.a
-        if len(a) == 1:
+        if len(a) == 1 or qa <= a[0]:
             return self.curves[0](qb)
-        if qa <= a[0]:
-            i, out = 1, qa < a[0]
-        elif qa >= a[-1]:
+        if qa >= a[-1]:
             i, out = len(a) - 1, qa > a[-1]
         else:
             i, out = bisect.bisect_right(a, qa), False
