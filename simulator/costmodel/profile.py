@@ -91,6 +91,9 @@ class _Table2D:
         a = self.a
         if len(a) == 1 or qa <= a[0]:
             return self.curves[0](qb)
+        j = bisect.bisect_left(a, qa)
+        if j < len(a) and a[j] == qa:
+            return self.curves[j](qb)  # a measured level: no blending with a neighbour
         if qa >= a[-1]:
             i, out = len(a) - 1, qa > a[-1]
         else:

@@ -1,0 +1,124 @@
+"""The profile cost model against the profile it reads, and the wire's timings."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import REPO, make_profile, make_scenario, make_workload
+from simulator.costmodel import load_profile
+from simulator.costmodel.profile import ProfileCostModel
+from simulator.metrics import requests_table
+from simulator.network import ConnectionPools, NetworkTiming
+from simulator.simulate import simulate
+
+REFBENCH = REPO / "profiles" / "h200-llama3-8b-refbench.json"
+
+
+@pytest.fixture(scope="module")
+def refbench():
+    return load_profile(REFBENCH)
+
+
+def test_measured_rows_are_reproduced_exactly(refbench):
+    m = ProfileCostModel(refbench)
+    for r in refbench["prefill"]:
+        assert m.step_time(0, 0, 0, [(r["chunk"], r["prior"])]) == pytest.approx(r["ms"] / 1e3)
+    for r in refbench["decode"]:
+        b, c = r["batch"], r["context"]
+        assert m.step_time(b, c, b * c, []) == pytest.approx(r["ms"] / 1e3)
+    assert m.extrapolations == 0
+
+
+def test_interpolates_between_rows_and_counts_extrapolation(refbench):
+    m = ProfileCostModel(refbench)
+    lo = m.step_time(0, 0, 0, [(1024, 0)])
+    hi = m.step_time(0, 0, 0, [(2048, 0)])
+    mid = m.step_time(0, 0, 0, [(1536, 0)])
+    assert mid == pytest.approx((lo + hi) / 2)
+    assert m.extrapolations == 0
+    m.step_time(0, 0, 0, [(8192, 0)])
+    assert m.extrapolations == 1
+
+
+def test_mixed_steps_do_not_count_the_fixed_cost_twice(refbench):
+    m = ProfileCostModel(refbench)
+    errs = []
+    for r in refbench["mixed"]:
+        b, c = r["batch"], r["context"]
+        pred = m.step_time(b, c, b * c, [(r["chunk"], r["prior"])]) * 1e3
+        naive = (m.step_time(b, c, b * c, []) + m.step_time(0, 0, 0, [(r["chunk"], 0)])) * 1e3
+        errs.append(abs(pred - r["ms"]) / r["ms"])
+        assert abs(pred - r["ms"]) < abs(naive - r["ms"])
+    # Fitted on these same four rows; the spread is what a one-parameter overlap can do.
+    assert max(errs) < 0.11 and np.mean(errs) < 0.06
+
+
+def test_padded_vs_paged_decode_context():
+    prof = make_profile(decode=((8, 100, 10.0), (8, 1000, 20.0)), padded=True)
+    padded = ProfileCostModel(prof)
+    prof["engine"]["decode_attention"] = "paged"
+    paged = ProfileCostModel(prof)
+    # 7 short sequences and one long one: padded pays for the longest, paged for the mean.
+    ctx = [100] * 7 + [1000]
+    assert padded.step_time(8, max(ctx), sum(ctx), []) == pytest.approx(0.020)
+    assert paged.step_time(8, max(ctx), sum(ctx), []) == pytest.approx(
+        (10 + 10 * (np.mean(ctx) - 100) / 900) / 1e3)
+
+
+def test_refbench_conversion_matches_committed_profile(shared_data):
+    from simulator.costmodel.convert import refbench_to_profile
+    conv = refbench_to_profile(shared_data / "h200-refbench" / "profile.csv")
+    assert conv == json.loads(REFBENCH.read_text())
+
+
+def test_bad_profile_is_one_line_error(tmp_path):
+    from simulator.errors import LatsimError
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"format": "latsim-profile/1", "prefill": [{"chunk": 1}],
+                             "decode": [{"batch": 1, "context": 1, "ms": 1}]}))
+    with pytest.raises(LatsimError, match=r"p.json: field 'prefill\[0\]\.prior'"):
+        load_profile(p)
+
+
+def test_rtt_and_handshakes():
+    sc = make_scenario(network={"distance_km": 1000, "base_rtt_ms": 2, "tls": "1.2",
+                                "gateway_ms": 0, "request_overhead_bytes": 0,
+                                "bytes_per_prompt_token": 0})
+    t = NetworkTiming.from_config(sc.network)
+    assert t.rtt == pytest.approx(0.002 + 2 * 1000 / 200_000)   # 12 ms
+    assert t.handshake == pytest.approx(3 * t.rtt)               # TCP + TLS 1.2 (2 RTT)
+    for tls, rtts in (("1.3", 2), ("0rtt", 1), ("none", 1)):
+        sc2 = make_scenario(network={**sc.network.model_dump(), "tls": tls})
+        assert NetworkTiming.from_config(sc2.network).handshake == pytest.approx(rtts * t.rtt)
+
+
+def test_keepalive_pool_reuse_and_expiry():
+    pools = ConnectionPools(n_clients=1, pool_size=1, keepalive_s=10.0, reuse=True)
+    assert pools.acquire(0, 0.0) == (True, True)          # first: new, pooled
+    assert pools.acquire(0, 0.5) == (True, False)         # pool busy: one-off connection
+    pools.release(0, 1.0, True)
+    assert pools.acquire(0, 5.0) == (False, True)         # reused within keep-alive
+    pools.release(0, 6.0, True)
+    assert pools.acquire(0, 20.0) == (True, True)         # expired after 14 s idle
+    assert (pools.new_connections, pools.reused_connections) == (3, 1)
+
+
+def test_t_net_and_t_stream_in_a_run():
+    net = {"distance_km": 2000, "base_rtt_ms": 0, "tls": "1.3", "gateway_ms": 1.0,
+           "request_overhead_bytes": 1000, "bytes_per_prompt_token": 0, "uplink_mbps": 8.0,
+           "clients": 1, "pool_size": 1, "connection_reuse": False}
+    stream = {"frame_overhead_bytes": 96, "bytes_per_token": 4, "downlink_mbps": 0.8}
+    sc = make_scenario(network=net, stream=stream)
+    wl = make_workload(3, rate=0.01, prompt=100, output=10)
+    df = requests_table(simulate(sc, 0, workload=wl))
+    rtt = 2 * 2000 / 200_000
+    # New connection: TCP + TLS 1.3 (2 RTT), then one way, upload 1000 B at 8 Mb/s, gateway.
+    np.testing.assert_allclose(df["t_net"], 2 * rtt + rtt / 2 + 0.001 + 0.001)
+    # 100 B frames at 0.8 Mb/s = 1 ms each, faster than the engine: last frame 1 ms + one way.
+    np.testing.assert_allclose(df["t_stream"], 0.001 + rtt / 2)
+    slow = make_scenario(network=net, stream={**stream, "downlink_mbps": 0.008})  # 100 ms/frame
+    df2 = requests_table(simulate(slow, 0, workload=wl))
+    assert (df2["t_stream"] > 0.5).all()   # frames queue behind a slow client
+    assert (df2["tpot"] >= 0.1 - 1e-9).all()
