@@ -91,10 +91,21 @@ def run(
         _fail(e)
 
 
+def _mount() -> None:
+    from .tracecli import trace_app
+    app.add_typer(trace_app, name="trace", help="Summarise and convert request traces.")
+
+
+_mount()
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point: user errors from any command are one line, exit 2."""
     try:
         app()
+    except LatsimError as e:
+        err_console.print(f"latsim: error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:  # pragma: no cover
         sys.exit(130)
 

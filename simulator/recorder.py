@@ -38,12 +38,13 @@ class ItlHistogram:
         self.total += gap * weight
         self.n += weight
 
-    def add_many(self, gaps: np.ndarray) -> None:
+    def add_many(self, gaps: np.ndarray, weight: int = 1) -> None:
+        """Add every gap in ``gaps``, each ``weight`` times."""
         g = np.maximum(gaps, _ITL_LO)
         idx = np.minimum((np.log(g / _ITL_LO) / _ITL_STEP).astype(np.int64), _ITL_BINS - 1)
-        np.add.at(self.counts, idx, 1)
-        self.total += float(gaps.sum())
-        self.n += len(gaps)
+        np.add.at(self.counts, idx, weight)
+        self.total += float(gaps.sum()) * weight
+        self.n += len(gaps) * weight
 
     def merge(self, other: "ItlHistogram") -> None:
         self.counts += other.counts

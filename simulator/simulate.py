@@ -70,10 +70,11 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
 
 def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
              policy: Optional[str] = None, workload: Optional[Workload] = None,
-             profile: Optional[dict] = None) -> Results:
+             profile: Optional[dict] = None, mode: str = "auto") -> Results:
     """Run the scenario once. ``policy`` overrides ``engine.policy``; ``workload`` and
     ``profile`` may be passed in pre-built (e.g. to run several policies on the same
-    traffic without rebuilding it)."""
+    traffic without rebuilding it). ``mode`` selects the replica's bookkeeping
+    (``auto``, ``step``, ``slow``; see ``replica``) - for tests, results do not depend on it."""
     seed = scenario.seed if seed is None else seed
     ss = np.random.SeedSequence(seed)
     rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
@@ -109,7 +110,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                               profile_search_dirs(base_dir), profile=profile)
         costs.append(cm)
         replicas.append(Replica(env, i, pol, cm, capacity, rec, stream.frame_time, stream.one_way,
-                                on_finish, series_interval=_series_interval(workload)))
+                                on_finish, series_interval=_series_interval(workload),
+                                mode=mode))
     router = make_router(scenario.cluster.router, n_rep, rng_router)
 
     arrival = workload.arrival_s

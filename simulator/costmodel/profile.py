@@ -58,6 +58,17 @@ class _Curve:
         self.lo = self.x[0]
         self.hi = self.x[-1]
 
+    def vec(self, q: np.ndarray) -> tuple[np.ndarray, int]:
+        """Vectorised ``__call__``: values and how many queries lay above the range."""
+        x, y = self.x, self.y
+        out = np.interp(q, x, y)  # holds the end values outside the range
+        above = q > x[-1]
+        n_above = int(above.sum())
+        if n_above and len(x) > 1:
+            slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+            out = np.where(above, y[-1] + slope * (q - x[-1]), out)
+        return out, n_above
+
     def __call__(self, q: float) -> tuple[float, bool]:
         x, y = self.x, self.y
         n = len(x)
@@ -98,7 +109,7 @@ class _Table2D:
             i, out = len(a) - 1, qa > a[-1]
         else:
             i, out = bisect.bisect_right(a, qa), False
-        y0, o0 = self.curves[i - 1](qb)
+        y0, o0 = self.curves[i - 1](qb)  # noqa: E501  (scalar path)
         y1, o1 = self.curves[i](qb)
         a0, a1 = a[i - 1], a[i]
         return y0 + (y1 - y0) * (qa - a0) / (a1 - a0), out or o0 or o1
@@ -146,6 +157,22 @@ def load_profile(path: Path) -> dict:
                           field="engine.decode_attention", value=eng.get("decode_attention"),
                           has_value=True)
     return data
+
+
+def _table_vec(t: _Table2D, qa: float, qb: np.ndarray) -> tuple[np.ndarray, int]:
+    """``_Table2D`` at one ``qa`` for many ``qb``: values and above-range count."""
+    a = t.a
+    if len(a) == 1 or qa <= a[0]:
+        return t.curves[0].vec(qb)
+    j = bisect.bisect_left(a, qa)
+    if j < len(a) and a[j] == qa:
+        return t.curves[j].vec(qb)
+    i = len(a) - 1 if qa >= a[-1] else bisect.bisect_right(a, qa)
+    y0, o0 = t.curves[i - 1].vec(qb)
+    y1, o1 = t.curves[i].vec(qb)
+    w = (qa - a[i - 1]) / (a[i] - a[i - 1])
+    n_out = len(qb) if qa > a[-1] else max(o0, o1)
+    return y0 + (y1 - y0) * w, n_out
 
 
 class ProfileCostModel:
@@ -224,6 +251,25 @@ class ProfileCostModel:
         if self._rng is not None and self.noise_sigma > 0:
             ms *= math.exp(self.noise_sigma * self._rng.standard_normal()
                            - 0.5 * self.noise_sigma ** 2)
+        return ms / 1000.0
+
+    @property
+    def min_step_s(self) -> float:
+        """A lower bound on any step's time (s): the floor, shrunk for noise (5 sigma)."""
+        return self.floor_ms * self.scale / 1000.0 * math.exp(-5 * self.noise_sigma)
+
+    def decode_times(self, batch: int, ctx0: float, k: int) -> np.ndarray:
+        """Seconds of ``k`` consecutive decode-only steps of ``batch`` requests whose
+        (longest, if padded; mean, if paged) context is ``ctx0`` at the first step and
+        grows by one per step - exactly what ``k`` calls of ``step_time`` would give."""
+        ctx = ctx0 + np.arange(k, dtype=np.float64)
+        ms, n_out = _table_vec(self._decode, float(batch), ctx)
+        self.lookups += k
+        self.extrapolations += n_out
+        ms = ms * self.scale
+        if self._rng is not None and self.noise_sigma > 0:
+            z = self._rng.standard_normal(k)
+            ms = ms * np.exp(self.noise_sigma * z - 0.5 * self.noise_sigma ** 2)
         return ms / 1000.0
 
     def describe(self) -> dict:
