@@ -1,0 +1,6 @@
+"""Registration point for workload sources beyond the synthetic one (trace replay, ServeGen).
+
+Importing this module runs their ``WORKLOADS.register`` calls (``kind: trace``,
+``kind: servegen``).
+"""
+from . import servegen, traces  # noqa: F401  (registration side effects)
