@@ -193,6 +193,7 @@ class ProfileCostModel:
         self.floor_ms = float(host) if host else float(min(all_ms))
         self.alpha, self.mixed_residuals = self._fit_alpha(profile.get("mixed") or [])
         self.scale = scale
+        self._decode_curves: dict = {}
         self.extrapolations = 0
         self.lookups = 0
         self._rng = rng if noise else None
@@ -263,7 +264,21 @@ class ProfileCostModel:
         (longest, if padded; mean, if paged) context is ``ctx0`` at the first step and
         grows by one per step - exactly what ``k`` calls of ``step_time`` would give."""
         ctx = ctx0 + np.arange(k, dtype=np.float64)
-        ms, n_out = _table_vec(self._decode, float(batch), ctx)
+        curve = self._decode_curves.get(batch)
+        if curve is None:
+            # The decode table blended at this batch size, once: (x, y, slope above).
+            grid = np.unique(np.concatenate([np.asarray(c.x) for c in self._decode.curves]))
+            y, _ = _table_vec(self._decode, float(batch), grid)
+            slope = (y[-1] - y[-2]) / (grid[-1] - grid[-2]) if len(grid) > 1 else 0.0
+            curve = self._decode_curves[batch] = (grid, y, float(slope),
+                                                  batch > self._decode.a[-1])
+        x, y, slope, beyond = curve
+        ms = np.interp(ctx, x, y)
+        n_out = k if beyond else 0
+        if ctx[-1] > x[-1]:
+            above = ctx > x[-1]
+            ms = np.where(above, y[-1] + slope * (ctx - x[-1]), ms)
+            n_out = k if beyond else int(above.sum())
         self.lookups += k
         self.extrapolations += n_out
         ms = ms * self.scale

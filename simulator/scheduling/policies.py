@@ -17,9 +17,12 @@ and ``real_engine`` call these very objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from .plan import EMPTY_PLAN, SchedulerState, Seq, StepPlan
 from .queues import AgingPriorityQueue, FifoQueue
+
+_rid = attrgetter("rid")
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class FifoPolicy:
         if chunks:
             return StepPlan(decode=(), prefill=tuple(chunks), admit=tuple(admit))
         if state.decoding:
-            return StepPlan(decode=tuple(s.rid for s in state.decoding))
+            return StepPlan(decode=tuple(map(_rid, state.decoding)))
         return EMPTY_PLAN
 
 
@@ -106,8 +109,8 @@ class ChunkedPolicy:
         dec = state.decoding
         if len(dec) > budget:
             # More decoders than tokens: the oldest decode; the rest wait a step.
-            return StepPlan(decode=tuple(s.rid for s in dec[:budget]))
-        decode = tuple(s.rid for s in dec)
+            return StepPlan(decode=tuple(map(_rid, dec[:budget])))
+        decode = tuple(map(_rid, dec))
         left = budget - len(decode)
         chunks: list[tuple[int, int]] = []
         for seq in state.prefilling:
