@@ -91,6 +91,118 @@ def run(
         _fail(e)
 
 
+@app.command()
+def profile(
+    model: str = typer.Option("tiny", "--model", help="preset (tiny, small, llama3-1b, "
+                              "llama3-8b, llama3-70b) or a local checkpoint folder"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    out: Path = typer.Option(Path("profiles"), "--out", help=".json file or folder"),
+    quick: bool = typer.Option(False, "--quick", help="a smaller grid"),
+    repeats: Optional[int] = typer.Option(None, "--repeats", min=1),
+    warmup: Optional[int] = typer.Option(None, "--warmup", min=0),
+    time_budget_s: Optional[float] = typer.Option(None, "--time-budget-s", min=1),
+) -> None:
+    """Measure the real engine's step costs and write a profile (needs the engine extra)."""
+    try:
+        rp = _engine_import("real_engine.profile").run_profile
+        if device not in ("cpu", "cuda"):
+            raise LatsimError("must be cpu or cuda", source="--device", value=device,
+                              has_value=True)
+        prof = rp(model, device, out, quick=quick, repeats=repeats, warmup=warmup,
+                  time_budget_s=time_budget_s)
+        console.print(f"profile: {len(prof['prefill'])} prefill, {len(prof['decode'])} decode, "
+                      f"{len(prof.get('mixed', []))} mixed rows -> {prof['meta'].get('path', out)}")
+    except LatsimError as e:
+        _fail(e)
+
+
+@app.command()
+def validate(
+    profile: Path = typer.Option(..., "--profile", help="profile the engine produced"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="trace file (any format "
+                                         "`latsim trace` reads); default: synthetic Poisson"),
+    fmt: Optional[str] = typer.Option(None, "--format", help="azure|mooncake|vidur|csv"),
+    policies: str = typer.Option("fifo,chunked,priority_aging", "--policies"),
+    model: Optional[str] = typer.Option(None, "--model", help="default: the profile's model"),
+    device: str = typer.Option("cpu", "--device"),
+    limit: int = typer.Option(200, "--limit", min=1, help="requests to replay"),
+    load: Optional[float] = typer.Option(None, "--load", min=0.01, max=2.0,
+                                         help="rescale arrivals to this fraction of the "
+                                         "simulated engine's saturation throughput"),
+    max_prompt_tokens: int = typer.Option(1024, "--max-prompt-tokens", min=1),
+    max_output_tokens: int = typer.Option(128, "--max-output-tokens", min=1),
+    max_num_seqs: int = typer.Option(32, "--max-num-seqs", min=1),
+    max_num_batched_tokens: int = typer.Option(256, "--max-num-batched-tokens", min=1),
+    chunk_size: Optional[int] = typer.Option(None, "--chunk-size", min=1),
+    aging_s: float = typer.Option(2.0, "--aging-s", min=0.001),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(Path("results/validate"), "--out"),
+) -> None:
+    """Replay one trace through the real engine and the simulator; print the errors."""
+    try:
+        import json as _json
+        import numpy as np
+        from .costmodel import load_profile
+        from .scheduling import POLICIES
+        from .workload import Workload
+        names = [p.strip() for p in policies.split(",") if p.strip()]
+        for p in names:
+            if p not in POLICIES:
+                raise LatsimError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}",
+                                  source="--policies")
+        if not profile.exists():
+            raise LatsimError("file not found", source=str(profile), field="--profile")
+        prof = load_profile(profile)
+        mdl = model or prof.get("meta", {}).get("model", {}).get("name")
+        if not mdl:
+            raise LatsimError("profile names no model; pass --model", source=str(profile))
+        v = _engine_import("real_engine.validate")
+        pe = _engine_import("real_engine.profile")
+        rng = np.random.default_rng(seed)
+        if trace is not None:
+            from .workload.traces import TraceWorkload, build_trace
+            cfg = TraceWorkload(path=str(trace), format=fmt, limit=limit,
+                                max_prompt_tokens=max_prompt_tokens,
+                                max_output_tokens=max_output_tokens)
+            wl = build_trace(cfg, rng, Path.cwd())
+        else:
+            n = limit
+            wl = Workload(arrival_s=np.cumsum(rng.exponential(1.0, n)),
+                          prompt_tokens=rng.integers(16, max_prompt_tokens + 1, n),
+                          output_tokens=rng.integers(2, max_output_tokens + 1, n),
+                          priority=rng.integers(0, 3, n), class_names=("P0", "P1", "P2"))
+        settings = v.engine_settings(max_num_seqs, max_num_batched_tokens, chunk_size, aging_s)
+        engine = pe.build_engine(mdl, device, seed=seed, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens)
+        nb = engine.cache.num_blocks
+        meta = {"profile": str(profile), "model": mdl, "device": device, "trace": str(trace),
+                "requests": len(wl), "settings": settings, "num_blocks": nb}
+        if load is not None:
+            cap = v.saturation_throughput(prof, settings, nb, wl)
+            wl = v.at_load(wl, load * cap)
+            meta.update(load=load, saturation_rps=cap, rate_rps=load * cap)
+            console.print(f"saturation throughput (simulated) {cap:.2f} req/s; replaying at "
+                          f"{load:.0%} = {load * cap:.2f} req/s")
+        res = v.validate(engine, prof, wl, names, settings, log=console.print)
+        console.print(v.error_table(res))
+        files = v.write_validation(out, res, meta)
+        console.print(f"wrote {', '.join(str(f) for f in files)}")
+    except LatsimError as e:
+        _fail(e)
+
+
+def _engine_import(name: str):
+    """Import a real_engine module, or explain that the engine extra is missing."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == "torch":
+            raise LatsimError("the real engine needs torch: pip install 'latsim[engine]' "
+                              "(on CPU: pip install torch==2.13.0 first)") from None
+        raise
+
+
 def _mount() -> None:
     from .tracecli import trace_app
     app.add_typer(trace_app, name="trace", help="Summarise and convert request traces.")

@@ -1,0 +1,207 @@
+"""``latsim validate``: the same trace through the real engine and through the
+simulator, and the error of every latency percentile.
+
+The real side replays the trace against ``EngineCore`` in wall-clock time
+(``runner.run_trace``); the simulated side runs the SimPy model with the same
+scheduling policy object type and limits, the profile the engine produced as its
+cost model, and no wire (network and stream set to zero), since the engine
+serves in-process. Both sides produce the simulator's per-request table, so the
+metrics are computed by one function (``simulator.metrics.summarize``).
+
+This module imports ``simulator``; ``simulator`` never imports it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from simulator.config import validate_scenario
+from simulator.metrics import add_derived, requests_table, summarize
+from simulator.recorder import ItlHistogram
+from simulator.simulate import simulate
+from simulator.workload import Workload
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+ZERO_NET = {"distance_km": 0, "base_rtt_ms": 0, "tls": "none", "gateway_ms": 0,
+            "request_overhead_bytes": 0, "bytes_per_prompt_token": 0}
+ZERO_STREAM = {"frame_overhead_bytes": 0, "bytes_per_token": 0}
+
+
+def engine_settings(max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                    chunk_size: Optional[int] = None, aging_s: float = 2.0,
+                    num_blocks: Optional[int] = None) -> dict:
+    """The engine limits both sides run with."""
+    return {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+            "chunk_size": chunk_size, "aging_s": aging_s, "num_blocks": num_blocks}
+
+
+def sim_scenario(policy: str, settings: dict, num_blocks: int, profile_path: str = "<profile>"):
+    """A scenario for the simulated side: the engine's limits, no wire."""
+    eng = {k: v for k, v in settings.items() if k != "num_blocks" and v is not None}
+    return validate_scenario({
+        "name": "validate", "seed": 0,
+        "workload": {"kind": "synthetic", "num_requests": 1},   # replaced by the trace
+        "network": dict(ZERO_NET), "stream": dict(ZERO_STREAM),
+        "engine": {**eng, "policy": policy, "kv": {"num_blocks": num_blocks}},
+        "model": {"cost": {"kind": "profile", "path": profile_path}},
+    }, source="validate")
+
+
+def real_table(run: dict, wl: Workload) -> tuple[pd.DataFrame, ItlHistogram]:
+    """The real run as the simulator's per-request table, plus its pooled ITL."""
+    reqs = sorted(run["requests"], key=lambda r: r["rid"])
+    df = pd.DataFrame({
+        "rid": [r["rid"] for r in reqs],
+        "priority": wl.priority,
+        "class": [wl.class_names[min(p, len(wl.class_names) - 1)] for p in wl.priority],
+        "prompt_tokens": wl.prompt_tokens,
+        "output_tokens": wl.output_tokens,
+        "replica": 0,
+        "new_connection": False,
+    })
+    nan = float("nan")
+    for col in ("arrival", "enqueued", "scheduled", "first_token", "last_token"):
+        df[col] = [nan if r[col] is None else float(r[col]) for r in reqs]
+    # In-process serving: a token is delivered when the step that made it ends.
+    df["first_delivered"] = df["first_token"]
+    df["last_delivered"] = df["last_token"]
+    df["finished"] = [bool(r["completed"]) for r in reqs]
+    df["rejected"] = False
+    add_derived(df)
+    itl = ItlHistogram()
+    for r in reqs:
+        if len(r["token_times"]) > 1:
+            itl.add_many(np.diff(np.asarray(r["token_times"], dtype=np.float64)))
+    return df, itl
+
+
+def compare(real: dict, sim: dict) -> dict:
+    """Relative error (sim - real) / real of P50 and P99 of every metric."""
+    out = {}
+    for m in METRICS:
+        for q in ("median", "p99"):
+            k = f"{q}_{m}_ms"
+            r, s = real.get(k), sim.get(k)
+            err = (s - r) / r if r and s is not None and not math.isnan(r) and r > 0 else None
+            out[k] = {"real": r, "sim": s, "rel_err": err}
+    return out
+
+
+def saturation_throughput(profile: dict, settings: dict, num_blocks: int, wl: Workload,
+                          policy: str = "chunked") -> float:
+    """Requests/s the simulated engine sustains with every request waiting at t=0: the
+    capacity that ``load`` fractions refer to."""
+    burst = Workload(arrival_s=np.zeros(len(wl)), prompt_tokens=wl.prompt_tokens,
+                     output_tokens=wl.output_tokens, priority=wl.priority,
+                     class_names=wl.class_names)
+    res = simulate(sim_scenario(policy, settings, num_blocks), 0, workload=burst,
+                   profile=profile)
+    return len(wl) / float(np.nanmax(res.rec.last_token))
+
+
+def at_load(wl: Workload, rate: float) -> Workload:
+    """The workload with its arrival times rescaled to mean ``rate`` req/s."""
+    span = float(wl.arrival_s[-1] - wl.arrival_s[0]) if len(wl) > 1 else 0.0
+    cur = (len(wl) - 1) / span if span > 0 else rate
+    return Workload(arrival_s=(wl.arrival_s - wl.arrival_s[0]) * (cur / rate),
+                    prompt_tokens=wl.prompt_tokens, output_tokens=wl.output_tokens,
+                    priority=wl.priority, class_names=wl.class_names, meta=dict(wl.meta))
+
+
+def validate(engine, profile: dict, wl: Workload, policies: Sequence[str], settings: dict,
+             *, realtime: bool = True, warmup_requests: int = 8,
+             log: Callable[[str], None] = lambda s: None) -> dict:
+    """Replay ``wl`` through ``engine`` and the simulator for each policy.
+
+    Returns ``{policy: {"real": summary, "sim": summary, "errors": compare(...),
+    "real_table": df, "sim_table": df}}``. The engine's model and KV cache are
+    reused across policies; the policy object is swapped while the engine is idle.
+    """
+    from simulator.scheduling import make_policy
+    from .runner import run_trace
+
+    num_blocks = engine.cache.num_blocks
+    out = {}
+    for name in policies:
+        pol = make_policy(name, **{k: v for k, v in settings.items()
+                                   if k != "num_blocks" and v is not None})
+        engine.policy = pol
+        engine.waiting = pol.new_queue()
+        # Warm-up (lazy allocations, graph capture, caches) outside the measured run.
+        if warmup_requests:
+            k = min(warmup_requests, len(wl))
+            run_trace(engine, np.zeros(k), wl.prompt_tokens[:k], wl.output_tokens[:k],
+                      realtime=False)
+        log(f"{name}: serving {len(wl)} requests on the real engine ...")
+        run = run_trace(engine, wl.arrival_s, wl.prompt_tokens, wl.output_tokens, wl.priority,
+                        realtime=realtime)
+        rdf, ritl = real_table(run, wl)
+        real = summarize(rdf, ritl)
+        res = simulate(sim_scenario(name, settings, num_blocks), 0, workload=wl, profile=profile)
+        sdf = requests_table(res)
+        sim = summarize(sdf, res.rec.itl)
+        out[name] = {"real": real, "sim": sim, "errors": compare(real, sim),
+                     "real_table": rdf, "sim_table": sdf, "real_wall_s": run["wall_s"],
+                     "extrapolations": res.extrapolations, "steps_real": len(run["steps"]),
+                     "steps_sim": res.rec.steps}
+        log(f"{name}: done in {run['wall_s']:.1f} s wall")
+    return out
+
+
+def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
+    """``real-<policy>.csv``, ``sim-<policy>.csv`` and ``validation.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    summary = {"meta": meta, "policies": {}}
+    for name, r in results.items():
+        for side in ("real", "sim"):
+            p = out_dir / f"{side}-{name}.csv"
+            r[f"{side}_table"].to_csv(p, index=False, float_format="%.9g")
+            files.append(p)
+        summary["policies"][name] = {k: r[k] for k in ("real", "sim", "errors", "real_wall_s",
+                                                       "extrapolations", "steps_real",
+                                                       "steps_sim")}
+    p = out_dir / "validation.json"
+
+    def clean(o):
+        if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+            return None
+        if isinstance(o, dict):
+            return {k: clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        if isinstance(o, (np.floating, np.integer)):
+            return o.item()
+        return o
+
+    p.write_text(json.dumps(clean(summary), indent=2) + "\n")
+    files.append(p)
+    return files
+
+
+def error_table(results: dict, title: str = "Simulated vs real"):
+    """A rich table: per policy and metric, real and simulated P50/P99 and the error."""
+    from rich.table import Table
+    t = Table(title=title, title_justify="left")
+    for c in ("policy", "metric", "real P50", "sim P50", "err P50", "real P99", "sim P99",
+              "err P99"):
+        t.add_column(c, justify="left" if c in ("policy", "metric") else "right")
+
+    def f(v, pct=False):
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        return f"{v * 100:+.1f}%" if pct else f"{v:.2f}"
+
+    for name, r in results.items():
+        e = r["errors"]
+        for m in METRICS:
+            a, b = e[f"median_{m}_ms"], e[f"p99_{m}_ms"]
+            t.add_row(name, m.upper(), f(a["real"]), f(a["sim"]), f(a["rel_err"], True),
+                      f(b["real"]), f(b["sim"]), f(b["rel_err"], True))
+    return t
