@@ -1,0 +1,190 @@
+"""real_engine's continuous batching: the simulator's policies drive it, every
+request gets exactly its output tokens, blocks come back, cancel works, padded
+decode (the CUDA-graph path) equals eager, and the trace runner's timestamps are
+consistent."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.filterwarnings("ignore:index_reduce")
+
+from real_engine.engine import EngineCore  # noqa: E402
+from real_engine.graphs import DecodeGraphs, page_buckets  # noqa: E402
+from real_engine.kv import to_device  # noqa: E402
+from real_engine.model import build_model  # noqa: E402
+from real_engine.runner import run_trace  # noqa: E402
+from simulator.kvcache import BlockAllocator, blocks_for, request_blocks  # noqa: E402
+from simulator.scheduling import POLICIES, StepPlan, make_policy  # noqa: E402
+
+torch.set_num_threads(1)   # 2 shared cores: one thread is faster and steadier
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny", seed=0)
+
+
+def engine(model, policy="chunked", num_blocks=256, **kw):
+    pol = make_policy(policy, max_num_seqs=kw.pop("max_num_seqs", 6),
+                      max_num_batched_tokens=kw.pop("budget", 48), chunk_size=kw.pop("chunk", 13),
+                      aging_s=0.01)
+    return EngineCore(model, pol, num_blocks=num_blocks, **kw)
+
+
+def serve(e, reqs):
+    """Add all requests, step to the end; returns tokens per rid and the step results."""
+    for rid, (ids, out, prio) in reqs.items():
+        e.add_request(rid, ids, out, prio)
+    toks = {}
+    results = []
+    while e.has_work:
+        r = e.step()
+        assert not r.plan.is_empty
+        results.append(r)
+        for rid, t in r.tokens.items():
+            toks.setdefault(rid, []).append(t)
+    return toks, results
+
+
+def random_reqs(n, vocab, seed=0, max_prompt=70, max_out=9):
+    rng = np.random.default_rng(seed)
+    return {r: (rng.integers(0, vocab, int(rng.integers(1, max_prompt))),
+                int(rng.integers(1, max_out)), int(rng.integers(0, 3))) for r in range(n)}
+
+
+def test_block_allocator():
+    a = BlockAllocator(5)
+    assert (a.capacity, a.num_free) == (5, 5)
+    x = a.allocate(3)
+    assert x == [0, 1, 2] and a.num_free == 2 and a.num_used == 3
+    with pytest.raises(MemoryError):
+        a.allocate(3)
+    a.free(x[:1])
+    with pytest.raises(ValueError):
+        a.free(x[:1])          # double free
+    with pytest.raises(ValueError):
+        a.free([1, 1])         # duplicate in one call: nothing changes
+    assert a.num_free == 3
+    a.free(x[1:])
+    assert a.num_free == 5 and sorted(a.allocate(5)) == [0, 1, 2, 3, 4]
+    assert blocks_for(0) == 0 and blocks_for(16) == 1 and blocks_for(17) == 2
+    assert request_blocks(10, 7) == 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policies_complete_with_exact_outputs(model, policy):
+    reqs = random_reqs(14, model.cfg.vocab, seed=1)
+    e = engine(model, policy)
+    toks, results = serve(e, reqs)
+    assert all(len(toks[r]) == reqs[r][1] for r in reqs)
+    assert e.cache.num_free == e.cache.num_blocks and not e.seqs
+    first = {}
+    for i, r in enumerate(results):
+        for rid in r.tokens:
+            first.setdefault(rid, i)
+        for rid, n in r.plan.prefill:
+            # the first token comes from exactly the step that completes the prompt
+            done = sum(m for s in results[:i + 1] for q, m in s.plan.prefill if q == rid)
+            assert (done == len(reqs[rid][0])) == (first.get(rid) == i and rid in r.tokens)
+        for rid in r.finished:
+            if reqs[rid][1] == 1:
+                assert rid in dict(r.plan.prefill)
+    # Greedy tokens do not depend on the batch they were computed in.
+    alone = engine(model, "fifo")
+    for rid in list(reqs)[:4]:
+        t, _ = serve(alone, {rid: reqs[rid]})
+        assert t[rid] == toks[rid]
+
+
+def test_state_seen_by_policy(model):
+    """free_blocks is the unreserved capacity; admission reserves prompt+output blocks."""
+    e = engine(model, "chunked", num_blocks=10)
+    e.add_request(0, 40, 9)              # 49 tokens -> 4 blocks
+    e.add_request(1, 60, 30)             # 90 tokens -> 6 blocks
+    e.add_request(2, 5, 5)               # must wait: no blocks left
+    r = e.step()
+    assert set(r.admitted) == {0, 1} and e.cache.num_free == 0 and len(e.waiting) == 1
+    with pytest.raises(ValueError):
+        e.add_request(3, 200, 10)        # can never fit
+    toks, _ = serve(e, {})
+    assert e.cache.num_free == 10
+
+
+def test_cancel_frees_blocks(model):
+    e = engine(model, "chunked", num_blocks=64, max_num_seqs=2)
+    for rid in range(4):
+        e.add_request(rid, 30, 20)
+    e.step()
+    e.step()
+    running = [s.rid for s in e.decoding + e.prefilling]
+    waiting = [rid for rid in range(4) if rid not in running]
+    assert running and waiting
+    used = e.cache.num_blocks - e.cache.num_free
+    assert e.cancel(running[0])
+    assert e.cache.num_blocks - e.cache.num_free == used - request_blocks(30, 20)
+    assert e.cancel(waiting[0]) and not e.cancel(waiting[0])
+    while e.has_work:
+        e.step()
+    assert e.cache.num_free == 64 and not e.seqs
+
+
+def test_padded_decode_equals_eager(model):
+    """The CUDA-graph path's padding (batch and block buckets, scratch block) run
+    eagerly on the CPU gives the eager step's tokens and leaves real KV intact."""
+    e = engine(model, "chunked", num_blocks=200)
+    g = DecodeGraphs(model, e.cache, max_batch=16, capture=False)
+    rng = np.random.default_rng(4)
+    ctx = rng.integers(2, 90, 5)
+    for r, c in enumerate(ctx):
+        e.install_running(r, int(c) - 1, 3, prefilled=int(c) - 1, generated=1)
+    e.cache.randomize_(1)
+    plan = StepPlan(decode=tuple(range(5)))
+    h = e.host_step(plan)
+    b, nb = g.bucket(5, h.num_pages)
+    assert b == 8 and nb >= h.num_pages + 3
+    eager, _ = e.execute(plan)
+    k_before = [t.clone() for t in e.cache.k]
+    padded = g.run(h).numpy()
+    np.testing.assert_array_equal(padded, eager)
+    with torch.no_grad():
+        logits_eager = model.logits(model(to_device(h, e.cache, sample_all=True), e.cache))
+    torch.testing.assert_close(g._forward(g._meta(b, nb))[0][:5], logits_eager, atol=1e-4, rtol=0)
+    sb = e.cache.scratch_block
+    for a, bb in zip(k_before, e.cache.k):
+        torch.testing.assert_close(a[:, :sb], bb[:, :sb])   # only the scratch block changed
+    assert page_buckets(100)[:6] == [4, 6, 8, 12, 16, 24] and page_buckets(100)[-1] >= 100
+    # Pre-capture list: every bucket real steps of these sizes can hit.
+    keys = set(g.buckets_for(range(1, 9), 200))
+    for B in range(1, 9):
+        for ctx in (1, 64, 65, 130, 200):
+            assert g.bucket(B, B * -(-ctx // 64)) in keys
+
+
+def test_run_trace_timestamps(model):
+    e = engine(model, "priority_aging", num_blocks=256)
+    n = 10
+    rng = np.random.default_rng(5)
+    arr = np.cumsum(rng.exponential(0.02, n))
+    arr[5:] += 1.0                       # an idle gap the non-realtime run skips
+    P, O = rng.integers(1, 60, n), rng.integers(1, 6, n)
+    res = run_trace(e, arr, P, O, rng.integers(0, 2, n), realtime=False)
+    assert res["idle_skipped_s"] > 0.5
+    for r in res["requests"]:
+        assert r["completed"] and len(r["token_times"]) == r["output_tokens"]
+        assert r["arrival"] <= r["enqueued"] <= r["scheduled"] < r["first_token"] <= r["last_token"]
+        assert r["token_times"][0] == r["first_token"] and r["token_times"][-1] == r["last_token"]
+        assert r["enqueued"] - r["arrival"] < 0.1
+    st = res["steps"]
+    assert all(a["end"] <= b["start"] for a, b in zip(st, st[1:]))
+    assert sum(s["n_decode"] for s in st) == int(O.sum()) - n
+    assert sum(s["prefill_tokens"] for s in st) == int(P.sum())
+    assert e.cache.num_free == 256
+
+    # Real time: nobody is enqueued before their arrival; the run lasts the trace.
+    arr2 = np.array([0.0, 0.05, 0.1, 0.25])
+    res2 = run_trace(e, arr2, [20, 5, 40, 3], [3, 1, 4, 2], realtime=True)
+    assert res2["wall_s"] >= 0.25 and res2["idle_skipped_s"] == 0
+    for r in res2["requests"]:
+        assert r["arrival"] <= r["enqueued"] < r["arrival"] + 0.05 and r["completed"]
