@@ -73,6 +73,7 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
              "prompt_tokens": int(P[i]), "output_tokens": int(O[i]), "priority": int(pr[i]),
              "completed": False} for i in range(n)]
     steps = []
+    prefilled = [0] * n
     skipped = 0.0
     t0 = time.perf_counter()
 
@@ -97,9 +98,20 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
                 res = engine.step()
                 if res.plan.is_empty:
                     continue
+                plan = res.plan
+                # What the step held, for comparing its time with a cost model: each
+                # decode's context (KV entries attended, its new token included) and each
+                # chunk's cached prefix. Tokens so far = tokens recorded before this step.
+                ctx = [recs[r]["prompt_tokens"] + len(recs[r]["token_times"]) for r in plan.decode]
+                chunks = []
+                for rid, k in plan.prefill:
+                    chunks.append((k, prefilled[rid]))
+                    prefilled[rid] += k
                 steps.append({"start": res.t_start, "end": res.t_end, "n_decode": res.n_decode,
                               "prefill_tokens": res.n_prefill_tokens, "n_running": n_run,
-                              "n_waiting": n_wait, "graphed": res.graphed})
+                              "n_waiting": n_wait, "graphed": res.graphed,
+                              "ctx_sum": sum(ctx), "ctx_max": max(ctx, default=0),
+                              "chunks": chunks})
                 for rid in res.admitted:
                     recs[rid]["scheduled"] = res.t_start
                 for rid in res.tokens:

@@ -81,6 +81,35 @@ def real_table(run: dict, wl: Workload) -> tuple[pd.DataFrame, ItlHistogram]:
     return df, itl
 
 
+def step_fit(steps: list, profile: dict) -> dict:
+    """Where the error comes from, step by step: each real step's wall time against
+    the cost model's prediction for the same step, and the host time between steps.
+
+    ``ratio_*``: median and p10/p90 of measured / predicted per kind of step (decode
+    only, prefill only, mixed); ``gap_ms``: mean idle-free time between the end of one
+    step and the start of the next while work was queued (loop overhead the profile
+    cannot see)."""
+    from simulator.costmodel.profile import ProfileCostModel
+    cm = ProfileCostModel(profile)
+    kinds: dict[str, list] = {"decode": [], "prefill": [], "mixed": []}
+    for st in steps:
+        pred = cm.step_time(st["n_decode"], st["ctx_max"], st["ctx_sum"], st["chunks"])
+        meas = st["end"] - st["start"]
+        kind = ("mixed" if st["n_decode"] and st["chunks"] else
+                "decode" if st["n_decode"] else "prefill")
+        kinds[kind].append(meas / pred)
+    out: dict = {}
+    for k, v in kinds.items():
+        if v:
+            a = np.asarray(v)
+            out[k] = {"n": len(a), "median": float(np.median(a)),
+                      "p10": float(np.percentile(a, 10)), "p90": float(np.percentile(a, 90))}
+    gaps = [b["start"] - a["end"] for a, b in zip(steps, steps[1:])
+            if b["n_running"] + b["n_waiting"] > 0 and b["start"] - a["end"] < 0.05]
+    out["gap_ms"] = float(np.mean(gaps) * 1000) if gaps else 0.0
+    return out
+
+
 def compare(real: dict, sim: dict) -> dict:
     """Relative error (sim - real) / real of P50 and P99 of every metric."""
     out = {}
@@ -147,6 +176,7 @@ def validate(engine, profile: dict, wl: Workload, policies: Sequence[str], setti
         sdf = requests_table(res)
         sim = summarize(sdf, res.rec.itl)
         out[name] = {"real": real, "sim": sim, "errors": compare(real, sim),
+                     "step_fit": step_fit(run["steps"], profile),
                      "real_table": rdf, "sim_table": sdf, "real_wall_s": run["wall_s"],
                      "extrapolations": res.extrapolations, "steps_real": len(run["steps"]),
                      "steps_sim": res.rec.steps}
@@ -164,7 +194,8 @@ def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
             p = out_dir / f"{side}-{name}.csv"
             r[f"{side}_table"].to_csv(p, index=False, float_format="%.9g")
             files.append(p)
-        summary["policies"][name] = {k: r[k] for k in ("real", "sim", "errors", "real_wall_s",
+        summary["policies"][name] = {k: r[k] for k in ("real", "sim", "errors", "step_fit",
+                                                       "real_wall_s",
                                                        "extrapolations", "steps_real",
                                                        "steps_sim")}
     p = out_dir / "validation.json"

@@ -24,6 +24,7 @@ import simpy
 
 from .config import Scenario
 from .costmodel import build_cost_model, profile_search_dirs
+from .kvcache import request_blocks
 from .network import ConnectionPools, NetworkTiming
 from .recorder import Recorder
 from .replica import Replica, SimSeq
@@ -145,7 +146,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
             rec.new_connection[rid] = is_new
             p = int(prompt[rid])
             o = int(output[rid])
-            seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), -(-(p + o) // bs), c, pooled)
+            seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), request_blocks(p, o, bs), c, pooled)
             t_net = net.send_time(p) + (net.handshake if is_new else 0.0)
             env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))
 

@@ -8,12 +8,16 @@ A step's time is looked up from what the engine was measured to take:
   in the batch if the engine pads decode attention to it (``decode_attention:
   padded``), or the mean context if it is paged (cost follows the sum);
 - a step with several parts (decodes plus chunks, or several chunks): the parts'
-  times summed, minus ``alpha * floor`` for every part after the first. ``floor``
+  times summed (the decode part from the ``decode_eager`` rows when the profile has
+  them: an engine that captures decode steps in CUDA graphs runs mixed steps eagerly), minus ``alpha * floor`` for every part after the first. ``floor``
   is the fixed host cost of a step (the cheapest measured step, or the profile's
   ``host_overhead_ms``); the host cost is paid once, not once per part, and
   ``alpha`` is fitted by least squares to the profile's ``mixed`` rows (1 when
   there are none). Adding the parts' times naively would count the fixed cost
   twice (DESIGN.md §7).
+
+The profile's ``engine.bookkeeping_ms`` (host work per step outside the timed rows:
+scheduling, applying results) is added to every step.
 
 Above the measured range the tables extrapolate linearly from their last two
 points, and every such lookup is counted in ``extrapolations``; the run reports it.
@@ -188,7 +192,15 @@ class ProfileCostModel:
                                  [r["ms"] for r in pre])
         self._decode = _Table2D([r["batch"] for r in dec], [r["context"] for r in dec],
                                 [r["ms"] for r in dec])
-        all_ms = [r["ms"] for r in pre] + [r["ms"] for r in dec]
+        # An engine that graphs pure-decode steps runs any step holding a prefill chunk
+        # eagerly: the decode part of such a step costs what the eager rows say.
+        eager = profile.get("decode_eager") or []
+        self._decode_eager = (_Table2D([r["batch"] for r in eager], [r["context"] for r in eager],
+                                       [r["ms"] for r in eager]) if eager else self._decode)
+        # Scheduling and applying a step's results on the host, not inside the timed rows.
+        self.bookkeeping_ms = float(eng.get("bookkeeping_ms") or 0.0)
+        all_ms = [r["ms"] for r in pre] + [r["ms"] for r in dec] + [r["ms"] for r in eager]
+        self._min_ms = float(min(all_ms))
         host = eng.get("host_overhead_ms")
         self.floor_ms = float(host) if host else float(min(all_ms))
         self.alpha, self.mixed_residuals = self._fit_alpha(profile.get("mixed") or [])
@@ -206,10 +218,12 @@ class ProfileCostModel:
             return 1.0, []
         excess = []
         for r in mixed:
-            d, _ = self._decode(r["batch"], r["context"])
+            d, _ = self._decode_eager(r["batch"], r["context"])
             p, _ = self._prefill(r.get("prior", 0), r["chunk"])
             excess.append(d + p - r["ms"])
-        alpha = float(np.clip(np.mean(excess) / self.floor_ms, 0.0, 1.0))
+        # alpha < 0: a mixed step costs more than its parts (e.g. graphed decode rows, eager
+        # mixed steps); alpha > 1 would save more than the whole floor, which is not physical.
+        alpha = float(np.clip(np.mean(excess) / self.floor_ms, -1.0, 1.0))
         res = [(r["ms"], d_p - alpha * self.floor_ms)
                for r, d_p in zip(mixed, [e + r["ms"] for e, r in zip(excess, mixed)])]
         return alpha, [(pred - meas) / meas for meas, pred in res]
@@ -238,16 +252,24 @@ class ProfileCostModel:
                   chunks: Sequence[tuple[int, int]]) -> float:
         """Seconds for one step: ``n_decode`` decodes and prefill ``(chunk, prior)`` parts."""
         parts = 0
-        ms = 0.0
+        ms = self.bookkeeping_ms
         if n_decode:
             ctx = decode_ctx_max if self.padded else decode_ctx_sum / n_decode
-            ms += self.decode_ms(n_decode, ctx)
+            if chunks:
+                y, out = self._decode_eager(n_decode, ctx)
+                self.lookups += 1
+                self.extrapolations += out
+                ms += y
+            else:
+                ms += self.decode_ms(n_decode, ctx)
             parts = 1
         for chunk, prior in chunks:
             ms += self.prefill_ms(chunk, prior)
             parts += 1
         if parts > 1:
             ms -= self.alpha * self.floor_ms * (parts - 1)
+        if ms < self._min_ms:
+            ms = self._min_ms   # no step is cheaper than the cheapest one measured
         ms *= self.scale
         if self._rng is not None and self.noise_sigma > 0:
             ms *= math.exp(self.noise_sigma * self._rng.standard_normal()
@@ -257,7 +279,7 @@ class ProfileCostModel:
     @property
     def min_step_s(self) -> float:
         """A lower bound on any step's time (s): the floor, shrunk for noise (5 sigma)."""
-        return self.floor_ms * self.scale / 1000.0 * math.exp(-5 * self.noise_sigma)
+        return self._min_ms * self.scale / 1000.0 * math.exp(-5 * self.noise_sigma)
 
     def decode_times(self, batch: int, ctx0: float, k: int) -> np.ndarray:
         """Seconds of ``k`` consecutive decode-only steps of ``batch`` requests whose
@@ -273,7 +295,7 @@ class ProfileCostModel:
             curve = self._decode_curves[batch] = (grid, y, float(slope),
                                                   batch > self._decode.a[-1])
         x, y, slope, beyond = curve
-        ms = np.interp(ctx, x, y)
+        ms = np.interp(ctx, x, y) + self.bookkeeping_ms
         n_out = k if beyond else 0
         if ctx[-1] > x[-1]:
             above = ctx > x[-1]
@@ -281,7 +303,7 @@ class ProfileCostModel:
             n_out = k if beyond else int(above.sum())
         self.lookups += k
         self.extrapolations += n_out
-        ms = ms * self.scale
+        ms = np.maximum(ms, self._min_ms) * self.scale
         if self._rng is not None and self.noise_sigma > 0:
             z = self._rng.standard_normal(k)
             ms = ms * np.exp(self.noise_sigma * z - 0.5 * self.noise_sigma ** 2)
