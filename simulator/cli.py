@@ -51,13 +51,15 @@ def run(
         import numpy as np
 
         sc, base = load_scenario(scenario, set_)
-        names = ([p.strip() for p in policies.split(",") if p.strip()] if policies
-                 else (sc.policies or [sc.engine.policy]))
-        from .scheduling import POLICIES
-        for p in names:
-            if p not in POLICIES:
-                raise LatsimError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}",
-                                  source="--policies")
+        if policies:
+            names = [p.strip() for p in policies.split(",") if p.strip()]
+            from .scheduling import POLICIES
+            for p in names:
+                if p not in POLICIES:
+                    raise LatsimError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}",
+                                      source="--policies")
+            sc = sc.model_copy(update={"policies": names})
+        runs = sc.policy_runs()
         s = sc.seed if seed is None else seed
         t0 = time.perf_counter()
         # Same traffic for every policy: build the workload once from the seed.
@@ -68,11 +70,11 @@ def run(
             profile = load_profile(resolve_profile_path(sc.model.cost.path,
                                                         profile_search_dirs(base)))
         outs, tables, series = {}, {}, {}
-        for p in names:
-            res = simulate(sc, s, base_dir=base, policy=p, workload=wl, profile=profile)
+        for label, psc in runs:
+            res = simulate(psc, s, base_dir=base, workload=wl, profile=profile)
             df, o = run_outputs(res)
-            outs[p], tables[p] = o, df
-            series[p] = series_table(res)
+            outs[label], tables[label] = o, df
+            series[label] = series_table(res)
         wall = time.perf_counter() - t0
         first = next(iter(outs.values()))["run"]
         console.print(f"[bold]{sc.name}[/]: {len(wl)} requests, {sc.cluster.replicas} replica(s), "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -136,19 +136,66 @@ class Scenario(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     slo: SLO = Field(default_factory=SLO, description="default SLO for classes without one")
-    policies: Optional[list[str]] = Field(None, description="run each of these policies")
+    policies: Optional[list[Union[str, "PolicyRun"]]] = Field(
+        None, description="run each of these: a policy name, or {policy, label, engine "
+                          "fields to override for that run}")
     max_sim_time_s: Optional[float] = Field(None, gt=0, description="stop the clock here")
 
     @field_validator("policies")
     @classmethod
     def _policies(cls, v):
+        if v is not None and not v:
+            raise ValueError("policies list is empty")
         if v is not None:
+            labels = [p if isinstance(p, str) else p.name for p in v]
+            if len(set(labels)) != len(labels):
+                raise ValueError(f"policy labels repeat: {labels}; give each a label")
             for p in v:
-                if p not in POLICIES:
+                if isinstance(p, str) and p not in POLICIES:
                     raise ValueError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
-            if not v:
-                raise ValueError("policies list is empty")
         return v
+
+    def policy_runs(self) -> list[tuple[str, "Scenario"]]:
+        """``(label, scenario)`` for each entry of ``policies`` (or the engine's one)."""
+        if not self.policies:
+            return [(self.engine.policy, self)]
+        runs = []
+        for p in self.policies:
+            if isinstance(p, str):
+                eng = self.engine.model_copy(update={"policy": p})
+                label = p
+            else:
+                data = self.engine.model_dump()
+                data.update(p.model_dump(exclude={"label"}, exclude_none=True))
+                eng = EngineConfig.model_validate(data)
+                label = p.name
+            runs.append((label, self.model_copy(update={"engine": eng})))
+        return runs
+
+
+class PolicyRun(_Strict):
+    """One entry of ``policies:`` with its own engine settings."""
+
+    policy: str
+    label: Optional[str] = None
+    max_num_seqs: Optional[int] = Field(None, ge=1)
+    max_num_batched_tokens: Optional[int] = Field(None, ge=1)
+    chunk_size: Optional[int] = Field(None, ge=1)
+    aging_s: Optional[float] = Field(None, gt=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; known: {', '.join(POLICIES)}")
+        return v
+
+    @property
+    def name(self) -> str:
+        return self.label or self.policy
+
+
+Scenario.model_rebuild()
 
 
 def _set_path(data: dict, dotted: str, value: Any, source: str) -> None:

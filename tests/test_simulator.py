@@ -172,3 +172,19 @@ def test_epochs_and_step_by_step_agree(policy):
             assert runs[m].rec.itl.quantile(q) == pytest.approx(runs["auto"].rec.itl.quantile(q),
                                                                 rel=2e-3)
     assert runs["auto"].rec.steps == runs["slow"].rec.steps
+
+
+def test_policy_runs_carry_their_own_engine_settings():
+    from simulator.config import validate_scenario
+    from conftest import make_scenario_dict
+    d = make_scenario_dict()
+    d["policies"] = ["chunked", {"policy": "fifo", "max_num_batched_tokens": 4096},
+                     {"policy": "priority_aging", "label": "prio", "aging_s": 2.0}]
+    runs = dict(validate_scenario(d).policy_runs())
+    assert list(runs) == ["chunked", "fifo", "prio"]
+    assert runs["fifo"].engine.max_num_batched_tokens == 4096
+    assert runs["chunked"].engine.max_num_batched_tokens == 256
+    assert runs["prio"].engine.policy == "priority_aging" and runs["prio"].engine.aging_s == 2.0
+    d["policies"] = ["fifo", {"policy": "fifo"}]
+    with pytest.raises(Exception, match="labels repeat"):
+        validate_scenario(d)
