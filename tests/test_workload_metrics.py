@@ -1,0 +1,75 @@
+"""Synthetic workloads, KV capacity from the model's shape, and the diagnosis rule."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import REPO as REPO_DIR
+from conftest import make_scenario, make_scenario_dict
+from simulator.config import validate_scenario
+from simulator.errors import LatsimError
+from simulator.metrics import diagnose
+from simulator.simulate import kv_capacity_blocks
+from simulator.workload import build_workload
+
+
+def _wl(**workload):
+    d = make_scenario_dict()
+    d["workload"] = {"kind": "synthetic", **workload}
+    sc = validate_scenario(d)
+    return build_workload(sc.workload, np.random.default_rng(0), REPO_DIR)
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_gamma_arrivals_have_the_requested_rate_and_cv(burstiness):
+    wl = _wl(num_requests=40_000, arrival={"kind": "gamma", "rate": 10.0, "burstiness": burstiness})
+    gaps = np.diff(wl.arrival_s)
+    assert gaps.mean() == pytest.approx(0.1, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / np.sqrt(burstiness), rel=0.05)
+
+
+def test_duration_and_constant_rate():
+    wl = _wl(duration_s=100.0, arrival={"kind": "constant", "rate": 2.0})
+    assert len(wl) == 200 and wl.arrival_s[-1] <= 100.0
+    np.testing.assert_allclose(np.diff(wl.arrival_s), 0.5)
+
+
+def test_priority_shares():
+    wl = _wl(num_requests=20_000, classes=[{"name": "P0", "share": 0.2},
+                                           {"name": "P1", "share": 0.5},
+                                           {"name": "P2", "share": 0.3}])
+    shares = np.bincount(wl.priority, minlength=3) / len(wl)
+    np.testing.assert_allclose(shares, [0.2, 0.5, 0.3], atol=0.015)
+    assert wl.class_names == ("P0", "P1", "P2")
+
+
+def test_lengths_file_sampled_jointly(tmp_path):
+    p = tmp_path / "lens.csv"
+    p.write_text("num_prefill_tokens,num_decode_tokens\n100,7\n200,9\n300,11\n")
+    wl = _wl(num_requests=500, lengths_file={"path": str(p)})
+    pairs = set(zip(wl.prompt_tokens.tolist(), wl.output_tokens.tolist()))
+    assert pairs == {(100, 7), (200, 9), (300, 11)}
+    p.write_text("prompt,num_decode_tokens\n1,2\n")
+    with pytest.raises(LatsimError, match=r"lens.csv: missing column 'num_prefill_tokens'"):
+        _wl(num_requests=5, lengths_file={"path": str(p)})
+
+
+def test_kv_capacity_from_model_shape_and_memory():
+    sc = make_scenario(engine={"kv": {"gpu_memory_gb": 80, "gpu_memory_utilization": 0.9}})
+    shape = sc.model.shape
+    # Llama-3-8B: 2 x 32 layers x 8 kv heads x 128 x 2 bytes = 128 KiB per token.
+    assert shape.kv_bytes_per_token == 131072
+    expected = int((80e9 * 0.9 - 8.03e9 * 2) // (131072 * 16))
+    assert kv_capacity_blocks(sc) == expected
+    tiny = make_scenario(engine={"kv": {"gpu_memory_gb": 10}})
+    with pytest.raises(LatsimError, match="no memory for the KV cache"):
+        kv_capacity_blocks(tiny)
+
+
+def test_diagnosis_follows_the_seed_rule():
+    assert diagnose({"mean_t_queue_ms": 150}) == "queue_saturation"
+    assert diagnose({"mean_t_queue_ms": 5, "median_ttft_ms": 800}) == "prefill_bottleneck"
+    assert diagnose({"mean_t_queue_ms": 5, "median_ttft_ms": 100, "median_tpot_ms": 10,
+                     "p99_tpot_ms": 25}) == "decode_jitter"
+    assert diagnose({"mean_t_queue_ms": 5, "median_ttft_ms": 100, "median_tpot_ms": 10,
+                     "p99_tpot_ms": 15}) == "healthy"
