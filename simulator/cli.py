@@ -206,8 +206,10 @@ def _engine_import(name: str):
 
 
 def _mount() -> None:
+    from .reportcli import report
     from .tracecli import trace_app
     app.add_typer(trace_app, name="trace", help="Summarise and convert request traces.")
+    app.command("report")(report)
 
 
 _mount()
