@@ -184,6 +184,34 @@ def validate(engine, profile: dict, wl: Workload, policies: Sequence[str], setti
     return out
 
 
+def run_validation(profile: dict, wl: Workload, policies: Sequence[str], *, model: str,
+                   device: str = "cpu", settings: Optional[dict] = None,
+                   load: Optional[float] = None, realtime: bool = True, seed: int = 0,
+                   log: Callable[[str], None] = lambda s: None) -> tuple[dict, dict]:
+    """Everything ``latsim validate`` does short of printing and writing: build the
+    engine for ``model`` on ``device``, optionally rescale ``wl`` to ``load`` x the
+    simulated saturation throughput, and validate each policy. Returns
+    ``(results, meta)`` for ``write_validation``."""
+    from .profile import build_engine
+    settings = settings or engine_settings()
+    engine = build_engine(model, device, seed=seed, max_num_seqs=settings["max_num_seqs"],
+                          max_num_batched_tokens=settings["max_num_batched_tokens"])
+    nb = engine.cache.num_blocks
+    meta = {"model": model, "device": device, "requests": len(wl), "settings": settings,
+            "num_blocks": nb, "realtime": realtime}
+    if load is not None:
+        cap = saturation_throughput(profile, settings, nb, wl)
+        wl = at_load(wl, load * cap)
+        meta.update(load=load, saturation_rps=cap, rate_rps=load * cap)
+        log(f"saturation throughput (simulated) {cap:.2f} req/s; replaying at "
+            f"{load:.0%} = {load * cap:.2f} req/s")
+    if engine.graphs is not None:
+        # Capture every decode bucket now, not on first use inside the measured run.
+        ctx = int(wl.prompt_tokens.max() + wl.output_tokens.max())
+        engine.graphs.capture_buckets(list(range(1, settings["max_num_seqs"] + 1)), ctx)
+    return validate(engine, profile, wl, policies, settings, realtime=realtime, log=log), meta
+
+
 def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
     """``real-<policy>.csv``, ``sim-<policy>.csv`` and ``validation.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -159,7 +159,6 @@ def validate(
         if not mdl:
             raise LatsimError("profile names no model; pass --model", source=str(profile))
         v = _engine_import("real_engine.validate")
-        pe = _engine_import("real_engine.profile")
         rng = np.random.default_rng(seed)
         if trace is not None:
             from .workload.traces import TraceWorkload, build_trace
@@ -174,18 +173,9 @@ def validate(
                           output_tokens=rng.integers(2, max_output_tokens + 1, n),
                           priority=rng.integers(0, 3, n), class_names=("P0", "P1", "P2"))
         settings = v.engine_settings(max_num_seqs, max_num_batched_tokens, chunk_size, aging_s)
-        engine = pe.build_engine(mdl, device, seed=seed, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens)
-        nb = engine.cache.num_blocks
-        meta = {"profile": str(profile), "model": mdl, "device": device, "trace": str(trace),
-                "requests": len(wl), "settings": settings, "num_blocks": nb}
-        if load is not None:
-            cap = v.saturation_throughput(prof, settings, nb, wl)
-            wl = v.at_load(wl, load * cap)
-            meta.update(load=load, saturation_rps=cap, rate_rps=load * cap)
-            console.print(f"saturation throughput (simulated) {cap:.2f} req/s; replaying at "
-                          f"{load:.0%} = {load * cap:.2f} req/s")
-        res = v.validate(engine, prof, wl, names, settings, log=console.print)
+        res, meta = v.run_validation(prof, wl, names, model=mdl, device=device,
+                                     settings=settings, load=load, seed=seed, log=console.print)
+        meta.update(profile=str(profile), trace=str(trace))
         console.print(v.error_table(res))
         files = v.write_validation(out, res, meta)
         console.print(f"wrote {', '.join(str(f) for f in files)}")

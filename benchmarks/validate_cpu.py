@@ -1,0 +1,89 @@
+"""Full-size CPU validation: the real engine against the simulator.
+
+Profiles the model on this CPU (one torch thread, the same process that then
+serves), then replays one synthetic trace at 50% and 85% of the simulated
+saturation throughput under every policy, through the real engine in wall-clock
+time and through the simulator with the profile just measured. Prints, per load,
+the error table and the step-by-step fit (measured / predicted step time per kind
+of step, and the host gap between steps), and the targets (P50 <= 10%, P99 <=
+15% for TTFT, TPOT, E2E). A benchmark, not a test: run it on a quiet machine.
+
+    python benchmarks/validate_cpu.py [--model small] [--requests 300] [--out results/validate-cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from real_engine.profile import build_engine, run_profile
+from real_engine.validate import (at_load, engine_settings, error_table, saturation_throughput,
+                                  validate, write_validation)
+from simulator.workload import Workload
+
+TARGETS = {"median": 0.10, "p99": 0.15}
+
+
+def workload(n: int, seed: int, max_prompt: int, max_output: int) -> Workload:
+    """Poisson arrivals (rescaled later), log-normal-ish lengths, three classes."""
+    rng = np.random.default_rng(seed)
+    prompt = np.clip(rng.lognormal(np.log(max_prompt / 4), 0.8, n), 8, max_prompt).astype(int)
+    output = np.clip(rng.lognormal(np.log(max_output / 4), 0.8, n), 2, max_output).astype(int)
+    return Workload(arrival_s=np.cumsum(rng.exponential(1.0, n)), prompt_tokens=prompt,
+                    output_tokens=output, priority=rng.choice(3, n, p=[0.2, 0.5, 0.3]),
+                    class_names=("P0", "P1", "P2"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--loads", default="0.5,0.85")
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--max-output", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/validate-cpu")
+    a = ap.parse_args()
+    con = Console()
+    torch.set_num_threads(a.threads)
+    settings = engine_settings(max_num_seqs=32, max_num_batched_tokens=256, aging_s=2.0)
+    engine = build_engine(a.model, "cpu", max_num_seqs=32, max_num_batched_tokens=256,
+                          threads=a.threads)
+    t0 = time.perf_counter()
+    prof = run_profile(a.model, "cpu", Path(a.out) / f"cpu-{a.model}.json", engine=engine,
+                       log=lambda s: None)
+    con.print(f"profiled {a.model} in {time.perf_counter() - t0:.0f} s: "
+              f"{len(prof['prefill'])} prefill, {len(prof['decode'])} decode rows")
+    wl0 = workload(a.requests, 0, a.max_prompt, a.max_output)
+    cap = saturation_throughput(prof, settings, engine.cache.num_blocks, wl0)
+    con.print(f"simulated saturation throughput: {cap:.2f} req/s")
+    worst = {}
+    for load in (float(x) for x in a.loads.split(",")):
+        wl = at_load(wl0, load * cap)
+        res = validate(engine, prof, wl, ["fifo", "chunked", "priority_aging"], settings,
+                       log=con.print)
+        con.print(error_table(res, title=f"{a.model} on CPU at {load:.0%} load "
+                                         f"({load * cap:.2f} req/s)"))
+        for name, r in res.items():
+            con.print(f"  {name} step fit: {json.dumps(r['step_fit'])}")
+            for k, e in r["errors"].items():
+                m = k.split("_")[1]
+                if m in ("ttft", "tpot", "e2el") and e["rel_err"] is not None:
+                    q = k.split("_")[0]
+                    worst[(load, q, m)] = max(worst.get((load, q, m), 0), abs(e["rel_err"]))
+        write_validation(Path(a.out) / f"load-{load}", res,
+                         {"model": a.model, "load": load, "saturation_rps": cap})
+    con.print("targets: |error| of P50 <= 10%, of P99 <= 15% (TTFT, TPOT, E2E; worst policy)")
+    for (load, q, m), e in sorted(worst.items()):
+        ok = e <= TARGETS[q]
+        con.print(f"  load {load:.0%} {q:>6} {m:<5} worst {e * 100:5.1f}%  "
+                  f"{'met' if ok else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
