@@ -13,7 +13,6 @@ of step, and the host gap between steps), and the targets (P50 <= 10%, P99 <=
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -22,8 +21,11 @@ import torch
 from rich.console import Console
 
 from real_engine.profile import build_engine, run_profile
-from real_engine.validate import (at_load, engine_settings, error_table, saturation_throughput,
-                                  validate, write_validation)
+from real_engine.runner import run_trace
+from real_engine.validate import (at_load, compare, diagnosis_lines, engine_settings, error_table,
+                                  real_table,
+                                  saturation_throughput, validate, write_validation)
+from simulator.metrics import summarize
 from simulator.workload import Workload
 
 TARGETS = {"median": 0.10, "p99": 0.15}
@@ -69,13 +71,22 @@ def main() -> None:
                        log=con.print)
         con.print(error_table(res, title=f"{a.model} on CPU at {load:.0%} load "
                                          f"({load * cap:.2f} req/s)"))
+        for line in diagnosis_lines(res):
+            con.print("  " + line, markup=False, highlight=False)
         for name, r in res.items():
-            con.print(f"  {name} step fit: {json.dumps(r['step_fit'])}")
             for k, e in r["errors"].items():
                 m = k.split("_")[1]
                 if m in ("ttft", "tpot", "e2el") and e["rel_err"] is not None:
                     q = k.split("_")[0]
                     worst[(load, q, m)] = max(worst.get((load, q, m), 0), abs(e["rel_err"]))
+        # The noise floor: the same trace served twice more by the same engine. No model
+        # can agree with one real run better than two real runs agree with each other.
+        runs = [real_table(run_trace(engine, wl.arrival_s, wl.prompt_tokens, wl.output_tokens,
+                                     wl.priority), wl) for _ in range(2)]
+        rr = compare(*(summarize(df, itl) for df, itl in runs))
+        con.print("  real vs real (policy of the last run): " + ", ".join(
+            f"{k.replace('_ms', '')} {v['rel_err'] * 100:+.0f}%" for k, v in rr.items()
+            if v["rel_err"] is not None and "itl" not in k))
         write_validation(Path(a.out) / f"load-{load}", res,
                          {"model": a.model, "load": load, "saturation_rps": cap})
     con.print("targets: |error| of P50 <= 10%, of P99 <= 15% (TTFT, TPOT, E2E; worst policy)")

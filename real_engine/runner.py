@@ -111,7 +111,7 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
                               "prefill_tokens": res.n_prefill_tokens, "n_running": n_run,
                               "n_waiting": n_wait, "graphed": res.graphed,
                               "ctx_sum": sum(ctx), "ctx_max": max(ctx, default=0),
-                              "chunks": chunks})
+                              "chunks": chunks, "busy_after": engine.has_work})
                 for rid in res.admitted:
                     recs[rid]["scheduled"] = res.t_start
                 for rid in res.tokens:

@@ -81,6 +81,66 @@ def real_table(run: dict, wl: Workload) -> tuple[pd.DataFrame, ItlHistogram]:
     return df, itl
 
 
+class ReplayCost:
+    """A cost model that returns the real engine's own step times, in order.
+
+    Step ``i`` lasts from its start to the next step's start while the engine stays
+    busy (so host time between steps is included), else to its own end. Simulating
+    with it (``mode="step"``: one lookup per step) leaves the scheduling logic as the
+    only thing that can differ from the real run: any disagreement is a logic drift
+    between the two executors, not a cost-model error."""
+
+    padded = False
+    min_step_s = 0.0
+    extrapolations = 0
+
+    def __init__(self, steps: list, enqueued: Sequence[float] = ()) -> None:
+        enq = np.sort(np.asarray(enqueued, dtype=np.float64))
+        d = []
+        prev_end, busy = -np.inf, False
+        for a, b in zip(steps, steps[1:] + [None]):
+            dur = (b["start"] if b is not None and a["busy_after"] else a["end"]) - a["start"]
+            if not busy and len(enq):
+                # After idle the simulated engine starts at the waking request's enqueue
+                # time; the real loop started a little later. Carry that into this step so
+                # the next step boundary falls where the real one did.
+                i = int(np.searchsorted(enq, prev_end, side="right"))
+                if i < len(enq) and enq[i] <= a["start"]:
+                    dur += a["start"] - enq[i]
+            d.append(dur)
+            prev_end, busy = a["end"], a["busy_after"]
+        self.durations = d
+        self.lookups = 0
+
+    def step_time(self, n_decode, ctx_max, ctx_sum, chunks) -> float:
+        if self.lookups >= len(self.durations):
+            raise RuntimeError("the simulation took more steps than the real engine")
+        self.lookups += 1
+        return self.durations[self.lookups - 1]
+
+    def describe(self) -> dict:
+        return {"kind": "replay of the real run's step times", "steps": len(self.durations)}
+
+
+def replay_logic_check(run: dict, wl: Workload, policy: str, settings: dict,
+                       num_blocks: int) -> tuple[pd.DataFrame, int]:
+    """The simulator driven by the real run's step times and enqueue times: its
+    per-request table, and how many steps it took (the real run's count if the two
+    executors schedule alike)."""
+    reqs = sorted(run["requests"], key=lambda r: r["rid"])
+    enq = np.array([r["enqueued"] for r in reqs], dtype=np.float64)
+    order = np.argsort(enq, kind="stable")
+    wl2 = Workload(arrival_s=enq[order], prompt_tokens=wl.prompt_tokens[order],
+                   output_tokens=wl.output_tokens[order], priority=wl.priority[order],
+                   class_names=wl.class_names)
+    res = simulate(sim_scenario(policy, settings, num_blocks), 0, workload=wl2, mode="step",
+                   cost_model=ReplayCost(run["steps"], enq))
+    df = requests_table(res)
+    inv = np.empty_like(order)
+    inv[order] = np.arange(len(order))
+    return df.iloc[inv].reset_index(drop=True), res.rec.steps
+
+
 def step_fit(steps: list, profile: dict) -> dict:
     """Where the error comes from, step by step: each real step's wall time against
     the cost model's prediction for the same step, and the host time between steps.
@@ -175,8 +235,14 @@ def validate(engine, profile: dict, wl: Workload, policies: Sequence[str], setti
         res = simulate(sim_scenario(name, settings, num_blocks), 0, workload=wl, profile=profile)
         sdf = requests_table(res)
         sim = summarize(sdf, res.rec.itl)
+        rep_df, rep_steps = replay_logic_check(run, wl, name, settings, num_blocks)
+        cols = ["scheduled", "first_token", "last_token"]
+        gap = np.abs(rep_df[cols].to_numpy() - rdf[cols].to_numpy())
+        logic = {"steps_real": len(run["steps"]), "steps_sim": rep_steps,
+                 "max_abs_ms": float(np.nanmax(gap) * 1e3),
+                 "median_abs_ms": float(np.nanmedian(gap) * 1e3)}
         out[name] = {"real": real, "sim": sim, "errors": compare(real, sim),
-                     "step_fit": step_fit(run["steps"], profile),
+                     "step_fit": step_fit(run["steps"], profile), "logic_check": logic,
                      "real_table": rdf, "sim_table": sdf, "real_wall_s": run["wall_s"],
                      "extrapolations": res.extrapolations, "steps_real": len(run["steps"]),
                      "steps_sim": res.rec.steps}
@@ -223,6 +289,7 @@ def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
             r[f"{side}_table"].to_csv(p, index=False, float_format="%.9g")
             files.append(p)
         summary["policies"][name] = {k: r[k] for k in ("real", "sim", "errors", "step_fit",
+                                                       "logic_check",
                                                        "real_wall_s",
                                                        "extrapolations", "steps_real",
                                                        "steps_sim")}
@@ -242,6 +309,20 @@ def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
     p.write_text(json.dumps(clean(summary), indent=2) + "\n")
     files.append(p)
     return files
+
+
+def diagnosis_lines(results: dict) -> list[str]:
+    """Per policy: the logic check (simulator fed the real step times) and the step fit
+    (real step time / profile prediction), i.e. where the error comes from."""
+    lines = []
+    for name, r in results.items():
+        lc, sf = r["logic_check"], r["step_fit"]
+        fit = ", ".join(f"{k} x{v['median']:.2f} (p10 {v['p10']:.2f}, p90 {v['p90']:.2f})"
+                        for k, v in sf.items() if isinstance(v, dict))
+        lines.append(f"{name}: with the real step times the simulator is off by at most "
+                     f"{lc['max_abs_ms']:.2f} ms ({lc['steps_sim']} vs {lc['steps_real']} "
+                     f"steps); real/profile step time: {fit}; host gap {sf['gap_ms']:.3f} ms")
+    return lines
 
 
 def error_table(results: dict, title: str = "Simulated vs real"):

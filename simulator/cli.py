@@ -177,6 +177,8 @@ def validate(
                                      settings=settings, load=load, seed=seed, log=console.print)
         meta.update(profile=str(profile), trace=str(trace))
         console.print(v.error_table(res))
+        for line in v.diagnosis_lines(res):
+            console.print(line, markup=False, highlight=False)
         files = v.write_validation(out, res, meta)
         console.print(f"wrote {', '.join(str(f) for f in files)}")
     except LatsimError as e:

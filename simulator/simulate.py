@@ -71,11 +71,14 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
 
 def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
              policy: Optional[str] = None, workload: Optional[Workload] = None,
-             profile: Optional[dict] = None, mode: str = "auto") -> Results:
+             profile: Optional[dict] = None, mode: str = "auto",
+             cost_model=None) -> Results:
     """Run the scenario once. ``policy`` overrides ``engine.policy``; ``workload`` and
     ``profile`` may be passed in pre-built (e.g. to run several policies on the same
     traffic without rebuilding it). ``mode`` selects the replica's bookkeeping
-    (``auto``, ``step``, ``slow``; see ``replica``) - for tests, results do not depend on it."""
+    (``auto``, ``step``, ``slow``; see ``replica``) - for tests, results do not depend on it.
+    ``cost_model``: an object to use instead of building one from ``model.cost`` (one
+    replica only; e.g. ``real_engine.validate.ReplayCost``)."""
     seed = scenario.seed if seed is None else seed
     ss = np.random.SeedSequence(seed)
     rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
@@ -107,8 +110,14 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     replicas = []
     for i in range(n_rep):
         # Each replica draws its own noise stream so adding replicas does not shift others.
-        cm = build_cost_model(scenario.model.cost, np.random.default_rng(rng_cost.integers(2**63)),
-                              profile_search_dirs(base_dir), profile=profile)
+        if cost_model is not None:
+            if n_rep > 1:
+                raise ValueError("a given cost_model serves one replica only")
+            cm = cost_model
+        else:
+            cm = build_cost_model(scenario.model.cost,
+                                  np.random.default_rng(rng_cost.integers(2**63)),
+                                  profile_search_dirs(base_dir), profile=profile)
         costs.append(cm)
         replicas.append(Replica(env, i, pol, cm, capacity, rec, stream.frame_time, stream.one_way,
                                 on_finish, series_interval=_series_interval(workload),
