@@ -198,10 +198,13 @@ def _engine_import(name: str):
 
 
 def _mount() -> None:
+    from .plancli import plan, sweep
     from .reportcli import report
     from .tracecli import trace_app
-    app.add_typer(trace_app, name="trace", help="Summarise and convert request traces.")
+    app.command("sweep")(sweep)
+    app.command("plan")(plan)
     app.command("report")(report)
+    app.add_typer(trace_app, name="trace", help="Summarise and convert request traces.")
 
 
 _mount()

@@ -1,0 +1,198 @@
+"""The capacity planner against queueing theory, and multi-replica queueing itself.
+
+The known-answer case is M/M/c-like: one-slot replicas (``max_num_seqs: 1``), one output
+token, exponential service (exponential prompt lengths on a profile linear in the
+prompt, 1 ms per token, mean 1 s), Poisson arrivals at 3.5/s, ``least_outstanding``
+routing (join the replica with the least work, which pools like a central queue). Erlang
+C then says how many replicas a mean-wait / P99-wait SLO needs, with margins wide enough
+(c-1 misses by ~2x, c meets with ~2x to spare) that the simulator's finite run and its
+routing (close to, not exactly, a central queue) cannot change the answer.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from typer import Typer
+from typer.testing import CliRunner
+
+from conftest import REPO, ZERO_NET, ZERO_STREAM, make_profile
+from simulator.config import validate_scenario
+from simulator.errors import LatsimError
+from simulator.planner import Planner, default_slos, knee, parse_slo, scale_rate
+from simulator.plancli import write_plan
+from simulator.executors import LocalExecutor
+from simulator.sweep import parse_axis
+from simulator.workload import build_workload
+
+LAM, MEAN_S = 3.5, 1.0
+MEAN_WAIT_MS, P99_WAIT_MS = 600.0, 4500.0
+
+
+def erlang_c(c: int, a: float) -> float:
+    """Probability of waiting in M/M/c with offered load ``a`` = lambda / mu < c."""
+    top = a ** c / math.factorial(c) * c / (c - a)
+    return top / (sum(a ** k / math.factorial(k) for k in range(c)) + top)
+
+
+def mmc_wait(c: int, lam: float, mu: float = 1 / MEAN_S) -> tuple[float, float]:
+    """Mean and P99 waiting time (ms) of M/M/c; inf when unstable."""
+    if lam >= c * mu:
+        return math.inf, math.inf
+    pc = erlang_c(c, lam / mu)
+    p99 = max(0.0, math.log(pc / 0.01) / (c * mu - lam))
+    return pc / (c * mu - lam) * 1000, p99 * 1000
+
+
+def mmc_dict(tmp_path, n=10_000, lam=LAM, replicas=1, router="least_outstanding") -> dict:
+    prof = tmp_path / "linear.json"
+    prof.write_text(json.dumps(make_profile(prefill=((1, 0, 1.0), (10**6, 0, 10**6)))))
+    return {
+        "name": "mmc", "seed": 1,
+        "workload": {"kind": "synthetic", "num_requests": n,
+                     "arrival": {"kind": "poisson", "rate": lam},
+                     "prompt_tokens": {"kind": "exponential", "mean": MEAN_S * 1000},
+                     "output_tokens": {"kind": "constant", "value": 1},
+                     "classes": [{"name": "P0", "share": 0.5}, {"name": "P1", "share": 0.5}]},
+        "network": dict(ZERO_NET), "stream": dict(ZERO_STREAM),
+        "cluster": {"replicas": replicas, "router": router},
+        "engine": {"policy": "fifo", "max_num_seqs": 1, "max_num_batched_tokens": 10**7,
+                   "kv": {"num_blocks": 10**7}},
+        "model": {"cost": {"kind": "profile", "path": str(prof)}},
+    }
+
+
+SLOS = ["mean_t_queue_ms<=600", "p0:p99_t_queue_ms<=4500"]
+
+
+def slos_for(data):
+    return [parse_slo(s, ["P0", "P1"]) for s in SLOS]
+
+
+# -- SLO syntax ---------------------------------------------------------------------------
+
+def test_slo_syntax():
+    s = parse_slo("p0:p99_ttft_ms<=500", ["P0", "P1", "P2"])
+    assert (s.cls, s.metric, s.op, s.bound, s.column) == ("P0", "p99_ttft_ms", "<=", 500, "P0:p99_ttft_ms")
+    assert s.ok(500) and not s.ok(501) and not s.ok(float("nan"))
+    g = parse_slo("request_goodput >= 3.5", ["P0"])
+    assert g.column == "request_goodput" and g.ok(4) and g.ratio(7) == 0.5
+    assert parse_slo("default:p99_tpot_ms<50ms", ["default"]).column == "p99_tpot_ms"
+    for bad, msg in (("p9:p99_ttft_ms<=5", "unknown class"), ("p99_ttfx_ms<=5", "unknown metric"),
+                     ("p0:p99_itl_ms<=5", "without a class"), ("p99_ttft_ms=5", "looks like")):
+        with pytest.raises(LatsimError, match=msg):
+            parse_slo(bad, ["P0"])
+
+
+def test_default_slos_come_from_the_classes():
+    sc = validate_scenario(yaml.safe_load((REPO / "scenarios/quickstart.yaml").read_text()))
+    texts = [s.text for s in default_slos(sc)]
+    assert texts == ["P0:p99_ttft_ms<=500", "P0:p99_tpot_ms<=50", "P1:p99_ttft_ms<=2000",
+                     "P1:p99_tpot_ms<=100", "P2:p99_ttft_ms<=10000"]
+
+
+def test_rate_scaling_for_synthetic_and_trace(tmp_path):
+    d = mmc_dict(tmp_path)
+    assert scale_rate(d, validate_scenario(d), 2.0)["workload"]["arrival"]["rate"] == 7.0
+    trace = {"workload": {"kind": "trace", "path": str(REPO / "tests/data/azure_conv_head40.csv"),
+                          "speedup": 2.0}}
+    rng = lambda: np.random.default_rng(0)  # noqa: E731
+    sc = validate_scenario(trace)
+    fast = validate_scenario(scale_rate(trace, sc, 3.0))
+    assert fast.workload.speedup == 6.0
+    a0 = build_workload(sc.workload, rng(), REPO).arrival_s
+    a1 = build_workload(fast.workload, rng(), REPO).arrival_s
+    np.testing.assert_allclose(a1, a0 / 3.0)
+
+
+def test_knee_of_a_hockey_stick():
+    xs = [1, 2, 3, 4, 5, 6]
+    assert knee(xs, [1, 1.1, 1.3, 1.6, 5, 20]) == 4
+    assert knee([1, 2], [1, 2]) is None
+
+
+# -- replicas are real queueing -------------------------------------------------------------
+
+def test_replicas_are_real_queueing(tmp_path):
+    """N one-slot replicas at N x the rate: least_outstanding pools like M/M/c (Erlang C),
+    round robin does not, and neither is one replica's result divided by N."""
+    cases = [(1, LAM / 4, "round_robin"), (4, LAM, "least_outstanding"),
+             (4, LAM, "round_robin"), (5, LAM, "least_outstanding")]
+    tasks = [(mmc_dict(tmp_path, n=20_000, lam=lam, replicas=c, router=r), 1, str(tmp_path), None)
+             for c, lam, r in cases]
+    ex = LocalExecutor()
+    try:
+        rows = dict(ex.imap_unordered(tasks))
+    finally:
+        ex.close()
+    w = [rows[i]["mean_t_queue_ms"] for i in range(len(cases))]
+    one, pooled4, rr4, pooled5 = w
+    e4, e5 = mmc_wait(4, LAM)[0], mmc_wait(5, LAM)[0]
+    assert one > 3 * pooled4 and rr4 > 2 * pooled4      # pooling is real, and routing matters
+    assert abs(pooled4 - e4) / e4 < 0.25, (pooled4, e4)
+    assert abs(pooled5 - e5) / e5 < 0.35, (pooled5, e5)
+    assert 0.6 < one / mmc_wait(1, LAM / 4)[0] < 1.5  # M/M/1 at rho 0.875, 20k requests
+
+
+# -- the planner's answer ----------------------------------------------------------------------
+
+def test_planner_finds_the_erlang_c_replica_count(tmp_path):
+    need = next(c for c in range(1, 20) if mmc_wait(c, LAM)[0] <= MEAN_WAIT_MS
+                and mmc_wait(c, LAM)[1] <= P99_WAIT_MS)
+    # The case is unambiguous: one replica fewer misses clearly, the answer meets clearly.
+    assert mmc_wait(need - 1, LAM)[0] > 2 * MEAN_WAIT_MS
+    assert mmc_wait(need, LAM)[0] < 0.5 * MEAN_WAIT_MS and mmc_wait(need, LAM)[1] < 0.6 * P99_WAIT_MS
+    d = mmc_dict(tmp_path)
+    pl = Planner(d, tmp_path, slos_for(d), [parse_axis("replicas=1:16")])
+    try:
+        plan = pl.search()
+        assert plan.runs <= math.ceil(math.log2(16)) + 1  # binary search, not 16 runs
+        assert plan.chosen is not None and plan.chosen.params["cluster.replicas"] == need == 5
+        assert plan.below.params["cluster.replicas"] == need - 1 and not plan.below.feasible
+        assert plan.binding == "mean_t_queue_ms<=600"
+        pl.headroom(plan, tol=0.04)
+    finally:
+        pl.close()
+    # Headroom: the rate at which Erlang C's mean wait for `need` servers reaches the SLO.
+    lo, hi = LAM, need / MEAN_S
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mmc_wait(need, mid)[0] <= MEAN_WAIT_MS else (lo, mid)
+    sim_rate = plan.headroom * plan.chosen.mean("offered_rate")
+    assert abs(sim_rate - lo) / lo < 0.1, (sim_rate, lo)
+    assert len(plan.curve) >= 5
+    files = write_plan(tmp_path / "out", plan, 3.5)
+    png = tmp_path / "out" / "load_curve.png"
+    assert png in files and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert doc["chosen"]["gpus"] == 5 and doc["chosen"]["cost_per_hour"] == 17.5
+
+
+def _app():
+    from simulator.plancli import plan
+    app = Typer()
+    app.command("plan")(plan)
+    app.command("other")(lambda: None)
+    return app
+
+
+def test_plan_says_when_nothing_meets_the_slos_and_which_binds(tmp_path):
+    sc = tmp_path / "mmc.yaml"
+    sc.write_text(yaml.safe_dump(mmc_dict(tmp_path, n=5000)))
+    args = ["plan", str(sc), "--slo", SLOS[0], "--slo", SLOS[1], "--cost-per-gpu-hour", "2",
+            "--search", "replicas=1:4", "--search", "router=round_robin,least_outstanding",
+            "--out", str(tmp_path / "o")]
+    r = CliRunner().invoke(_app(), args)
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "No configuration in the search space meets the SLOs" in out
+    assert "binding SLO: mean_t_queue_ms<=600" in out
+    doc = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert doc["chosen"] is None and doc["binding_slo"] == "mean_t_queue_ms<=600"
+    assert doc["runs"] == 4  # 3 and 4 replicas of each router; 1 and 2 are ruled out
+    r = CliRunner().invoke(_app(), [*args[:2], "--slo", "p7:p99_ttft_ms<=1",
+                                    "--cost-per-gpu-hour", "2"])
+    assert isinstance(r.exception, LatsimError) and "unknown class" in str(r.exception)
