@@ -29,38 +29,10 @@
 # `simulator.plots`, reading back the result files a `latsim run --out` would write.
 
 # %%
-import os
-import sys
-from pathlib import Path
+from simulator.nbutil import out_dir, repo_root, show
 
-
-def find_repo() -> Path:
-    """The latsim checkout: walk up from this file (as a script) or the cwd (Jupyter)."""
-    starts = [Path(globals().get("__file__", Path.cwd())).resolve().parent, Path.cwd().resolve()]
-    for start in starts:
-        for d in (start, *start.parents):
-            if (d / "pyproject.toml").exists() and (d / "simulator").is_dir():
-                return d
-    import simulator  # an installed latsim: its checkout holds the scenarios
-
-    return Path(simulator.__file__).resolve().parents[1]
-
-
-REPO = find_repo()
-sys.path.insert(0, str(REPO))
-OUT = Path(os.environ.get("LATSIM_NB_OUT", REPO / "results" / "notebooks")) / "policy_comparison"
-
-
-def show(png: Path) -> None:
-    """Print the PNG's path; display it inline when running under IPython."""
-    print(f"wrote {png}")
-    try:
-        from IPython import get_ipython
-        from IPython.display import Image, display
-    except ImportError:
-        return
-    if get_ipython() is not None:
-        display(Image(filename=str(png)))
+REPO = repo_root()
+OUT = out_dir("policy_comparison")
 
 
 # %% [markdown]

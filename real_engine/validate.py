@@ -24,6 +24,7 @@ import pandas as pd
 from simulator.config import validate_scenario
 from simulator.metrics import add_derived, requests_table, summarize
 from simulator.recorder import ItlHistogram
+from simulator.report import json_safe
 from simulator.simulate import simulate
 from simulator.workload import Workload
 
@@ -295,18 +296,7 @@ def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
                                                        "steps_sim")}
     p = out_dir / "validation.json"
 
-    def clean(o):
-        if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
-            return None
-        if isinstance(o, dict):
-            return {k: clean(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return [clean(v) for v in o]
-        if isinstance(o, (np.floating, np.integer)):
-            return o.item()
-        return o
-
-    p.write_text(json.dumps(clean(summary), indent=2) + "\n")
+    p.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     files.append(p)
     return files
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import LatsimError
+from .report import fmt
 
 console = Console()
 
@@ -123,11 +124,7 @@ def plan(
 
 
 def _fmt(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:,.3g}"
-    return str(v)
+    return fmt(v, ".3g")
 
 
 def config_text(ev) -> str:

@@ -41,11 +41,12 @@ def run_outputs(res) -> tuple[pd.DataFrame, dict]:
     return df, out
 
 
-def _fmt(v) -> str:
+def fmt(v, digits: str = ".2f") -> str:
+    """A number for a table cell: thousands separators, '-' for missing."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if isinstance(v, float):
-        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:,.2f}"
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:,{digits}}"
     return str(v)
 
 
@@ -63,14 +64,14 @@ def latency_table(title: str, columns: dict[str, dict]) -> Table:
         for q in ("P50", "P90", "P99"):
             t.add_column(q, justify="right")
         for m in metrics:
-            t.add_row(m.upper(), _fmt(s.get(f"median_{m}_ms")), _fmt(s.get(f"p90_{m}_ms")),
-                      _fmt(s.get(f"p99_{m}_ms")))
+            t.add_row(m.upper(), fmt(s.get(f"median_{m}_ms")), fmt(s.get(f"p90_{m}_ms")),
+                      fmt(s.get(f"p99_{m}_ms")))
         return t
     for name in columns:
         t.add_column(name, justify="right")
     for m in metrics:
         for q, key in (("P50", "median"), ("P90", "p90"), ("P99", "p99")):
-            t.add_row(f"{m.upper()} {q}", *[_fmt(s.get(f"{key}_{m}_ms")) for s in columns.values()])
+            t.add_row(f"{m.upper()} {q}", *[fmt(s.get(f"{key}_{m}_ms")) for s in columns.values()])
     return t
 
 
@@ -88,10 +89,10 @@ def breakdown_table(columns: dict[str, dict]) -> Table:
     for b in (*BREAKDOWN, "e2el"):
         if single:
             s = next(iter(columns.values()))
-            t.add_row(b.upper(), _fmt(s.get(f"mean_{b}_ms")), _fmt(s.get(f"p99_{b}_ms")))
+            t.add_row(b.upper(), fmt(s.get(f"mean_{b}_ms")), fmt(s.get(f"p99_{b}_ms")))
         else:
             for key in ("mean", "p99"):
-                t.add_row(f"{b.upper()} {key}", *[_fmt(s.get(f"{key}_{b}_ms"))
+                t.add_row(f"{b.upper()} {key}", *[fmt(s.get(f"{key}_{b}_ms"))
                                                    for s in columns.values()])
     return t
 
@@ -105,7 +106,7 @@ def throughput_table(columns: dict[str, dict]) -> Table:
                        ("request_throughput", "requests/s"),
                        ("output_throughput", "output tokens/s"),
                        ("request_goodput", "goodput requests/s"), ("diagnosis", "diagnosis")):
-        t.add_row(label, *[_fmt(s.get(key)) for s in columns.values()])
+        t.add_row(label, *[fmt(s.get(key)) for s in columns.values()])
     return t
 
 
@@ -128,13 +129,16 @@ def print_run(console: Console, outs: dict[str, dict]) -> None:
                           "measured range and were extrapolated")
 
 
-def _clean(o):
+def json_safe(o):
+    """``o`` with NaN/inf as None and numpy scalars as Python numbers, for JSON."""
     if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
         return None
     if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
+        return {k: json_safe(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
+        return [json_safe(v) for v in o]
+    if hasattr(o, "item") and callable(o.item):  # numpy scalars
+        return json_safe(o.item())
     return o
 
 
@@ -153,7 +157,7 @@ def write_run(out_dir: Path, scenario, outs: dict[str, dict], tables: dict[str, 
         s.to_csv(p, index=False, float_format="%.9g")
         written.append(p)
     p = out_dir / "summary.json"
-    p.write_text(json.dumps(_clean(outs if multi else next(iter(outs.values()))), indent=2) + "\n")
+    p.write_text(json.dumps(json_safe(outs if multi else next(iter(outs.values()))), indent=2) + "\n")
     written.append(p)
     p = out_dir / "scenario.yaml"
     p.write_text(yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False))
