@@ -40,8 +40,13 @@ class ItlHistogram:
         self.total += gap * weight
         self.n += weight
 
-    def add_many(self, gaps: np.ndarray, weight: int = 1) -> None:
-        """Add every gap in ``gaps``, each ``weight`` times."""
+    def add_many(self, gaps, weight: int = 1) -> None:
+        """Add every gap in ``gaps`` (a sequence or array), each ``weight`` times."""
+        if len(gaps) <= 16:
+            for g in gaps:
+                self.add(float(g), weight)
+            return
+        gaps = np.asarray(gaps, dtype=np.float64)
         g = np.maximum(gaps, _ITL_LO)
         idx = np.minimum((np.log(g / _ITL_LO) / _ITL_STEP).astype(np.int64), _ITL_BINS - 1)
         counts = self.counts

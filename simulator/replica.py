@@ -27,9 +27,10 @@ into the inter-token-latency histogram. Two exact ways to compute it:
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
 from typing import Callable
 
-import numpy as np
 import simpy
 
 from .scheduling import SchedulerState, Seq
@@ -110,7 +111,7 @@ class Replica:
         ends = self._epoch_ends
         if ends is None:
             return self._outstanding
-        done = int(np.searchsorted(ends, self.env.now, side="right"))
+        done = bisect_right(ends, self.env.now)
         return self._outstanding - done * len(self.decoding)
 
     # -- arrivals -----------------------------------------------------------------
@@ -202,7 +203,7 @@ class Replica:
         else:
             ctx0 = (self._key_sum + nd * self.ticks) / nd
         dts = self.cost.decode_times(nd, ctx0, k)
-        ends = now + np.cumsum(dts)
+        ends = list(accumulate(dts, initial=now))[1:]
         self._in_epoch = True
         self._epoch_ends = ends
         try:
@@ -210,15 +211,16 @@ class Replica:
             m = k
         except simpy.Interrupt:
             # Steps run to completion: the one in progress ends, then the engine re-plans.
-            j = min(int(np.searchsorted(ends, env.now, side="left")), k - 1)
+            j = min(bisect_left(ends, env.now), k - 1)
             m = j + 1
             self._in_epoch = False
             yield env.timeout(max(ends[j] - env.now, 0.0))
         self._in_epoch = False
         self._epoch_ends = None
         self.rec.steps += m
-        self.rec.step_time_total += float(ends[m - 1] - now)
-        self._decode_fast(env.now, m, float(ends[0]), np.diff(ends[:m]) if m > 1 else None)
+        self.rec.step_time_total += ends[m - 1] - now
+        gaps = [ends[i + 1] - ends[i] for i in range(m - 1)] if m > 1 else None
+        self._decode_fast(env.now, m, ends[0], gaps)
         self._finish_due(env.now)
 
     # -- applying a step's effects ----------------------------------------------------

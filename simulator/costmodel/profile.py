@@ -281,33 +281,58 @@ class ProfileCostModel:
         """A lower bound on any step's time (s): the floor, shrunk for noise (5 sigma)."""
         return self._min_ms * self.scale / 1000.0 * math.exp(-5 * self.noise_sigma)
 
-    def decode_times(self, batch: int, ctx0: float, k: int) -> np.ndarray:
+    def _blended_decode(self, batch: int) -> tuple:
+        """The decode table blended at this batch size, once: knots, values (numpy and
+        lists), the slope above the last knot, and whether the batch lies beyond."""
+        curve = self._decode_curves.get(batch)
+        if curve is None:
+            grid = np.unique(np.concatenate([np.asarray(c.x) for c in self._decode.curves]))
+            y, _ = _table_vec(self._decode, float(batch), grid)
+            slope = float((y[-1] - y[-2]) / (grid[-1] - grid[-2])) if len(grid) > 1 else 0.0
+            curve = self._decode_curves[batch] = (grid, y, slope, batch > self._decode.a[-1],
+                                                  grid.tolist(), y.tolist())
+        return curve
+
+    def decode_times(self, batch: int, ctx0: float, k: int) -> list:
         """Seconds of ``k`` consecutive decode-only steps of ``batch`` requests whose
         (longest, if padded; mean, if paged) context is ``ctx0`` at the first step and
         grows by one per step - exactly what ``k`` calls of ``step_time`` would give."""
+        x, y, slope, beyond, xl, yl = self._blended_decode(batch)
+        bk, mn, sc = self.bookkeeping_ms, self._min_ms, self.scale / 1000.0
+        self.lookups += k
+        if k <= 32 and self._rng is None:
+            # Short epochs are the common case: plain Python beats numpy's call overhead.
+            out = []
+            n_out = 0
+            lo, hi = xl[0], xl[-1]
+            for j in range(k):
+                q = ctx0 + j
+                if q <= lo:
+                    v = yl[0]
+                elif q >= hi:
+                    v = yl[-1] + slope * (q - hi)
+                    n_out += q > hi
+                else:
+                    i = bisect.bisect_right(xl, q)
+                    x0, y0 = xl[i - 1], yl[i - 1]
+                    v = y0 + (yl[i] - y0) * (q - x0) / (xl[i] - x0)
+                v += bk
+                out.append((v if v > mn else mn) * sc)
+            self.extrapolations += k if beyond else n_out
+            return out
         ctx = ctx0 + np.arange(k, dtype=np.float64)
-        curve = self._decode_curves.get(batch)
-        if curve is None:
-            # The decode table blended at this batch size, once: (x, y, slope above).
-            grid = np.unique(np.concatenate([np.asarray(c.x) for c in self._decode.curves]))
-            y, _ = _table_vec(self._decode, float(batch), grid)
-            slope = (y[-1] - y[-2]) / (grid[-1] - grid[-2]) if len(grid) > 1 else 0.0
-            curve = self._decode_curves[batch] = (grid, y, float(slope),
-                                                  batch > self._decode.a[-1])
-        x, y, slope, beyond = curve
-        ms = np.interp(ctx, x, y) + self.bookkeeping_ms
+        ms = np.interp(ctx, x, y) + bk
         n_out = k if beyond else 0
         if ctx[-1] > x[-1]:
             above = ctx > x[-1]
-            ms = np.where(above, y[-1] + slope * (ctx - x[-1]), ms)
+            ms = np.where(above, y[-1] + slope * (ctx - x[-1]) + bk, ms)
             n_out = k if beyond else int(above.sum())
-        self.lookups += k
         self.extrapolations += n_out
-        ms = np.maximum(ms, self._min_ms) * self.scale
+        ms = np.maximum(ms, mn) * self.scale
         if self._rng is not None and self.noise_sigma > 0:
             z = self._rng.standard_normal(k)
             ms = ms * np.exp(self.noise_sigma * z - 0.5 * self.noise_sigma ** 2)
-        return ms / 1000.0
+        return (ms / 1000.0).tolist()
 
     def describe(self) -> dict:
         """What the model fitted, for the run's summary."""
