@@ -52,12 +52,7 @@ def run(
 
         sc, base = load_scenario(scenario, set_)
         if policies:
-            names = [p.strip() for p in policies.split(",") if p.strip()]
-            from .scheduling import POLICIES
-            for p in names:
-                if p not in POLICIES:
-                    raise LatsimError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}",
-                                      source="--policies")
+            names = _policy_list(policies)
             sc = sc.model_copy(update={"policies": names})
         runs = sc.policy_runs()
         s = sc.seed if seed is None else seed
@@ -145,13 +140,8 @@ def validate(
         import json as _json
         import numpy as np
         from .costmodel import load_profile
-        from .scheduling import POLICIES
         from .workload import Workload
-        names = [p.strip() for p in policies.split(",") if p.strip()]
-        for p in names:
-            if p not in POLICIES:
-                raise LatsimError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}",
-                                  source="--policies")
+        names = _policy_list(policies)
         if not profile.exists():
             raise LatsimError("file not found", source=str(profile), field="--profile")
         prof = load_profile(profile)
@@ -183,6 +173,16 @@ def validate(
         console.print(f"wrote {', '.join(str(f) for f in files)}")
     except LatsimError as e:
         _fail(e)
+
+
+def _policy_list(text: str) -> list[str]:
+    """``--policies a,b`` as a checked list."""
+    from .scheduling import check_policy_name
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        return [check_policy_name(p) for p in names]
+    except ValueError as e:
+        raise LatsimError(str(e), source="--policies") from None
 
 
 def _engine_import(name: str):

@@ -20,7 +20,7 @@ from . import plugins  # noqa: F401  (registers the built-in plug-ins)
 from .errors import LatsimError
 from .pluginfield import plugin
 from .registry import COST_MODELS, ROUTERS, WORKLOADS
-from .scheduling import POLICIES
+from .scheduling import check_policy_name
 from .workload.classes import SLO
 
 
@@ -87,12 +87,7 @@ class EngineConfig(_Strict):
     aging_s: float = Field(30.0, gt=0, description="priority_aging: one class per aging_s waited")
     kv: KVConfig = Field(default_factory=KVConfig)
 
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; known: {', '.join(POLICIES)}")
-        return v
+    _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
 
 
 class ModelShape(_Strict):
@@ -151,8 +146,8 @@ class Scenario(_Strict):
             if len(set(labels)) != len(labels):
                 raise ValueError(f"policy labels repeat: {labels}; give each a label")
             for p in v:
-                if isinstance(p, str) and p not in POLICIES:
-                    raise ValueError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+                if isinstance(p, str):
+                    check_policy_name(p)
         return v
 
     def policy_runs(self) -> list[tuple[str, "Scenario"]]:
@@ -183,12 +178,7 @@ class PolicyRun(_Strict):
     chunk_size: Optional[int] = Field(None, ge=1)
     aging_s: Optional[float] = Field(None, gt=0)
 
-    @field_validator("policy")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; known: {', '.join(POLICIES)}")
-        return v
+    _known = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
 
     @property
     def name(self) -> str:
@@ -239,7 +229,7 @@ def apply_overrides(data: dict, overrides: list[str] | None, source: str = "--se
 def _format_validation(e: ValidationError, source: str, data: dict) -> LatsimError:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"]
+    msg = err["msg"].removeprefix("Value error, ")
     if err["type"] in ("plugin_field",):
         # The plug-in already folded its inner location and value into the message.
         inner = err["ctx"]["loc"]

@@ -67,7 +67,7 @@ class Registry(Generic[T]):
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(p) for p in err["loc"])
-            msg, value = err["msg"], err.get("input")
+            msg, value = err["msg"].removeprefix("Value error, "), err.get("input")
             if err["type"] == "plugin_field":
                 # A plug-in nested in this one: fold its location and value into ours.
                 ctx = err["ctx"]

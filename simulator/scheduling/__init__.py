@@ -6,10 +6,17 @@ from .queues import AgingPriorityQueue, FifoQueue
 __all__ = [
     "EMPTY_PLAN", "SchedulerState", "Seq", "StepPlan", "ChunkedPolicy", "FifoPolicy",
     "Limits", "PriorityAgingPolicy", "AgingPriorityQueue", "FifoQueue", "make_policy",
-    "POLICIES",
+    "POLICIES", "check_policy_name",
 ]
 
 POLICIES = ("fifo", "chunked", "priority_aging")
+
+
+def check_policy_name(name: str) -> str:
+    """``name`` if it is a registered policy, else ``ValueError`` listing the known ones."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return name
 
 
 def make_policy(name: str, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
