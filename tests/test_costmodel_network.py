@@ -122,3 +122,21 @@ def test_t_net_and_t_stream_in_a_run():
     df2 = requests_table(simulate(slow, 0, workload=wl))
     assert (df2["t_stream"] > 0.5).all()   # frames queue behind a slow client
     assert (df2["tpot"] >= 0.1 - 1e-9).all()
+
+
+def test_noise_model_is_seeded_and_fitted_to_the_spread(refbench):
+    rng = np.random.default_rng
+    a = ProfileCostModel(refbench, noise=True, rng=rng(1))
+    b = ProfileCostModel(refbench, noise=True, rng=rng(1))
+    quiet = ProfileCostModel(refbench)
+    xs = [a.step_time(8, 1024, 8 * 1024, []) for _ in range(4000)]
+    assert xs[:50] == [b.step_time(8, 1024, 8 * 1024, []) for _ in range(50)]
+    base = quiet.step_time(8, 1024, 8 * 1024, [])
+    # Mean-preserving log-normal whose sigma comes from the rows' p10/p90.
+    assert np.mean(xs) == pytest.approx(base, rel=0.01)
+    assert 0 < a.noise_sigma < 0.2
+    assert np.std(np.log(xs)) == pytest.approx(a.noise_sigma, rel=0.1)
+    # The vectorised epoch path draws from the same distribution.
+    ys = [a.decode_times(8, 1024, 1)[0] for _ in range(4000)]
+    assert np.mean(ys) == pytest.approx(base, rel=0.01)
+    assert np.std(np.log(ys)) == pytest.approx(a.noise_sigma, rel=0.1)
