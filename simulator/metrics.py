@@ -143,7 +143,7 @@ def summarize(df: pd.DataFrame, itl: Optional[ItlHistogram], scenario=None,
         good = _slo_mask(df, slos)
         out["good_requests"] = int(good.sum())
         out["request_goodput"] = float(good.sum()) / dur
-    out["diagnosis"] = diagnose(out)
+    out["diagnosis"] = diagnose(out) if len(fin) else "no_completed_requests"
     return out
 
 
