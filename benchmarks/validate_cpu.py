@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from real_engine.profile import build_engine, run_profile
+from real_engine.model import resolve_config
+from real_engine.profile import build_engine, default_grid, run_profile
 from real_engine.runner import run_trace
 from real_engine.validate import (at_load, compare, diagnosis_lines, engine_settings, error_table,
                                   real_table,
@@ -54,8 +55,10 @@ def main() -> None:
     con = Console()
     torch.set_num_threads(a.threads)
     settings = engine_settings(max_num_seqs=32, max_num_batched_tokens=256, aging_s=2.0)
+    # Enough KV blocks for the profile grid and for serving: one engine does both.
+    blocks = default_grid(resolve_config(a.model), "cpu").max_blocks() + 64
     engine = build_engine(a.model, "cpu", max_num_seqs=32, max_num_batched_tokens=256,
-                          threads=a.threads)
+                          threads=a.threads, num_blocks=max(blocks, 4096))
     t0 = time.perf_counter()
     prof = run_profile(a.model, "cpu", Path(a.out) / f"cpu-{a.model}.json", engine=engine,
                        log=lambda s: None)

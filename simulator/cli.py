@@ -200,10 +200,13 @@ def _engine_import(name: str):
 def _mount() -> None:
     from .plancli import plan, sweep
     from .reportcli import report
+    from .servecli import bench, serve
     from .tracecli import trace_app
     app.command("sweep")(sweep)
     app.command("plan")(plan)
     app.command("report")(report)
+    app.command("serve")(serve)
+    app.command("bench")(bench)
     app.add_typer(trace_app, name="trace", help="Summarise and convert request traces.")
 
 
