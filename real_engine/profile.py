@@ -154,9 +154,10 @@ def time_plan(engine: EngineCore, plan: StepPlan, repeats: int, warmup: int) -> 
 
 
 def setup_state(engine: EngineCore, batch: int = 0, context: int = 0, chunk: int = 0,
-           prior: int = 0) -> StepPlan:
+                prior: int = 0, final: bool = True) -> StepPlan:
     """Fresh state for a row: ``batch`` decoders attending to ``context`` tokens
-    each, and one request whose ``chunk`` completes its prompt after ``prior``."""
+    each, and one request whose ``chunk`` completes its prompt after ``prior`` (or,
+    with ``final=False``, leaves one prompt token for later: no LM head, no sample)."""
     engine.clear()
     for r in range(batch):
         # prompt = context-1 plus the first sampled token: the decode input sits at
@@ -164,7 +165,7 @@ def setup_state(engine: EngineCore, batch: int = 0, context: int = 0, chunk: int
         engine.install_running(r, context - 1, 2, prefilled=context - 1, generated=1)
     prefill = ()
     if chunk:
-        engine.install_running(batch, prior + chunk, 1, prefilled=prior)
+        engine.install_running(batch, prior + chunk + (0 if final else 1), 1, prefilled=prior)
         prefill = ((batch, chunk),)
     return StepPlan(decode=tuple(range(batch)), prefill=prefill)
 
@@ -296,6 +297,14 @@ def run_profile(model: str | ModelConfig = "tiny", device: str = "cpu",
             r = measure("prefill", {"chunk": c, "prior": p}, setup_state(engine, chunk=c, prior=p))
             if r:
                 prefill.append(r)
+    # A chunk that does not complete its prompt skips the LM head and the sample; chunked
+    # prefill runs many such chunks, so measure them too (at no cached prefix).
+    partial = []
+    for c in grid.prefill_chunks:
+        r = measure("partial", {"chunk": c, "prior": 0},
+                    setup_state(engine, chunk=c, prior=0, final=False))
+        if r:
+            partial.append(r)
     log("decode")
     for x in grid.decode_contexts:
         for b in grid.decode_batches:
@@ -360,6 +369,8 @@ def run_profile(model: str | ModelConfig = "tiny", device: str = "cpu",
     }
     if eager:
         prof["decode_eager"] = eager
+    if partial:
+        prof["prefill_partial"] = partial
     if out is not None:
         path = Path(out)
         if path.suffix != ".json":

@@ -105,8 +105,9 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
                 ctx = [recs[r]["prompt_tokens"] + len(recs[r]["token_times"]) for r in plan.decode]
                 chunks = []
                 for rid, k in plan.prefill:
-                    chunks.append((k, prefilled[rid]))
                     prefilled[rid] += k
+                    chunks.append((k, prefilled[rid] - k,
+                                   prefilled[rid] >= recs[rid]["prompt_tokens"]))
                 steps.append({"start": res.t_start, "end": res.t_end, "n_decode": res.n_decode,
                               "prefill_tokens": res.n_prefill_tokens, "n_running": n_run,
                               "n_waiting": n_wait, "graphed": res.graphed,

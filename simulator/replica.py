@@ -177,7 +177,10 @@ class Replica:
                         ctx_sum += c
                         if c > ctx_max:
                             ctx_max = c
-                chunks = [(n, by_id[rid].prefilled) for rid, n in plan.prefill]
+                chunks = []
+                for rid, n in plan.prefill:
+                    s = by_id[rid]
+                    chunks.append((n, s.prefilled, s.prefilled + n >= s.prompt_tokens))
                 dt = cost.step_time(nd, ctx_max, ctx_sum, chunks)
                 rec.steps += 1
                 rec.step_time_total += dt

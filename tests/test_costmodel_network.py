@@ -140,3 +140,15 @@ def test_noise_model_is_seeded_and_fitted_to_the_spread(refbench):
     ys = [a.decode_times(8, 1024, 1)[0] for _ in range(4000)]
     assert np.mean(ys) == pytest.approx(base, rel=0.01)
     assert np.std(np.log(ys)) == pytest.approx(a.noise_sigma, rel=0.1)
+
+
+def test_non_final_chunks_skip_the_lm_head():
+    prof = make_profile(prefill=((64, 0, 10.0), (256, 0, 20.0)))
+    prof["prefill_partial"] = [{"chunk": 64, "prior": 0, "ms": 7.0},
+                               {"chunk": 256, "prior": 0, "ms": 17.5}]
+    m = ProfileCostModel(prof)
+    assert m.lm_head_ms == pytest.approx(2.75)   # median of 3.0 and 2.5
+    assert m.step_time(0, 0, 0, [(128, 0, True)]) == pytest.approx(0.01333333, rel=1e-6)
+    assert m.step_time(0, 0, 0, [(128, 0, False)]) == pytest.approx(0.01333333 - 0.00275,
+                                                                   rel=1e-6)
+    assert m.step_time(0, 0, 0, [(128, 0)]) == m.step_time(0, 0, 0, [(128, 0, True)])

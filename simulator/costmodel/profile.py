@@ -197,6 +197,10 @@ class ProfileCostModel:
         eager = profile.get("decode_eager") or []
         self._decode_eager = (_Table2D([r["batch"] for r in eager], [r["context"] for r in eager],
                                        [r["ms"] for r in eager]) if eager else self._decode)
+        # Prefill rows time a chunk that completes its prompt (LM head + a sampled token);
+        # ``prefill_partial`` rows time the same chunk leaving its prompt unfinished. Their
+        # median difference is what a non-final chunk does not pay.
+        self.lm_head_ms = self._fit_lm_head(pre, profile.get("prefill_partial") or [])
         # Scheduling and applying a step's results on the host, not inside the timed rows.
         self.bookkeeping_ms = float(eng.get("bookkeeping_ms") or 0.0)
         all_ms = [r["ms"] for r in pre] + [r["ms"] for r in dec] + [r["ms"] for r in eager]
@@ -229,6 +233,13 @@ class ProfileCostModel:
         return alpha, [(pred - meas) / meas for meas, pred in res]
 
     @staticmethod
+    def _fit_lm_head(final: list, partial: list) -> float:
+        by_key = {(r["chunk"], r.get("prior", 0)): r["ms"] for r in final}
+        diffs = [by_key[(r["chunk"], r.get("prior", 0))] - r["ms"] for r in partial
+                 if (r["chunk"], r.get("prior", 0)) in by_key]
+        return max(0.0, float(np.median(diffs))) if diffs else 0.0
+
+    @staticmethod
     def _fit_noise(rows: list) -> float:
         """Log-normal sigma from the rows' p10/p90 (z(0.9) = 1.2816), median over rows."""
         s = [math.log(r["p90"] / r["p10"]) / (2 * 1.2815516)
@@ -249,8 +260,9 @@ class ProfileCostModel:
         return y
 
     def step_time(self, n_decode: int, decode_ctx_max: int, decode_ctx_sum: int,
-                  chunks: Sequence[tuple[int, int]]) -> float:
-        """Seconds for one step: ``n_decode`` decodes and prefill ``(chunk, prior)`` parts."""
+                  chunks: Sequence[tuple]) -> float:
+        """Seconds for one step: ``n_decode`` decodes and prefill parts, each
+        ``(chunk, prior)`` or ``(chunk, prior, completes_prompt)``."""
         parts = 0
         ms = self.bookkeeping_ms
         if n_decode:
@@ -263,8 +275,12 @@ class ProfileCostModel:
             else:
                 ms += self.decode_ms(n_decode, ctx)
             parts = 1
-        for chunk, prior in chunks:
-            ms += self.prefill_ms(chunk, prior)
+        for c in chunks:
+            # (chunk, prior) or (chunk, prior, completes_prompt); a non-final chunk skips
+            # the LM head the prefill rows include.
+            ms += self.prefill_ms(c[0], c[1])
+            if len(c) > 2 and not c[2]:
+                ms -= self.lm_head_ms
             parts += 1
         if parts > 1:
             ms -= self.alpha * self.floor_ms * (parts - 1)
@@ -342,4 +358,5 @@ class ProfileCostModel:
             "alpha": round(self.alpha, 4),
             "mixed_rel_errors": [round(e, 4) for e in self.mixed_residuals],
             "noise_sigma": round(self.noise_sigma, 4),
+            "lm_head_ms": round(self.lm_head_ms, 4),
         }
