@@ -35,16 +35,20 @@ ZERO_STREAM = {"frame_overhead_bytes": 0, "bytes_per_token": 0}
 
 
 def engine_settings(max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                    chunk_size: Optional[int] = None, aging_s: float = 2.0,
-                    num_blocks: Optional[int] = None) -> dict:
-    """The engine limits both sides run with."""
+                    chunk_size: Optional[int] = None, aging_s: float = 2.0) -> dict:
+    """The engine limits both sides run with (the KV block count comes from the engine)."""
     return {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-            "chunk_size": chunk_size, "aging_s": aging_s, "num_blocks": num_blocks}
+            "chunk_size": chunk_size, "aging_s": aging_s}
+
+
+def policy_kwargs(settings: dict) -> dict:
+    """``settings`` as ``make_policy`` keyword arguments (unset ones left to defaults)."""
+    return {k: v for k, v in settings.items() if v is not None}
 
 
 def sim_scenario(policy: str, settings: dict, num_blocks: int, profile_path: str = "<profile>"):
     """A scenario for the simulated side: the engine's limits, no wire."""
-    eng = {k: v for k, v in settings.items() if k != "num_blocks" and v is not None}
+    eng = policy_kwargs(settings)
     return validate_scenario({
         "name": "validate", "seed": 0,
         "workload": {"kind": "synthetic", "num_requests": 1},   # replaced by the trace
@@ -219,8 +223,7 @@ def validate(engine, profile: dict, wl: Workload, policies: Sequence[str], setti
     num_blocks = engine.cache.num_blocks
     out = {}
     for name in policies:
-        pol = make_policy(name, **{k: v for k, v in settings.items()
-                                   if k != "num_blocks" and v is not None})
+        pol = make_policy(name, **policy_kwargs(settings))
         engine.policy = pol
         engine.waiting = pol.new_queue()
         # Warm-up (lazy allocations, graph capture, caches) outside the measured run.

@@ -72,32 +72,22 @@ def _bad(tmp_path, data):
     return lines[0]
 
 
-def test_unknown_key(tmp_path):
+@pytest.mark.parametrize("section,key,value,expect", [
+    ("engine", "polcy", "fifo", ["engine.polcy", "unknown key"]),
+    ("engine", "max_num_seqs", "lots", ["engine.max_num_seqs", "'lots'"]),
+    ("workload.arrival", "rate", -3, ["workload.arrival.rate", "-3"]),
+    ("engine", "policy", "lifo", ["engine.policy", "'lifo'", "fifo"]),
+])
+def test_bad_field_names_field_and_value(tmp_path, section, key, value, expect):
+    """Unknown key, wrong type, negative rate, unknown policy: one line, exit 2."""
     d = make_scenario_dict()
-    d["engine"]["polcy"] = "fifo"
+    node = d
+    for part in section.split("."):
+        node = node[part]
+    node[key] = value
     line = _bad(tmp_path, d)
-    assert "engine.polcy" in line and "unknown key" in line
-
-
-def test_wrong_type(tmp_path):
-    d = make_scenario_dict()
-    d["engine"]["max_num_seqs"] = "lots"
-    line = _bad(tmp_path, d)
-    assert "engine.max_num_seqs" in line and "'lots'" in line
-
-
-def test_negative_rate(tmp_path):
-    d = make_scenario_dict()
-    d["workload"]["arrival"]["rate"] = -3
-    line = _bad(tmp_path, d)
-    assert "workload.arrival.rate" in line and "-3" in line
-
-
-def test_unknown_policy(tmp_path):
-    d = make_scenario_dict()
-    d["engine"]["policy"] = "lifo"
-    line = _bad(tmp_path, d)
-    assert "engine.policy" in line and "'lifo'" in line and "fifo" in line
+    for fragment in expect:
+        assert fragment in line, (fragment, line)
 
 
 def test_unknown_arrival_kind(tmp_path):

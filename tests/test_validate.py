@@ -48,11 +48,11 @@ def _workload(n=80, rate=60.0, seed=1):
 def test_simulator_with_real_step_times_reproduces_the_real_run(policy):
     from real_engine.profile import build_engine
     from real_engine.runner import run_trace
-    from real_engine.validate import engine_settings, real_table, replay_logic_check
+    from real_engine.validate import (engine_settings, policy_kwargs, real_table,
+                                      replay_logic_check)
     settings = engine_settings(max_num_seqs=16, max_num_batched_tokens=128, aging_s=0.05)
     engine = build_engine("tiny", "cpu", max_num_seqs=16, max_num_batched_tokens=128)
-    pol = make_policy(policy, **{k: v for k, v in settings.items()
-                                 if k != "num_blocks" and v is not None})
+    pol = make_policy(policy, **policy_kwargs(settings))
     engine.policy, engine.waiting = pol, pol.new_queue()
     wl = _workload()
     run = run_trace(engine, wl.arrival_s, wl.prompt_tokens, wl.output_tokens, wl.priority)
