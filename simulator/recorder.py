@@ -87,8 +87,18 @@ class Recorder:
         self.new_connection = np.zeros(n, dtype=bool)
         self.rejected = np.zeros(n, dtype=bool)
         self.generated = np.zeros(n, dtype=np.int64)
+        # KV memory under pressure, per request (see ``replica_memory``).
+        self.cached_tokens = np.zeros(n, dtype=np.int64)     # prefill skipped by prefix hits
+        self.preemptions = np.zeros(n, dtype=np.int32)
+        self.recomputed_tokens = np.zeros(n, dtype=np.int64)  # KV dropped and prefilled again
+        self.swapped_bytes = np.zeros(n, dtype=np.float64)   # copied out to CPU (and back)
+        self.preempted_s = np.zeros(n, dtype=np.float64)     # time spent preempted
+        self.cancelled = np.zeros(n, dtype=bool)
+        self.cancelled_at = np.full(n, np.nan)
         self.itl = ItlHistogram()
-        # Time series per replica: time, waiting, running, reserved blocks, KV tokens.
-        self.series = [tuple(array("d") for _ in range(5)) for _ in range(n_replicas)]
+        # Time series per replica: time, waiting, running, reserved blocks, KV tokens,
+        # and the extra block references prefix sharing saves (0 without caching).
+        self.series = [tuple(array("d") for _ in range(6)) for _ in range(n_replicas)]
+        self.swap_copy_s = 0.0     # step time spent copying KV to and from CPU
         self.steps = 0
         self.step_time_total = 0.0

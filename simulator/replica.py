@@ -23,17 +23,24 @@ into the inter-token-latency histogram. Two exact ways to compute it:
   the next step boundary - exactly when a step-by-step loop would have seen it.
 - **slow** (a client slower than the engine): every decoder's frame queue is updated
   step by step.
+
+KV memory (allocation, growth, preemption, swap, cancellation) is in
+``replica_memory``; the block accounting itself in ``kvspace``/``blockmanager``.
 """
 from __future__ import annotations
 
-import heapq
+import math
 from bisect import bisect_left, bisect_right
+from collections import deque
 from itertools import accumulate
-from typing import Callable
+from typing import Callable, Optional
 
 import simpy
 
-from .scheduling import SchedulerState, Seq
+from .kvspace import KVRules, KVSpace
+from .replica_apply import ReplicaApply
+from .replica_memory import ReplicaMemory
+from .scheduling import SchedulerState, Seq, StepPlan
 
 MAX_EPOCH_STEPS = 4096
 
@@ -41,7 +48,9 @@ MAX_EPOCH_STEPS = 4096
 class SimSeq(Seq):
     """A request inside the simulator: the scheduler's view plus delivery state."""
 
-    __slots__ = ("client", "pooled", "depart", "context", "key", "finish_tick")
+    __slots__ = ("client", "pooled", "depart", "context", "key", "finish_tick", "keys",
+                 "where", "ver", "grow_tick", "join_tick", "last_t", "preempted_at",
+                 "swapped_blocks", "stream")
 
     def __init__(self, rid: int, enqueued: float, prompt_tokens: int, output_tokens: int,
                  priority: int, blocks_needed: int, client: int, pooled: bool) -> None:
@@ -52,20 +61,44 @@ class SimSeq(Seq):
         self.context = 0       # slow mode: tokens in KV (prompt + generated)
         self.key = 0           # fast mode: context = key + ticks
         self.finish_tick = 0   # fast mode: ticks value at which it has all its tokens
+        self.keys = None       # prefix-cache keys of its prompt blocks (or None)
+        self.where = "q"       # q waiting, p prefilling, d decoding, s swapped, x gone
+        self.ver = 0           # fast mode: heap entries with another version are stale
+        self.grow_tick = 0     # fast mode: tick of the step that needs its next block
+        self.join_tick = 0     # fast mode: ticks when it last joined the decoders
+        self.last_t = 0.0      # fast mode: when its last token left the engine
+        self.preempted_at = 0.0
+        self.swapped_blocks = 0
+        self.stream = None     # optional per-request stream model (``clientstream``)
 
 
-class Replica:
-    """A SimPy engine loop over one replica's queue and running set."""
+class Replica(ReplicaMemory, ReplicaApply):
+    """A SimPy engine loop over one replica's queue and running set.
+
+    ``kv_rules`` sets allocation, preemption and prefix caching (default: paged,
+    recompute, no caching); ``block_bytes`` prices swapping (KV bytes per block),
+    ``swap_blocks`` is the CPU swap space in blocks, ``swap_bps`` its copy bandwidth.
+    ``streams``: requests carry their own stream model (``SimSeq.stream``), which
+    needs ``mode='slow'``."""
 
     def __init__(self, env, index: int, policy, cost, capacity_blocks: int, rec,
                  frame_time: float, one_way: float, on_finish: Callable[[SimSeq, float], None],
-                 series_interval: float = 0.0, mode: str = "auto") -> None:
+                 series_interval: float = 0.0, mode: str = "auto",
+                 kv_rules: Optional[KVRules] = None, block_bytes: float = 0.0,
+                 swap_blocks: int = 0, swap_bps: float = 25e9, streams: bool = False) -> None:
         self.env = env
         self.index = index
         self.policy = policy
         self.cost = cost
         self.capacity = capacity_blocks
-        self.free_blocks = capacity_blocks
+        self.kv = KVSpace(capacity_blocks, kv_rules or KVRules(), keys_of=lambda q: q.keys)
+        self.block_bytes = block_bytes
+        self.cpu_blocks = swap_blocks
+        self.cpu_used = 0
+        self.swap_bps = swap_bps
+        self.swapped: deque[SimSeq] = deque()
+        self._cancels: list[SimSeq] = []
+        self._copy_s = 0.0
         self.rec = rec
         self.frame_time = frame_time
         self.one_way = one_way
@@ -84,12 +117,18 @@ class Replica:
         self.fast = (mode != "slow" and frame_time <= cost.min_step_s
                      and lim.max_num_seqs <= lim.max_num_batched_tokens)
         self.epochs = mode == "auto" and self.fast
+        # Per-request stream models (``clientstream``) need the per-request mode.
+        self._streams = streams
+        if streams and self.fast:
+            raise ValueError("per-request streams need mode='slow'")
         # Aging reorders the queue as time passes, so a blocked head can change without
         # any event; epochs then run only while nobody waits.
         self._aging = hasattr(self.waiting, "aging_s")
         # fast-mode decoder state
         self.ticks = 0
-        self._finish_heap: list[tuple[int, int, SimSeq]] = []
+        self._finish_heap: list[tuple[int, int, int, SimSeq]] = []
+        self._grow_heap: list[tuple[int, int, int, SimSeq]] = []
+        self._last_dec_end = -1.0
         self._key_sum = 0
         self._key_max = 0
         self._last_tok: dict[float, int] = {}   # time of previous token -> decoders
@@ -115,6 +154,10 @@ class Replica:
         return self._outstanding - done * len(self.decoding)
 
     # -- arrivals -----------------------------------------------------------------
+    def rejects(self, seq: SimSeq) -> Optional[str]:
+        """Why ``seq`` can never run on this replica (too long for its KV), or None."""
+        return self.kv.fits(seq)
+
     def enqueue(self, seq: SimSeq) -> None:
         """The request reaches this replica's queue now."""
         was_empty = len(self.waiting) == 0
@@ -123,8 +166,9 @@ class Replica:
         self._outstanding += seq.prompt_tokens + seq.output_tokens
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
-        elif (self._in_epoch and was_empty and seq.blocks_needed <= self.free_blocks
-              and len(self.decoding) + len(self.prefilling) < self.max_num_seqs):
+        elif (self._in_epoch and was_empty
+              and len(self.decoding) + len(self.prefilling) < self.max_num_seqs
+              and self.kv.admission(seq)[1] <= self.kv.policy_free()):
             # Admissible now: the engine must look at it at the next step boundary.
             self._in_epoch = False
             self.process.interrupt()
@@ -135,32 +179,70 @@ class Replica:
         rec = self.rec
         policy = self.policy
         cost = self.cost
+        kv = self.kv
         while True:
-            if not (self.decoding or self.prefilling or len(self.waiting)):
+            if self._cancels:
+                self._apply_cancels(env.now)
+            if not (self.decoding or self.prefilling or len(self.waiting) or self.swapped):
                 self._wakeup = env.event()
                 yield self._wakeup
                 self._wakeup = None
+                continue
             now = env.now
-            state = SchedulerState(now, self.waiting, self.decoding, self.prefilling,
-                                   self.free_blocks)
+            self._copy_s = 0.0
+            # Running requests first: their growth may preempt; then swapped ones come
+            # back; new admissions only in a step that did neither (vLLM's order).
+            hold = self._make_room(now)
+            if self.swapped and not hold:
+                self._swap_in(now)
+            hold = hold or bool(self.swapped)
+            decoding = self.decoding
+            if self._streams:
+                # ``block`` backpressure: a request whose client's buffer is full is not
+                # scheduled (it keeps its KV) until the buffer drains.
+                decoding = [d for d in decoding if d.stream is None or not d.stream.blocked(now)]
+            state = SchedulerState(now, self.waiting, decoding, self.prefilling,
+                                   0 if hold else kv.policy_free(), kv=kv,
+                                   num_running=len(self.decoding) + len(self.prefilling))
             plan = policy.schedule(state)
+            if plan.admit:
+                plan = self._admit(plan, now)
+            if plan.is_empty and len(decoding) < len(self.decoding):
+                # Every runnable request is blocked on its client: wait for the first
+                # buffer to drain, or for an arrival or a cancel.
+                until = min(d.stream.unblock_time(now) for d in self.decoding
+                            if d.stream is not None)
+                self._wakeup = env.event()
+                waits = [self._wakeup]
+                if until < math.inf:
+                    waits.append(env.timeout(max(until - now, 0.0)))
+                yield env.any_of(waits)
+                self._wakeup = None
+                continue
             if plan.is_empty:
+                if self.swapped and not (self.decoding or self.prefilling):
+                    raise RuntimeError(f"replica {self.index}: swapped requests cannot "
+                                       f"come back into an empty cache")
+                if self._copy_s:
+                    # Only a swap copy this iteration: charge it, then plan again.
+                    yield env.timeout(self._copy_s)
+                    rec.swap_copy_s += self._copy_s
+                    continue
                 # Only waiting requests that cannot be admitted and nothing running: the
                 # enqueue-time check rejects requests larger than the cache, so this is a
                 # logic error, not a load condition.
                 raise RuntimeError(f"replica {self.index}: policy returned an empty plan "
                                    f"with {len(self.waiting)} waiting and nothing running")
             by_id = self.by_id
-            for rid in plan.admit:
-                seq = by_id[rid]
-                self.waiting.remove(seq)
-                self.free_blocks -= seq.blocks_needed
-                rec.scheduled[rid] = now
-                self.prefilling.append(seq)
             nd = len(plan.decode)
-            if (self.epochs and nd and not plan.prefill
-                    and (not self._aging or len(self.waiting) == 0)):
-                yield from self._epoch(nd)
+            k_room = 0
+            if (self.epochs and nd and not plan.prefill and not self._copy_s
+                    and not self.swapped and (not self._aging or len(self.waiting) == 0)):
+                self._clean_top(self._finish_heap)
+                k = min(self._finish_heap[0][0] - self.ticks, MAX_EPOCH_STEPS)
+                k_room = self._epoch_room(nd, k)
+            if k_room > 1:
+                yield from self._epoch(nd, k_room)
             else:
                 if not nd:
                     dseqs, ctx_max, ctx_sum = (), 0, 0
@@ -180,10 +262,11 @@ class Replica:
                 chunks = []
                 for rid, n in plan.prefill:
                     s = by_id[rid]
-                    chunks.append((n, s.prefilled, s.prefilled + n >= s.prompt_tokens))
-                dt = cost.step_time(nd, ctx_max, ctx_sum, chunks)
+                    chunks.append((n, s.prefilled, s.prefilled + n >= s.prefill_len))
+                dt = cost.step_time(nd, ctx_max, ctx_sum, chunks) + self._copy_s
                 rec.steps += 1
                 rec.step_time_total += dt
+                rec.swap_copy_s += self._copy_s
                 yield env.timeout(dt)
                 t = env.now
                 if self.fast:
@@ -196,11 +279,48 @@ class Replica:
             if env.now - self._last_sample >= self._series_interval:
                 self._sample(env.now)
 
-    def _epoch(self, nd: int):
-        """Decode-only steps until the first finish (or an admissible arrival)."""
+    def _admit(self, plan: StepPlan, now: float) -> StepPlan:
+        """Move the plan's admissions into the running set, allocating their blocks.
+
+        A policy prices admissions against the cache as it was before this step; an
+        earlier admission of the same step can evict a cached block a later one
+        counted on. That one then prefills from its smaller hit (same chunk size),
+        or, if its blocks no longer fit, stays waiting and its chunk is dropped."""
+        kv = self.kv
+        rec = self.rec
+        by_id = self.by_id
+        dropped = None
+        for rid in plan.admit:
+            seq = by_id[rid]
+            cached, need = kv.admission(seq)
+            if need > kv.manager.num_free:
+                dropped = (dropped or set()) | {rid}
+                continue
+            self.waiting.remove(seq)
+            cached = kv.admit(seq)
+            if cached:
+                rec.cached_tokens[rid] += cached
+                self.kv_tokens += cached
+                self._outstanding -= cached
+            if seq.prefilled + dict(plan.prefill)[rid] > seq.prefill_len:
+                raise RuntimeError(f"plan over-prefills request {rid}")
+            if math.isnan(rec.scheduled[rid]):
+                rec.scheduled[rid] = now
+            else:
+                rec.preempted_s[rid] += now - seq.preempted_at
+            seq.where = "p"
+            self.prefilling.append(seq)
+        if dropped:
+            plan = StepPlan(decode=plan.decode,
+                            prefill=tuple(c for c in plan.prefill if c[0] not in dropped),
+                            admit=tuple(r for r in plan.admit if r not in dropped))
+        return plan
+
+    def _epoch(self, nd: int, k: int):
+        """``k`` decode-only steps, or fewer if an admissible arrival (or a cancel)
+        interrupts: up to the first finish, within the blocks free for growth."""
         env = self.env
         now = env.now
-        k = min(self._finish_heap[0][0] - self.ticks, MAX_EPOCH_STEPS)
         if self.cost.padded:
             ctx0 = self._key_max + self.ticks
         else:
@@ -224,132 +344,6 @@ class Replica:
         self.rec.step_time_total += ends[m - 1] - now
         gaps = [ends[i + 1] - ends[i] for i in range(m - 1)] if m > 1 else None
         self._decode_fast(env.now, m, ends[0], gaps)
+        if self.kv.paged:
+            self._catch_up_growth()
         self._finish_due(env.now)
-
-    # -- applying a step's effects ----------------------------------------------------
-    def _decode_fast(self, t: float, m: int, first_end: float, later_gaps) -> None:
-        """``m`` decode steps of every decoder ended, the first at ``first_end``, the
-        last at ``t``; ``later_gaps`` are the gaps between the later steps' ends."""
-        itl = self.rec.itl
-        nd = len(self.decoding)
-        for tl, c in self._last_tok.items():
-            if c:
-                itl.add(first_end - tl, c)
-        if later_gaps is not None:
-            itl.add_many(later_gaps, nd)
-        self._last_tok = {t: nd}
-        self.ticks += m
-        self.kv_tokens += m * nd
-        self._outstanding -= m * nd
-
-    def _decode_slow(self, dseqs, t: float) -> None:
-        """One decode step for ``dseqs``, each client's frame queue updated exactly."""
-        ft = self.frame_time
-        itl = self.rec.itl
-        common_old = self._last_end + ft
-        fast = common_old <= t
-        t_ft = t + ft
-        same = 0
-        done = []
-        for s in dseqs:
-            s.generated += 1
-            s.context += 1
-            d_old = s.depart
-            if fast and d_old == common_old:
-                # Decoded at the previous step end and the client kept up: same gap.
-                same += 1
-                s.depart = t_ft
-            else:
-                d = (t if t > d_old else d_old) + ft
-                s.depart = d
-                itl.add(d - d_old)
-            if s.generated >= s.output_tokens:
-                done.append(s)
-        if same:
-            itl.add(t_ft - common_old, same)
-        self._last_end = t
-        self.kv_tokens += len(dseqs)
-        self._outstanding -= len(dseqs)
-        if done:
-            gone = set(map(id, done))
-            self.decoding = [s for s in self.decoding if id(s) not in gone]
-            for s in done:
-                self._finish(s, t, s.depart)
-
-    def _prefill(self, chunks, t: float) -> None:
-        """Prefill progress; a chunk that completes its prompt yields the first token."""
-        rec = self.rec
-        by_id = self.by_id
-        ft = self.frame_time
-        tokens = 0
-        for rid, n in chunks:
-            s = by_id[rid]
-            s.prefilled += n
-            tokens += n + (s.prefilled >= s.prompt_tokens)
-            if s.prefilled < s.prompt_tokens:
-                continue
-            self.prefilling.remove(s)
-            s.generated = 1
-            rec.first_token[rid] = t
-            rec.first_delivered[rid] = t + ft + self.one_way
-            if s.output_tokens <= 1:
-                self.kv_tokens += tokens
-                self._outstanding -= tokens
-                tokens = 0
-                self._finish(s, t, t + ft)
-                continue
-            self.decoding.append(s)
-            if self.fast:
-                key = s.prompt_tokens + 1 - self.ticks
-                s.key = key
-                s.finish_tick = self.ticks + s.output_tokens - 1
-                heapq.heappush(self._finish_heap, (s.finish_tick, rid, s))
-                self._key_sum += key
-                if len(self.decoding) == 1 or key > self._key_max:
-                    self._key_max = key
-                self._last_tok[t] = self._last_tok.get(t, 0) + 1
-            else:
-                s.context = s.prompt_tokens + 1
-                s.depart = t + ft
-        self.kv_tokens += tokens
-        self._outstanding -= tokens
-
-    def _finish_due(self, t: float) -> None:
-        """Fast mode: decoders whose last token came from the step that ended at ``t``."""
-        heap = self._finish_heap
-        if not heap or heap[0][0] > self.ticks:
-            return
-        done = []
-        while heap and heap[0][0] <= self.ticks:
-            done.append(heapq.heappop(heap)[2])
-        gone = set(map(id, done))
-        self.decoding = [s for s in self.decoding if id(s) not in gone]
-        self._last_tok[t] -= len(done)
-        recompute = False
-        for s in done:
-            s.generated = s.output_tokens
-            self._key_sum -= s.key
-            recompute |= s.key == self._key_max
-            self._finish(s, t, t + self.frame_time)
-        if recompute:
-            self._key_max = max((s.key for s in self.decoding), default=0)
-
-    def _finish(self, s: SimSeq, t: float, depart: float) -> None:
-        rec = self.rec
-        rid = s.rid
-        rec.last_token[rid] = t
-        rec.last_delivered[rid] = depart + self.one_way
-        rec.generated[rid] = s.generated
-        self.free_blocks += s.blocks_needed
-        self.kv_tokens -= s.prompt_tokens + s.generated
-        del self.by_id[rid]
-        self.on_finish(s, depart + self.one_way)
-
-    def _sample(self, t: float) -> None:
-        ts, wq, run, blk, kv = self._series
-        ts.append(t)
-        wq.append(len(self.waiting))
-        run.append(len(self.decoding) + len(self.prefilling))
-        blk.append(self.capacity - self.free_blocks)
-        kv.append(self.kv_tokens)
-        self._last_sample = t

@@ -31,7 +31,7 @@ def test_conservation_and_breakdown(policy):
     # TTFT and TPOT from the same timestamps.
     np.testing.assert_allclose(df["ttft"], df["first_delivered"] - df["arrival"])
     # KV: reserved blocks never exceed capacity and all return at the end.
-    for i, (ts, wq, run, blk, kv) in enumerate(res.rec.series):
+    for i, (ts, wq, run, blk, kv, _shared) in enumerate(res.rec.series):
         assert max(blk) <= res.kv_capacity_blocks
         assert blk[-1] == 0 and kv[-1] == 0 and run[-1] == 0 and wq[-1] == 0
 

@@ -1,5 +1,5 @@
 """Scheduling: the step plan, waiting-queue disciplines and policies, by name."""
-from .plan import EMPTY_PLAN, SchedulerState, Seq, StepPlan
+from .plan import EMPTY_PLAN, SchedulerState, Seq, StepPlan, admission_cost
 from .policies import ChunkedPolicy, FifoPolicy, Limits, PriorityAgingPolicy
 from .queues import AgingPriorityQueue, FifoQueue
 

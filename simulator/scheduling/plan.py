@@ -26,6 +26,7 @@ class Seq:
     __slots__ = (
         "rid", "enqueued", "priority", "prompt_tokens", "output_tokens",
         "prefilled", "generated", "blocks_needed", "cached_tokens", "payload",
+        "prefill_len",
     )
 
     def __init__(self, rid: int, enqueued: float, prompt_tokens: int, output_tokens: int,
@@ -41,10 +42,13 @@ class Seq:
         self.blocks_needed = blocks_needed  # KV blocks to reserve on admission
         self.cached_tokens = cached_tokens  # prompt tokens served from a prefix cache
         self.payload = payload       # executor-private data (e.g. token ids)
+        # Tokens to prefill before decoding: the prompt, or after a preemption by
+        # recompute the prompt plus the tokens generated so far (their KV was dropped).
+        self.prefill_len = prompt_tokens
 
     @property
     def remaining_prefill(self) -> int:
-        return self.prompt_tokens - self.prefilled
+        return self.prefill_len - self.prefilled
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (f"Seq(rid={self.rid}, prio={self.priority}, prompt={self.prompt_tokens}, "
@@ -89,7 +93,10 @@ class SchedulerState:
 
     ``decoding`` and ``prefilling`` are the running requests, in admission order;
     ``waiting`` is the policy's own queue object (see ``queues``); ``free_blocks``
-    is the KV capacity still unreserved.
+    is the KV capacity a policy may still admit against. ``kv``, when given, prices
+    an admission: ``kv.admission(seq) -> (cached_tokens, blocks)`` (a prefix-cache
+    hit skips prefill and takes fewer blocks); without it a request costs
+    ``seq.blocks_needed`` blocks and has nothing cached.
     """
 
     now: float
@@ -98,16 +105,27 @@ class SchedulerState:
     prefilling: Sequence[Seq]
     free_blocks: int
     num_running: int = field(default=-1)
+    kv: object = None
 
     def __post_init__(self) -> None:
         if self.num_running < 0:
             self.num_running = len(self.decoding) + len(self.prefilling)
 
 
+def admission_cost(seq: Seq, state: SchedulerState) -> tuple[int, int]:
+    """``(cached_tokens, blocks)`` admitting ``seq`` would take now (see ``kv``)."""
+    kv = state.kv
+    if kv is None:
+        return 0, seq.blocks_needed
+    return kv.admission(seq)
+
+
 class WaitingQueueLike:  # pragma: no cover - typing protocol only
-    """Protocol of a waiting queue: push, remove, len, and ordered candidates."""
+    """Protocol of a waiting queue: push, requeue (a preempted request goes back to
+    the head of its turn), remove, len, and ordered candidates."""
 
     def push(self, seq: Seq) -> None: ...
+    def requeue(self, seq: Seq) -> None: ...
     def remove(self, seq: Seq) -> None: ...
     def __len__(self) -> int: ...
     def candidates(self, now: float) -> Iterable[Seq]: ...

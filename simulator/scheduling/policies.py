@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
-from .plan import EMPTY_PLAN, SchedulerState, Seq, StepPlan
+from .plan import EMPTY_PLAN, SchedulerState, Seq, StepPlan, admission_cost
 from .queues import AgingPriorityQueue, FifoQueue
 
 _rid = attrgetter("rid")
@@ -32,10 +32,6 @@ class Limits:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
 
-
-def _admissible(seq: Seq, state: SchedulerState, running: int, free_blocks: int,
-                limits: Limits) -> bool:
-    return running < limits.max_num_seqs and seq.blocks_needed <= free_blocks
 
 
 @dataclass(frozen=True)
@@ -71,14 +67,17 @@ class FifoPolicy:
         admit: list[int] = []
         if len(state.waiting):
             for seq in state.waiting.candidates(state.now):
-                n = seq.remaining_prefill
-                if (chunks and used + n > budget) or not _admissible(seq, state, running, free, lim):
+                if running >= lim.max_num_seqs:
+                    break
+                cached, need = admission_cost(seq, state)
+                n = seq.remaining_prefill - cached
+                if (chunks and used + n > budget) or need > free:
                     break
                 chunks.append((seq.rid, n))
                 admit.append(seq.rid)
                 used += n
                 running += 1
-                free -= seq.blocks_needed
+                free -= need
         if chunks:
             return StepPlan(decode=(), prefill=tuple(chunks), admit=tuple(admit))
         if state.decoding:
@@ -124,14 +123,17 @@ class ChunkedPolicy:
             running = state.num_running
             free = state.free_blocks
             for seq in state.waiting.candidates(state.now):
-                if left <= 0 or not _admissible(seq, state, running, free, lim):
+                if left <= 0 or running >= lim.max_num_seqs:
                     break
-                n = min(seq.remaining_prefill, self.chunk_size, left)
+                cached, need = admission_cost(seq, state)
+                if need > free:
+                    break
+                n = min(seq.remaining_prefill - cached, self.chunk_size, left)
                 chunks.append((seq.rid, n))
                 admit.append(seq.rid)
                 left -= n
                 running += 1
-                free -= seq.blocks_needed
+                free -= need
         if not decode and not chunks:
             return EMPTY_PLAN
         return StepPlan(decode=decode, prefill=tuple(chunks), admit=tuple(admit))

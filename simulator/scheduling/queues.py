@@ -24,6 +24,10 @@ class FifoQueue:
     def push(self, seq: Seq) -> None:
         self._q.append(seq)
 
+    def requeue(self, seq: Seq) -> None:
+        """A preempted request goes back to the head (it arrived before anyone waiting)."""
+        self._q.appendleft(seq)
+
     def remove(self, seq: Seq) -> None:
         # Admission nearly always takes the head, so this is O(1) in practice.
         if self._q and self._q[0] is seq:
@@ -62,6 +66,18 @@ class AgingPriorityQueue:
         if q is None:
             q = self._classes[seq.priority] = deque()
         q.append(seq)
+        self._n += 1
+
+    def requeue(self, seq: Seq) -> None:
+        """A preempted request rejoins its class in arrival order (it keeps ``enqueued``,
+        so it also keeps the aging it earned)."""
+        q = self._classes.get(seq.priority)
+        if q is None:
+            q = self._classes[seq.priority] = deque()
+        i = 0
+        while i < len(q) and q[i].enqueued <= seq.enqueued:
+            i += 1
+        q.insert(i, seq)
         self._n += 1
 
     def remove(self, seq: Seq) -> None:

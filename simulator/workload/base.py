@@ -20,6 +20,8 @@ class Workload:
     token counts (>= 1); ``priority``: class index (0 = P0 = most urgent);
     ``hash_ids``: optional per-request prefix-block hash ids (Mooncake style), or None;
     ``client``: optional client index per request (connection pools are per client).
+    ``shared_prefix_tokens``: optional leading prompt tokens each request shares with
+    every other request of its priority class (a class's system prompt), or None.
     ``class_names``: display name of each priority index.
     """
 
@@ -30,6 +32,7 @@ class Workload:
     class_names: tuple[str, ...] = ("default",)
     hash_ids: Optional[Sequence[np.ndarray]] = None
     client: Optional[np.ndarray] = None
+    shared_prefix_tokens: Optional[np.ndarray] = None
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,8 @@ class PriorityClass(BaseModel):
     share: float = Field(1.0, gt=0)
     priority: Optional[int] = Field(None, ge=0, description="defaults to the list position")
     slo: Optional[SLO] = None
+    system_prompt_tokens: int = Field(0, ge=0, description="a system prompt shared by the "
+                                      "class, prepended to each of its prompts (prefix caching)")
 
 
 def class_priorities(classes: list[PriorityClass]) -> np.ndarray:
@@ -47,3 +49,16 @@ def assign_classes(classes: list[PriorityClass], n: int, rng: np.random.Generato
         return np.full(n, prios[0], dtype=np.int64)
     shares = np.array([c.share for c in classes], dtype=float)
     return prios[rng.choice(len(classes), size=n, p=shares / shares.sum())]
+
+
+def add_system_prompts(classes: list[PriorityClass], prompt: np.ndarray,
+                       prio: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """Prepend each class's shared system prompt: returns the new prompt lengths and
+    the shared-prefix length of every request (None when no class has one)."""
+    if not any(c.system_prompt_tokens for c in classes):
+        return prompt, None
+    by_prio = np.zeros(int(class_priorities(classes).max()) + 1, dtype=np.int64)
+    for c, p in zip(classes, class_priorities(classes)):
+        by_prio[p] = c.system_prompt_tokens
+    shared = by_prio[prio] if len(prio) else np.zeros(0, dtype=np.int64)
+    return prompt + shared, shared

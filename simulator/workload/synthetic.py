@@ -19,7 +19,7 @@ from ..registry import ARRIVALS, LENGTHS, WORKLOADS
 from ..pluginfield import plugin
 from .arrivals import arrival_times
 from .base import Workload
-from .classes import PriorityClass, assign_classes, class_names
+from .classes import PriorityClass, add_system_prompts, assign_classes, class_names
 from .lengths import sample_lengths
 
 
@@ -110,8 +110,9 @@ def build_synthetic(cfg: SyntheticWorkload, rng: np.random.Generator, base_dir: 
         prompt = sample_lengths(cfg.prompt_tokens, n, rng)
         output = sample_lengths(cfg.output_tokens, n, rng)
     prio = assign_classes(cfg.classes, n, rng)
+    prompt, shared = add_system_prompts(cfg.classes, prompt, prio)
     return Workload(arrival_s=arr, prompt_tokens=prompt, output_tokens=output, priority=prio,
-                    class_names=class_names(cfg.classes))
+                    class_names=class_names(cfg.classes), shared_prefix_tokens=shared)
 
 
 WORKLOADS.register("synthetic", SyntheticWorkload, build_synthetic)

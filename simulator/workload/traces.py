@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import LatsimError
 from ..registry import WORKLOADS
 from .base import Workload
-from .classes import PriorityClass, assign_classes, class_names, class_priorities
+from .classes import PriorityClass, add_system_prompts, assign_classes, class_names, class_priorities
 from .tracereaders import HASH_BLOCK_TOKENS, RawTrace, cell_error, ordered, read_trace
 
 
@@ -166,9 +166,15 @@ def replay(raw: RawTrace, cfg: TraceWorkload, rng: np.random.Generator) -> Workl
     else:
         prio, names = assign_classes(cfg.classes, len(t), rng), class_names(cfg.classes)
     meta = {"source": str(raw.path), "format": raw.fmt, "time_factor": factor,
-            "first_line": int(raw.lines[0]), "last_line": int(raw.lines[-1])}
-    return Workload(arrival_s=t, prompt_tokens=raw.prompt, output_tokens=raw.output,
-                    priority=prio, class_names=names, hash_ids=raw.hash_ids, meta=meta)
+            "first_line": int(raw.lines[0]), "last_line": int(raw.lines[-1]),
+            "hash_block_tokens": cfg.hash_block_tokens}
+    prompt, shared = add_system_prompts(cfg.classes, raw.prompt, prio)
+    if shared is not None and raw.hash_ids is not None:
+        raise LatsimError("system_prompt_tokens cannot be added to a trace that has its own "
+                          "prefix hashes", source=str(raw.path), field="classes")
+    return Workload(arrival_s=t, prompt_tokens=prompt, output_tokens=raw.output,
+                    priority=prio, class_names=names, hash_ids=raw.hash_ids, meta=meta,
+                    shared_prefix_tokens=shared)
 
 
 def build_trace(cfg: TraceWorkload, rng: np.random.Generator, base_dir: Path) -> Workload:

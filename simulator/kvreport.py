@@ -1,0 +1,152 @@
+"""What a run says about KV memory: capacity, utilisation, preemptions, swapping,
+prefix-cache hits and what they saved.
+
+- *Utilisation* is tokens held / token slots reserved (the seeds' measure: 20-40%
+  for contiguous reservations, near 100% for paged blocks), time-weighted over the
+  run's samples.
+- *Block hit ratio*: of the full prompt blocks looked up at admissions, the share
+  found cached (the longest leading run). *Token hit ratio*: prompt tokens whose
+  prefill a hit skipped, over prompt tokens admitted (at least one token of a
+  prompt is always recomputed, so it is a little lower).
+- *Memory saved*: block references beyond the first on shared blocks, i.e. the
+  blocks an engine without prefix sharing would have held on top, in GB.
+- *Prefill time saved*: per request with a hit, the cost model's time to prefill
+  the cached tokens in the engine's chunks (``chunk_size``, else the token budget),
+  each with the tokens before it as prior context: the work the hit skipped. (Not
+  a difference of two whole-prompt lookups: far outside a profile's range their
+  extrapolations can differ in sign.)
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from rich.table import Table
+
+
+def kv_run_stats(replicas, cost, rec, workload, chunk: int) -> dict:
+    """Tallies of the replicas' block managers and the prefill time hits saved."""
+    keys = ("queried_blocks", "hit_blocks", "queried_tokens", "cached_tokens", "evictions",
+            "admissions")
+    out = {k: sum(getattr(r.kv.manager.stats, k) for r in replicas) for k in keys}
+    out["swap_copy_s"] = float(rec.swap_copy_s)
+    out["prefill_s_saved"] = _prefill_saved(cost, rec, chunk)
+    return out
+
+
+def _prefill_saved(cost, rec, chunk: int) -> float:
+    hit = np.flatnonzero(rec.cached_tokens > 0)
+    if not len(hit) or not hasattr(cost, "prefill_ms"):
+        return 0.0
+    # These lookups are for the report, not the run: leave the run's tallies alone.
+    saved_lookups = (cost.lookups, cost.extrapolations)
+    total = 0.0
+    for c in rec.cached_tokens[hit].tolist():
+        done = 0
+        while done < c:
+            n = min(chunk, c - done)
+            total += cost.prefill_ms(n, done)
+            done += n
+    cost.lookups, cost.extrapolations = saved_lookups
+    return total / 1000.0
+
+
+def _time_weighted(ts: np.ndarray, x: np.ndarray) -> float:
+    ok = ~np.isnan(x)
+    if ok.sum() < 2:
+        return float(np.nanmean(x)) if ok.any() else float("nan")
+    ts, x = ts[ok], x[ok]
+    w = np.diff(ts, append=ts[-1])
+    return float((x * w).sum() / w.sum()) if w.sum() > 0 else float(x.mean())
+
+
+def kv_summary(res, df) -> dict:
+    """The ``kv`` section of a run's summary (see module doc)."""
+    sc = res.scenario
+    kv = sc.engine.kv
+    shape = sc.model.shape
+    bpt = shape.kv_bytes_per_token
+    block_gb = bpt * kv.block_size / 1e9
+    st = res.meta.get("kv", {})
+    util, saved_mean, saved_peak = [], [], []
+    for ts, _wq, _run, blk, tok, shared in res.rec.series:
+        ts = np.asarray(ts)
+        blk = np.asarray(blk)
+        tok = np.asarray(tok)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            u = np.where(blk > 0, np.minimum(tok / (blk * kv.block_size), 1.0), np.nan)
+        if len(ts):
+            util.append(_time_weighted(ts, u))
+            sh = np.asarray(shared)
+            saved_mean.append(_time_weighted(ts, sh))
+            saved_peak.append(float(sh.max()))
+    pre = df["preemptions"].to_numpy() if "preemptions" in df else np.zeros(0)
+    pre_s = df["preempted_s"].to_numpy()[pre > 0] if len(pre) else np.zeros(0)
+    qb, qt = st.get("queried_blocks", 0), st.get("queried_tokens", 0)
+    return {
+        "allocation": kv.allocation,
+        "capacity_blocks": res.kv_capacity_blocks,
+        "capacity_tokens": res.kv_capacity_tokens,
+        "capacity_gb": res.kv_capacity_blocks * block_gb,
+        "bytes_per_token": bpt,
+        "utilization": float(np.nanmean(util)) if util else float("nan"),
+        "preemption": kv.preemption,
+        "preemptions": int(pre.sum()),
+        "requests_preempted": int((pre > 0).sum()),
+        "recomputed_tokens": int(df["recomputed_tokens"].sum()) if "recomputed_tokens" in df else 0,
+        "swapped_gb": float(df["swapped_bytes"].sum()) / 1e9 if "swapped_bytes" in df else 0.0,
+        "swap_copy_s": st.get("swap_copy_s", 0.0),
+        "mean_preempted_ms": float(pre_s.mean()) * 1000 if len(pre_s) else float("nan"),
+        "p99_preempted_ms": float(np.percentile(pre_s, 99)) * 1000 if len(pre_s) else float("nan"),
+        "prefix_caching": kv.prefix_caching,
+        "block_hit_ratio": st.get("hit_blocks", 0) / qb if qb else float("nan"),
+        "token_hit_ratio": st.get("cached_tokens", 0) / qt if qt and kv.prefix_caching else float("nan"),
+        "cache_evictions": st.get("evictions", 0),
+        "mean_memory_saved_gb": sum(saved_mean) * block_gb if saved_mean else 0.0,
+        "peak_memory_saved_gb": sum(saved_peak) * block_gb if saved_peak else 0.0,
+        "prefill_s_saved": st.get("prefill_s_saved", 0.0),
+    }
+
+
+def kv_capacity_line(scenario, capacity_blocks: int) -> str:
+    """One line printed before a run: the KV cache each replica gets, and why."""
+    kv = scenario.engine.kv
+    shape = scenario.model.shape
+    bpt = shape.kv_bytes_per_token
+    gb = capacity_blocks * kv.block_size * bpt / 1e9
+    src = ("engine.kv.num_blocks" if kv.num_blocks is not None else
+           f"{kv.gpu_memory_gb:g} GB x {kv.gpu_memory_utilization:g} - "
+           f"{shape.weight_bytes / 1e9:.1f} GB weights")
+    return (f"KV cache per replica: {capacity_blocks:,} blocks x {kv.block_size} tokens = "
+            f"{capacity_blocks * kv.block_size:,} tokens, {gb:.1f} GB ({src}; "
+            f"{bpt:,} B/token = 2 x {shape.n_layers} layers x {shape.n_kv_heads} kv heads x "
+            f"{shape.head_dim} x {shape.dtype_bytes} B); {kv.allocation}, "
+            f"preemption {kv.preemption}, prefix caching {'on' if kv.prefix_caching else 'off'}")
+
+
+def _f(v, spec: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def kv_table(outs: dict) -> Table:
+    """KV memory per run, side by side."""
+    t = Table(title="KV memory", title_justify="left")
+    t.add_column("")
+    for k in outs:
+        t.add_column(k, justify="right")
+    rows = [("utilization (tokens / reserved)", "utilization", ".1%"),
+            ("preemptions", "preemptions", ","),
+            ("requests preempted", "requests_preempted", ","),
+            ("recomputed tokens", "recomputed_tokens", ","),
+            ("swapped GB", "swapped_gb", ".2f"),
+            ("swap copy s", "swap_copy_s", ".3f"),
+            ("P99 time preempted ms", "p99_preempted_ms", ",.1f"),
+            ("prefix block hit ratio", "block_hit_ratio", ".1%"),
+            ("prefix token hit ratio", "token_hit_ratio", ".1%"),
+            ("mean memory saved GB", "mean_memory_saved_gb", ".2f"),
+            ("prefill s saved", "prefill_s_saved", ",.2f")]
+    for label, key, spec in rows:
+        t.add_row(label, *(_f(o["kv"].get(key), spec) for o in outs.values()))
+    return t

@@ -1,0 +1,251 @@
+"""KV memory inside a replica: growth, preemption (recompute or swap), swap-in and
+cancellation. A mixin of ``Replica``; it only moves requests between the
+replica's sets and keeps their bookkeeping exact.
+
+A request is in exactly one place (``SimSeq.where``): ``q`` waiting, ``p``
+prefilling, ``d`` decoding, ``s`` swapped out, ``x`` gone.
+
+Growth (paged allocation): before each step every decoder whose context is about
+to cross a block boundary takes one block. In the fast bookkeeping mode (see
+``replica``) decoders are not visited step by step, so the step at which each one
+next needs a block sits in a heap, like finishes.
+
+Preemption: when the due blocks exceed the free ones, a victim (``kvspace.select_victim``)
+is preempted and its blocks are freed, until the rest fit. The step that preempted
+admits nobody new (as vLLM does), which avoids admitting into the memory just
+freed and preempting again at the next step.
+
+- ``recompute``: the victim rejoins the waiting queue (at the head of its turn);
+  when admitted again it prefills its prompt *and* the tokens it had generated
+  (their KV was dropped), and that prefill yields its next token. A prefix hit on
+  its own freed blocks, still cached, cuts the redo.
+- ``swap``: a decoding victim's blocks are copied to CPU memory (``swap_space_gb``)
+  at ``swap_gb_per_s``, the copy time added to the step; it comes back, copied in
+  again, as soon as its blocks fit, before any new admission. A victim mid-prefill,
+  or one that finds the swap space full, is recomputed instead.
+"""
+from __future__ import annotations
+
+import heapq
+
+from .kvspace import select_victim
+
+
+class ReplicaMemory:
+    """Mixin: memory operations of ``Replica`` (see module doc)."""
+
+    # -- fast-mode decoder membership ----------------------------------------------------
+    def _join_fast(self, s, last_token_t: float) -> None:
+        """``s`` decodes from the next step on; it holds ``generated`` tokens and its
+        last token left the engine at ``last_token_t``."""
+        s.ver += 1
+        key = s.prompt_tokens + s.generated - self.ticks
+        s.key = key
+        s.join_tick = self.ticks
+        s.last_t = last_token_t
+        s.finish_tick = self.ticks + s.output_tokens - s.generated
+        heapq.heappush(self._finish_heap, (s.finish_tick, s.rid, s.ver, s))
+        self._key_sum += key
+        if len(self.decoding) == 1 or key > self._key_max:
+            self._key_max = key
+        self._last_tok[last_token_t] = self._last_tok.get(last_token_t, 0) + 1
+        if self.kv.paged:
+            self._push_growth(s)
+
+    def _push_growth(self, s) -> None:
+        """Heap the tick of the next step at which ``s`` needs one more block."""
+        held = self.kv.manager.blocks_of(s.rid)
+        s.grow_tick = held * self.kv.bs - s.key + 1
+        heapq.heappush(self._grow_heap, (s.grow_tick, s.rid, s.ver, s))
+
+    def _leave_fast(self, s) -> None:
+        """Take decoder ``s`` out of the tick bookkeeping; sets ``generated``/``last_t``."""
+        s.generated = s.output_tokens - (s.finish_tick - self.ticks)
+        tl = self._last_dec_end if self.ticks > s.join_tick else s.last_t
+        self._last_tok[tl] -= 1
+        s.last_t = tl
+        s.ver += 1                      # its heap entries go stale
+        self._key_sum -= s.key
+        if s.key == self._key_max:
+            self._key_max = max((d.key for d in self.decoding if d is not s), default=0)
+
+    def _clean_top(self, heap) -> None:
+        while heap and heap[0][2] != heap[0][3].ver:
+            heapq.heappop(heap)
+
+    # -- growth and preemption -------------------------------------------------------------
+    def _due_growth(self) -> list:
+        """Decoders that need one more block before the coming step."""
+        if not self.kv.paged or not self.decoding:
+            return []
+        if not self.fast:
+            kv = self.kv
+            return [s for s in self.decoding if kv.needs_block(s, s.context)]
+        heap = self._grow_heap
+        due = []
+        ticks = self.ticks
+        while heap and heap[0][0] <= ticks:
+            tick, _, ver, s = heapq.heappop(heap)
+            if ver == s.ver:
+                due.append(s)
+        return due
+
+    def _make_room(self, now: float) -> bool:
+        """Grow every due decoder, preempting victims while blocks are short.
+        Returns whether anyone was preempted."""
+        due = self._due_growth()
+        if not due:
+            return False
+        kv = self.kv
+        mgr = kv.manager
+        preempted = False
+        need = len(due)
+        while need > mgr.num_free:
+            victim = select_victim(self.decoding + self.prefilling, kv.rules.victim)
+            if victim in due:
+                due.remove(victim)
+                need -= 1
+            self._preempt(victim, now)
+            preempted = True
+        for s in due:
+            ctx = s.key + self.ticks if self.fast else s.context
+            kv.grow(s, ctx)
+            if self.fast:
+                self._push_growth(s)
+        return preempted
+
+    def _catch_up_growth(self) -> None:
+        """After an epoch: the blocks its steps took, one per boundary crossed (the
+        epoch was sized so that they fit)."""
+        heap = self._grow_heap
+        kv = self.kv
+        while heap and heap[0][0] < self.ticks:
+            tick, _, ver, s = heapq.heappop(heap)
+            if ver != s.ver:
+                continue
+            kv.grow(s, s.key + tick)
+            self._push_growth(s)
+
+    def _epoch_room(self, nd: int, k: int) -> int:
+        """Largest epoch length <= k whose block growth surely fits (paged): each
+        decoder takes at most one block per ``block_size`` steps."""
+        if not self.kv.paged:
+            return k
+        bs = self.kv.bs
+        free = self.kv.manager.num_free
+        if nd * (-(-k // bs)) <= free:
+            return k
+        return min(k, bs * (free // nd))
+
+    def _preempt(self, s, now: float) -> None:
+        """Preempt running request ``s`` now (see module doc)."""
+        rec = self.rec
+        rid = s.rid
+        rec.preemptions[rid] += 1
+        decoding = s.where == "d"
+        if decoding:
+            if self.fast:
+                self._leave_fast(s)
+            self.decoding.remove(s)
+            held_tokens = s.prompt_tokens + s.generated
+        else:
+            self.prefilling.remove(s)
+            held_tokens = s.prefilled
+        kv = self.kv
+        blocks = kv.manager.blocks_of(rid)
+        self.kv_tokens -= held_tokens
+        s.preempted_at = now
+        swap = (decoding and kv.rules.preemption == "swap"
+                and self.cpu_used + blocks <= self.cpu_blocks)
+        kv.free(s)
+        if swap:
+            s.where = "s"
+            s.swapped_blocks = blocks
+            self.cpu_used += blocks
+            nbytes = blocks * self.block_bytes
+            rec.swapped_bytes[rid] += nbytes
+            self._copy_s += nbytes / self.swap_bps
+            self.swapped.append(s)
+            return
+        # Recompute: the KV is gone; prefill again whatever it had computed.
+        lost = held_tokens if decoding else s.prefilled
+        rec.recomputed_tokens[rid] += lost
+        self._outstanding += lost
+        if decoding:
+            s.prefill_len = s.prompt_tokens + s.generated
+        s.prefilled = 0
+        s.where = "q"
+        self.waiting.requeue(s)
+
+    def _swap_in(self, now: float) -> None:
+        """Bring swapped requests back, oldest first, while their blocks fit."""
+        kv = self.kv
+        mgr = kv.manager
+        rec = self.rec
+        while self.swapped and len(self.decoding) + len(self.prefilling) < self.max_num_seqs:
+            s = self.swapped[0]
+            tokens = s.prompt_tokens + s.generated
+            need = -(-tokens // kv.bs)
+            if need + kv.watermark_blocks > mgr.num_free:
+                break
+            self.swapped.popleft()
+            mgr.allocate(s.rid, tokens)
+            self.cpu_used -= s.swapped_blocks
+            nbytes = s.swapped_blocks * self.block_bytes
+            rec.swapped_bytes[s.rid] += nbytes
+            self._copy_s += nbytes / self.swap_bps
+            rec.preempted_s[s.rid] += now - s.preempted_at
+            self.kv_tokens += tokens
+            s.where = "d"
+            self.decoding.append(s)
+            if self.fast:
+                self._join_fast(s, s.last_t)
+
+    # -- cancellation ----------------------------------------------------------------------
+    def cancel(self, rid: int) -> bool:
+        """Cancel request ``rid`` (its client went away): it is dropped, and its KV
+        freed, at the next step boundary (a step in flight completes, as on a real
+        engine). Returns False if the request is not (or no longer) here."""
+        s = self.by_id.get(rid)
+        if s is None or s.where == "x":
+            return False
+        self._cancels.append(s)
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+        elif self._in_epoch:
+            self._in_epoch = False
+            self.process.interrupt()
+        return True
+
+    def _apply_cancels(self, now: float) -> None:
+        rec = self.rec
+        for s in self._cancels:
+            where = s.where
+            if where == "x":
+                continue
+            if where == "q":
+                self.waiting.remove(s)
+                self._outstanding -= s.remaining_prefill + s.output_tokens - s.generated
+            elif where == "s":
+                self.swapped.remove(s)
+                self.cpu_used -= s.swapped_blocks
+                self._outstanding -= s.output_tokens - s.generated
+            else:
+                if where == "d":
+                    if self.fast:
+                        self._leave_fast(s)
+                    self.decoding.remove(s)
+                    self.kv_tokens -= s.prompt_tokens + s.generated
+                else:
+                    self.prefilling.remove(s)
+                    self.kv_tokens -= s.prefilled
+                self._outstanding -= s.remaining_prefill + s.output_tokens - s.generated
+                self.kv.free(s)
+            s.where = "x"
+            rec.cancelled[s.rid] = True
+            rec.cancelled_at[s.rid] = now
+            rec.generated[s.rid] = s.generated
+            del self.by_id[s.rid]
+            if s.stream is not None:
+                s.stream.close(now, cancelled=True)
+        self._cancels.clear()
