@@ -136,7 +136,8 @@ def kv_table(outs: dict) -> Table:
     t.add_column("")
     for k in outs:
         t.add_column(k, justify="right")
-    rows = [("utilization (tokens / reserved)", "utilization", ".1%"),
+    rows = [("capacity GB per replica", "capacity_gb", ".1f"),
+            ("utilization (tokens / reserved)", "utilization", ".1%"),
             ("preemptions", "preemptions", ","),
             ("requests preempted", "requests_preempted", ","),
             ("recomputed tokens", "recomputed_tokens", ","),

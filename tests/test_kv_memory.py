@@ -386,3 +386,26 @@ def test_system_prompt_per_class_is_served_from_cache():
     assert np.nanmean(df["t_prefill"]) < np.nanmean(requests_table(r_off)["t_prefill"])
     kv = run_outputs(r_on)[1]["kv"]
     assert kv["mean_memory_saved_gb"] > 0 and kv["token_hit_ratio"] > 0.5
+
+
+# -- scenario plumbing ------------------------------------------------------------------------
+def test_policies_entries_override_kv_settings_per_run():
+    from conftest import REPO
+    from simulator.config import load_scenario
+    sc, _ = load_scenario(REPO / "scenarios" / "kv-pressure.yaml")
+    runs = dict(sc.policy_runs())
+    assert runs["swap"].engine.kv.preemption == "swap"
+    assert runs["larger-gpu"].engine.kv.gpu_memory_gb == 48
+    assert runs["recompute"].engine.kv.gpu_memory_gb == 24
+
+
+def test_bad_kv_override_is_a_one_line_error(tmp_path):
+    from simulator.config import load_scenario
+    d = make_scenario_dict(policies=[{"policy": "chunked", "kv": {"preemtion": "swap"}}])
+    import yaml
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(LatsimError) as e:
+        load_scenario(p)
+    msg = str(e.value)
+    assert "bad.yaml" in msg and "policies" in msg and "preemtion" in msg and "\n" not in msg

@@ -15,7 +15,8 @@ from conftest import REPO
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.py"))
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 # PNGs each notebook writes (fidelity: one per policy, only when it can run the engine).
-EXPECTED_PNGS = {"policy_comparison": 3, "latency_vs_load": 1, "fidelity": 3 if HAS_TORCH else 0}
+EXPECTED_PNGS = {"policy_comparison": 3, "latency_vs_load": 1, "fidelity": 3 if HAS_TORCH else 0,
+                 "kv_pressure": 2}
 
 
 def test_every_notebook_is_known_and_a_percent_script():
