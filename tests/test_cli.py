@@ -128,15 +128,17 @@ def test_override_applies(tmp_path):
     assert s["policy"] == "fifo" and s["overall"]["num_requests"] == 50
 
 
-@pytest.mark.parametrize("scenario,n", [("refbench-h200", 150), ("azure-conv", None),
-                                        ("azure-code", None), ("mooncake-conv", None)])
-def test_shipped_scenarios_run_every_policy(tmp_path, shared_data, scenario, n):
-    """Every shipped scenario that reads shared data runs under each of its policies."""
+@pytest.mark.parametrize("scenario,n,runs", [
+    ("refbench-h200", 150, 3), ("azure-conv", None, 3), ("azure-code", None, 3),
+    ("mooncake-conv", None, 3), ("mooncake-prefix", None, 2), ("kv-pressure", 150, 3)])
+def test_shipped_scenarios_run_every_policy(tmp_path, shared_data, scenario, n, runs):
+    """Every shipped scenario that reads shared data (or compares runs) runs under
+    each of its policies."""
     extra = ["--set", f"workload.num_requests={n}"] if n else ["--set", "workload.limit=150"]
     r = latsim("run", f"scenarios/{scenario}.yaml", "--out", tmp_path, *extra)
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary) == 3
+    assert len(summary) == runs
     for label, s in summary.items():
         assert s["overall"]["completed"] + s["overall"]["not_finished"] == 150
         assert s["overall"]["completed"] > 0
