@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import plugins  # noqa: F401  (registers the built-in plug-ins)
+from .config_wire import NetworkConfig, StreamConfig  # noqa: F401  (part of the tree)
 from .errors import LatsimError
 from .pluginfield import plugin
 from .registry import COST_MODELS, ROUTERS, WORKLOADS
@@ -26,31 +27,6 @@ from .workload.classes import SLO
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class NetworkConfig(_Strict):
-    """Client to serving region: RTT, connection set-up, upload."""
-
-    distance_km: float = Field(500.0, ge=0, description="client to region distance")
-    base_rtt_ms: float = Field(2.0, ge=0, description="RTT floor: switching, last mile")
-    fibre_km_per_s: float = Field(200_000.0, gt=0, description="propagation speed in fibre")
-    tls: Literal["none", "1.2", "1.3", "0rtt"] = "1.3"
-    connection_reuse: bool = True
-    clients: int = Field(64, ge=1, description="distinct clients, each with its own pool")
-    pool_size: int = Field(8, ge=1, description="keep-alive connections per client")
-    keepalive_s: float = Field(300.0, ge=0, description="idle connection expiry")
-    uplink_mbps: float = Field(100.0, gt=0)
-    request_overhead_bytes: int = Field(400, ge=0, description="HTTP headers + JSON envelope")
-    bytes_per_prompt_token: float = Field(4.0, ge=0, description="prompt text bytes per token")
-    gateway_ms: float = Field(0.5, ge=0, description="gateway/proxy/routing processing")
-
-
-class StreamConfig(_Strict):
-    """Streaming back: SSE frames per token over the client's downlink."""
-
-    frame_overhead_bytes: int = Field(80, ge=0, description="SSE + JSON envelope per frame")
-    bytes_per_token: float = Field(4.0, ge=0, description="token text bytes")
-    downlink_mbps: float = Field(50.0, gt=0)
 
 
 class ClusterConfig(_Strict):
@@ -69,12 +45,32 @@ class ClusterConfig(_Strict):
 
 
 class KVConfig(_Strict):
-    """Paged KV cache: capacity from GPU memory or an explicit block count."""
+    """KV cache: capacity from GPU memory (or an explicit block count), allocation,
+    preemption under memory pressure, and prefix caching (see ``kvspace``)."""
 
     block_size: int = Field(16, ge=1)
     num_blocks: Optional[int] = Field(None, ge=1, description="overrides the memory-derived count")
     gpu_memory_gb: float = Field(80.0, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    allocation: Literal["paged", "contiguous"] = Field(
+        "paged", description="paged: blocks on demand; contiguous: reserve max length up front")
+    max_model_len: Optional[int] = Field(None, ge=1, description="longest request (prompt + "
+                                         "output); contiguous reserves this much per request")
+    watermark: float = Field(0.0, ge=0, lt=1, description="fraction of blocks kept free "
+                             "at admission")
+    preemption: Literal["recompute", "swap"] = "recompute"
+    victim: Literal["priority", "latest"] = Field(
+        "priority", description="whom to preempt: lowest class then latest arrival, or latest")
+    swap_space_gb: float = Field(4.0, ge=0, description="CPU memory for swapped-out KV")
+    swap_gb_per_s: float = Field(25.0, gt=0, description="GPU<->CPU copy bandwidth (PCIe)")
+    prefix_caching: bool = False
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        if self.prefix_caching and self.allocation == "contiguous":
+            raise ValueError("prefix_caching needs allocation: paged (contiguous "
+                             "reservations are private to a request)")
+        return self
 
 
 class EngineConfig(_Strict):
@@ -161,7 +157,9 @@ class Scenario(_Strict):
                 label = p
             else:
                 data = self.engine.model_dump()
-                data.update(p.model_dump(exclude={"label"}, exclude_none=True))
+                data.update(p.model_dump(exclude={"label", "kv"}, exclude_none=True))
+                if p.kv:
+                    data["kv"] = {**data["kv"], **p.kv}
                 eng = EngineConfig.model_validate(data)
                 label = p.name
             runs.append((label, self.model_copy(update={"engine": eng})))
@@ -177,8 +175,17 @@ class PolicyRun(_Strict):
     max_num_batched_tokens: Optional[int] = Field(None, ge=1)
     chunk_size: Optional[int] = Field(None, ge=1)
     aging_s: Optional[float] = Field(None, gt=0)
+    kv: Optional[dict[str, Any]] = Field(None, description="engine.kv fields to change for "
+                                         "this run (e.g. preemption, gpu_memory_gb)")
 
     _known = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
+
+    @field_validator("kv")
+    @classmethod
+    def _kv(cls, v):
+        if v is not None:
+            KVConfig.model_validate(v)   # unknown keys and bad values fail at load time
+        return v
 
     @property
     def name(self) -> str:
@@ -226,9 +233,15 @@ def apply_overrides(data: dict, overrides: list[str] | None, source: str = "--se
     return out
 
 
+_UNION_TAGS = {"str", "PolicyRun"}
+
+
 def _format_validation(e: ValidationError, source: str, data: dict) -> LatsimError:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
+    errs = e.errors()
+    # A union (``policies``: a name or a mapping) reports one error per branch; the
+    # deepest one is about what the user wrote, not about the branch not taken.
+    err = max(errs, key=lambda x: len(x["loc"])) if len(errs) > 1 else errs[0]
+    loc = ".".join(str(p) for p in err["loc"] if p not in _UNION_TAGS)
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] in ("plugin_field",):
         # The plug-in already folded its inner location and value into the message.

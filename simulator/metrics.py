@@ -46,6 +46,12 @@ def requests_table(res) -> pd.DataFrame:
         df[name] = getattr(rec, name)
     df["finished"] = ~np.isnan(df["last_delivered"].to_numpy())
     df["rejected"] = rec.rejected
+    df["cancelled"] = rec.cancelled
+    df["cached_tokens"] = rec.cached_tokens
+    df["preemptions"] = rec.preemptions
+    df["recomputed_tokens"] = rec.recomputed_tokens
+    df["swapped_bytes"] = rec.swapped_bytes
+    df["preempted_s"] = rec.preempted_s
     add_derived(df)
     return df
 
@@ -167,3 +173,20 @@ def per_class(df: pd.DataFrame, scenario=None) -> dict:
     for name, g in df.groupby("class", sort=True):
         out[str(name)] = summarize(g, None, slos={k: v for k, v in slos.items() if k == name})
     return out
+
+
+def batch_share_seconds(ts, running, t0: float, t1: float) -> float:
+    """``integral from t0 to t1 of dt / B(t)``: the time one running request held, as a
+    share of its replica, when ``B(t)`` requests ran there. ``B`` is piecewise constant
+    from a replica's time series (``ts``: sample times; ``running``: the batch right
+    after each sample; before the first sample, and at 0, it counts as 1, the request
+    itself)."""
+    if not t1 > t0:
+        return 0.0
+    ts = np.asarray(ts, dtype=np.float64)
+    run = np.maximum(np.asarray(running, dtype=np.float64), 1.0)
+    inner = ts[(ts > t0) & (ts < t1)]
+    edges = np.concatenate(([t0], inner, [t1]))
+    idx = np.searchsorted(ts, edges[:-1], side="right") - 1
+    b = np.where(idx >= 0, run[np.maximum(idx, 0)] if len(run) else 1.0, 1.0)
+    return float(np.sum(np.diff(edges) / b))

@@ -14,6 +14,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from .kvreport import kv_summary, kv_table
 from .metrics import BREAKDOWN, per_class, requests_table, summarize
 
 
@@ -37,7 +38,12 @@ def run_outputs(res) -> tuple[pd.DataFrame, dict]:
             "connections": res.connections,
             "sim_end_s": res.sim_end,
         },
+        "kv": kv_summary(res, df),
     }
+    # The rich stream/network model's totals (see simulate._Wire), when it was on.
+    for key in ("stream", "network"):
+        if key in res.meta:
+            out[key] = res.meta[key]
     return df, out
 
 
@@ -121,12 +127,51 @@ def print_run(console: Console, outs: dict[str, dict]) -> None:
             console.print(latency_table(f"Latency, class {c}", cols))
     console.print(breakdown_table(overall))
     console.print(throughput_table(overall))
+    if all("kv" in o for o in outs.values()):
+        console.print(kv_table(outs))
+    if any("stream" in o for o in outs.values()):
+        console.print(stream_table(outs))
     for k, o in outs.items():
         run = o["run"]
         if run["cost_extrapolations"]:
             console.print(f"[yellow]warning[/]: {k}: {run['cost_extrapolations']} of "
                           f"{run['cost_lookups']} step-cost lookups fell outside the profile's "
                           "measured range and were extrapolated")
+
+
+STREAM_ROWS = (
+    ("frames", "SSE frames"), ("tokens_per_frame", "tokens per frame"),
+    ("bytes", "bytes sent"), ("heartbeats", "heartbeat frames"),
+    ("peak_buffer_bytes_max", "peak send buffer, max (B)"),
+    ("peak_buffer_bytes_p99", "peak send buffer, P99 (B)"),
+    ("over_capacity", "streams over buffer_bytes"), ("degraded", "degraded to one body"),
+    ("blocked_streams", "streams blocked"), ("blocked_s", "time blocked (s)"),
+    ("disconnects_signalled", "disconnects, signalled"),
+    ("disconnects_unsignalled", "disconnects, silent"),
+    ("disconnects_cancelled", "cancelled by the server"),
+    ("wasted_gpu_s_signalled", "GPU-s after signalled ones"),
+    ("wasted_gpu_s_unsignalled", "GPU-s after silent ones"),
+    ("wasted_cost_usd_unsignalled", "$ after silent ones"),
+)
+
+
+def stream_table(outs: dict[str, dict]) -> Table:
+    """The stream model's totals: frames, bytes, buffers, backpressure, disconnects and
+    the GPU time spent for clients that had gone; one column per run."""
+    t = Table(title="Streaming and disconnects", title_justify="left")
+    t.add_column("")
+    for name in outs:
+        t.add_column(name, justify="right")
+    for key, label in STREAM_ROWS:
+        t.add_row(label, *[fmt(o.get("stream", {}).get(key)) for o in outs.values()])
+    nets = [o.get("network") for o in outs.values()]
+    if any(nets):
+        regions = sorted({r for n in nets if n for r in n["requests_per_region"]})
+        for r in regions:
+            t.add_row(f"requests to {r}",
+                      *[fmt((n or {}).get("requests_per_region", {}).get(r)) for n in nets])
+        t.add_row("mean RTT (ms)", *[fmt((n or {}).get("mean_rtt_ms")) for n in nets])
+    return t
 
 
 def json_safe(o):
@@ -168,11 +213,14 @@ def write_run(out_dir: Path, scenario, outs: dict[str, dict], tables: dict[str, 
 def series_table(res) -> pd.DataFrame:
     """Per-replica time series (queue length, running batch, KV use) as one table."""
     frames = []
-    for i, (ts, wq, run, blk, kv) in enumerate(res.rec.series):
+    for i, (ts, wq, run, blk, kv, shared) in enumerate(res.rec.series):
         frames.append(pd.DataFrame({"replica": i, "time": list(ts), "waiting": list(wq),
                                     "running": list(run), "kv_blocks_reserved": list(blk),
-                                    "kv_tokens": list(kv)}))
+                                    "kv_tokens": list(kv), "kv_blocks_shared": list(shared)}))
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if len(df):
         df["kv_reserved_frac"] = df["kv_blocks_reserved"] / res.kv_capacity_blocks
+        # Utilisation as the seeds define it: tokens held / token slots reserved.
+        slots = df["kv_blocks_reserved"] * res.scenario.engine.kv.block_size
+        df["kv_utilization"] = (df["kv_tokens"] / slots.where(slots > 0)).clip(upper=1.0)
     return df

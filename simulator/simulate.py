@@ -11,10 +11,17 @@ request to the router after ``T_net``; the router picks a replica, whose queue i
 joins (``enqueued``); the replica's engine loop schedules, prefills and decodes it;
 frames stream back; the connection returns to the pool when the last frame is
 delivered.
+
+When any stream or network setting departs from the defaults (coalescing,
+heartbeats, a bounded send buffer, per-client downlinks, disconnects, HTTP/2,
+regions) every request carries its own ``clientstream.ClientStream`` (``seq.stream``)
+and ``wire.Wire`` does the per-request work: route (with regions, at send time), take a
+connection, open the stream, and play out the client disconnects (a cancel one way
+after a signalled one, or a heartbeat timeout after a silent one). Its totals go to
+``Results.meta["stream"]`` (and ``meta["network"]`` with regions).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -25,12 +32,16 @@ import simpy
 from .config import Scenario
 from .costmodel import build_cost_model, profile_search_dirs
 from .kvcache import request_blocks
-from .network import ConnectionPools, NetworkTiming
+from .kvreport import kv_run_stats
+from .kvspace import KVRules
+from .prefixkeys import WorkloadKeys
+from .network import ConnectionPools, H2Connections, NetworkTiming, Topology
 from .recorder import Recorder
 from .replica import Replica, SimSeq
 from .routers import make_router
 from .scheduling import make_policy
-from .stream import StreamTiming
+from .stream import DisconnectDraws, StreamTiming, client_downlinks_bps
+from .wire import Wire
 from .workload import Workload, build_workload
 
 
@@ -69,6 +80,16 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
     return blocks
 
 
+def replica_kv_args(scenario: Scenario) -> dict:
+    """The KV keyword arguments of ``Replica`` for this scenario: rules, bytes per
+    block (what a swap copies), CPU swap space in blocks and its bandwidth."""
+    kv = scenario.engine.kv
+    block_bytes = float(scenario.model.shape.kv_bytes_per_token * kv.block_size)
+    return {"kv_rules": KVRules.from_config(kv), "block_bytes": block_bytes,
+            "swap_blocks": int(kv.swap_space_gb * 1e9 // block_bytes),
+            "swap_bps": kv.swap_gb_per_s * 1e9}
+
+
 def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
              policy: Optional[str] = None, workload: Optional[Workload] = None,
              profile: Optional[dict] = None, mode: str = "auto",
@@ -82,6 +103,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     seed = scenario.seed if seed is None else seed
     ss = np.random.SeedSequence(seed)
     rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
+    # Spawned after the first four, which (hence every default run) they leave unchanged.
+    rng_link, rng_disc = (np.random.default_rng(s) for s in ss.spawn(2))
     if workload is None:
         workload = build_workload(scenario.workload, rng_wl, base_dir or Path.cwd())
     eng = scenario.engine
@@ -99,13 +122,28 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     net = NetworkTiming.from_config(scenario.network)
     stream = StreamTiming.from_config(scenario.stream, net.one_way)
     ncfg = scenario.network
-    pools = ConnectionPools(ncfg.clients, ncfg.pool_size, ncfg.keepalive_s, ncfg.connection_reuse)
+    rich = scenario.stream.rich or ncfg.rich
+    topo = Topology.from_config(ncfg, ncfg.clients, n_rep) if ncfg.regions is not None else None
+    # With regions a client keeps separate connections to each serving region.
+    n_keys = ncfg.clients * (len(topo.serving_names) if topo is not None else 1)
+    if ncfg.protocol == "http2":
+        pools = H2Connections(n_keys, ncfg.h2_max_streams, ncfg.keepalive_s,
+                              ncfg.connection_reuse)
+    else:
+        pools = ConnectionPools(n_keys, ncfg.pool_size, ncfg.keepalive_s,
+                                ncfg.connection_reuse)
     clients = (workload.client % ncfg.clients if workload.client is not None
                else rng_net.integers(0, ncfg.clients, size=n))
+    wire = None
 
     def on_finish(s: SimSeq, delivered_at: float) -> None:
-        pools.release(s.client, delivered_at, s.pooled)
+        if wire is None:
+            pools.release(s.client, delivered_at, s.pooled)
+        else:
+            wire.finished(s, delivered_at)
 
+    kv_args = replica_kv_args(scenario)
+    keys_of = WorkloadKeys(workload, bs) if kv_args["kv_rules"].prefix_caching else None
     costs = []
     replicas = []
     for i in range(n_rep):
@@ -121,8 +159,12 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         costs.append(cm)
         replicas.append(Replica(env, i, pol, cm, capacity, rec, stream.frame_time, stream.one_way,
                                 on_finish, series_interval=_series_interval(workload),
-                                mode=mode))
-    router = make_router(scenario.cluster.router, n_rep, rng_router)
+                                mode="slow" if rich else mode, streams=rich, **kv_args))
+    router = make_router(scenario.cluster.router, n_rep, rng_router, topology=topo)
+    if rich:
+        wire = Wire(scenario, env, rec, replicas, router, pools, topo, net,
+                     client_downlinks_bps(scenario.stream, ncfg.clients, rng_link),
+                     DisconnectDraws.sample(scenario.stream.disconnect, n, rng_disc))
 
     arrival = workload.arrival_s
     prompt = workload.prompt_tokens
@@ -134,12 +176,19 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         rid = seq.rid
         seq.enqueued = env.now
         rec.enqueued[rid] = env.now
-        if seq.blocks_needed > capacity:
+        if replicas[0].rejects(seq):
             # Can never fit in this replica's KV cache: rejected, reported as not finished.
             rec.rejected[rid] = True
-            pools.release(seq.client, env.now + net.one_way, seq.pooled)
+            if wire is None:
+                pools.release(seq.client, env.now + net.one_way, seq.pooled)
+            else:
+                wire.rejected(seq, env.now)
             return
-        k = router.pick(replicas, seq)
+        if wire is None:
+            k = router.pick(replicas, seq)
+        else:
+            k = wire.replica_for(seq)
+            seq.stream = wire.open_stream(seq, env.now)
         rec.replica[rid] = k
         replicas[k].enqueue(seq)
 
@@ -151,17 +200,27 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                 yield env.timeout(a - t)
                 t = a
             c = int(clients[rid])
-            is_new, pooled = pools.acquire(c, env.now)
-            rec.new_connection[rid] = is_new
+            if wire is None:
+                is_new, pooled = pools.acquire(c, env.now)
+                rec.new_connection[rid] = is_new
+            else:
+                pooled = False   # wire.send routes the request, then takes its connection
             p = int(prompt[rid])
             o = int(output[rid])
             seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), request_blocks(p, o, bs), c, pooled)
-            t_net = net.send_time(p) + (net.handshake if is_new else 0.0)
+            if keys_of is not None:
+                seq.keys = keys_of(rid)
+            if wire is None:
+                t_net = net.send_time(p) + (net.handshake if is_new else 0.0)
+            else:
+                t_net = wire.send(seq, env.now)
             env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))
 
     env.process(arrivals())
     env.run(until=scenario.max_sim_time_s)
-    return Results(
+    kv_stats = kv_run_stats(replicas, costs[0], rec, workload,
+                            eng.chunk_size or eng.max_num_batched_tokens)
+    res = Results(
         scenario=scenario, seed=seed, policy=pname, workload=workload, rec=rec,
         kv_capacity_blocks=capacity, kv_capacity_tokens=capacity * bs,
         cost_info=costs[0].describe(),
@@ -170,6 +229,10 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         connections={"new": pools.new_connections, "reused": pools.reused_connections},
         sim_end=float(env.now),
     )
+    res.meta["kv"] = kv_stats
+    if wire is not None:
+        res.meta.update(wire.summary(float(env.now)))
+    return res
 
 
 def _series_interval(wl: Workload) -> float:
