@@ -3,8 +3,9 @@
 Endpoints: ``POST /v1/completions`` (``prompt``: a string or a list of token
 ids), ``POST /v1/chat/completions`` (``messages``), both with ``max_tokens``
 and ``stream: true|false``; ``GET /v1/models``, ``GET /health`` and
-``GET /metrics`` (JSON: KV blocks total/free, running/waiting requests,
-requests served and cancelled).
+``GET /metrics`` (JSON: KV blocks total/free, running/waiting/paused
+requests, requests served and cancelled, backpressure counters, and under
+``engine`` the policy and limits the engine runs with).
 
 Tokens. The weights are random, so text means nothing to the model; what
 matters for latency is the number of tokens. The tokenizer is therefore a
@@ -30,6 +31,33 @@ Disconnects. When a client goes away mid-stream, Starlette cancels the
 streaming generator; its ``finally`` sends a cancel command, and the engine
 thread calls ``engine.cancel(rid)`` before its next step, so the request's KV
 blocks are free within one engine step of the disconnect being noticed.
+
+Backpressure. A request's send buffer is its tokens produced by the engine but
+whose frame has not yet been written to the response (Starlette asks for the
+next frame only once the previous one is written, and uvicorn's write waits
+while the socket and its 64 KiB transport buffer are full, so a client that
+reads slowly makes this buffer grow). ``backpressure`` decides what happens
+when it reaches ``stream_buffer_frames``:
+
+- ``buffer`` (default): nothing; the buffer is unbounded and ``/metrics``
+  reports what it costs (buffered frames now, their peak, estimated bytes);
+- ``block``: the engine thread pauses the request (``EngineCore.pause``: off
+  the schedule, KV blocks kept) before its next step, so the buffer never
+  exceeds the bound; once the client has drained it to half the bound, the
+  stream asks the engine thread to resume it (half, not "one below": a client
+  reading at about the engine's pace would flip the request every step);
+- ``degrade``: the request leaves streaming: its remaining tokens are
+  collected and sent as one final frame (the non-streamed response the seeds
+  suggest for clients that cannot keep up), so the engine never waits for it.
+
+Timing. A request carrying the header ``x-latsim-timing`` gets, just before
+``data: [DONE]``, one SSE comment ``: latsim-timing {json}`` with the server's
+wall-clock times (``time.time()``) of the request: ``received`` (body read),
+``enqueued`` (handed to the engine thread), ``scheduled`` (admitted), ``first_token``
+and ``last_token`` (end of the steps that made them), and ``paused_s``. A
+comment is ignored by every SSE client, so the stream stays OpenAI-compatible;
+``latsim bench`` uses it to measure T_net, T_queue, T_prefill and T_stream
+(on one host, where client and server share the clock).
 """
 from __future__ import annotations
 
@@ -47,30 +75,83 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from simulator.benchclient import TIMING_COMMENT, TIMING_HEADER
+
 from .engine import EngineCore
 from .openai_api import ApiError, Parsed, chunk, completion, detokenize, error_body, parse_request
 
 _DONE = object()    # end-of-stream marker put on a request's queue
 _ABORT = object()   # the engine stopped (shutdown or a crash): the request cannot finish
 
+BACKPRESSURE = ("block", "buffer", "degrade")
+
 
 def _error(message: str, status: int = 400, param: Optional[str] = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
-class EngineLoop:
-    """The thread that owns an ``EngineCore``: commands in, tokens out to the event loop."""
+class _Stream:
+    """One open request as the two threads see it.
 
-    def __init__(self, engine: EngineCore) -> None:
+    ``delivered`` (tokens put on ``q``) is written by the engine thread only and
+    ``written`` (tokens whose frame went out, or that were folded into a degraded
+    response) by the event loop only: ``delivered - written`` is the request's
+    send buffer. ``paused``/``wake_sent`` change under ``EngineLoop.lock`` (see
+    ``EngineLoop.consumed``). ``timing``: server wall-clock times, for the
+    ``latsim-timing`` trailer."""
+
+    __slots__ = ("rid", "loop", "q", "delivered", "written", "paused", "wake_sent",
+                 "paused_at", "wake_at", "paused_s", "timing")
+
+    def __init__(self, rid: int, loop: asyncio.AbstractEventLoop, received: float) -> None:
+        self.rid, self.loop, self.q = rid, loop, asyncio.Queue()
+        self.delivered = self.written = 0
+        self.paused = self.wake_sent = False
+        self.paused_at = self.wake_at = self.paused_s = 0.0
+        self.timing = {"received": received}
+
+    @property
+    def buffered(self) -> int:
+        return self.delivered - self.written
+
+
+class EngineLoop:
+    """The thread that owns an ``EngineCore``: commands in, tokens out to the event loop.
+
+    ``backpressure`` (``block | buffer | degrade``) and ``stream_buffer_frames``:
+    what a request whose client reads slowly runs into (module docstring).
+    """
+
+    def __init__(self, engine: EngineCore, backpressure: str = "buffer",
+                 stream_buffer_frames: int = 256) -> None:
+        if backpressure not in BACKPRESSURE:
+            raise ValueError(f"backpressure must be one of {', '.join(BACKPRESSURE)}, "
+                             f"not {backpressure!r}")
+        if stream_buffer_frames < 1:
+            raise ValueError("stream_buffer_frames must be >= 1")
         self.engine = engine
+        self.backpressure = backpressure
+        self.buffer_frames = stream_buffer_frames
+        self.resume_frames = stream_buffer_frames // 2     # block: resume at or below this
+        self.lock = threading.Lock()
         self.cmds: "queue.Queue[tuple]" = queue.Queue()
-        self.streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.streams: dict[int, _Stream] = {}      # engine thread only (len() read elsewhere)
         self.thread: Optional[threading.Thread] = None
         self.stop_flag = threading.Event()
         self.rids = itertools.count()
         self.served = 0
         self.cancelled = 0
         self.steps = 0
+        # Backpressure accounting (engine thread, except the event-loop counters below).
+        self.pauses = self.resumes = 0
+        self.paused_s = 0.0
+        self.resume_lag_max = 0.0
+        self.buffered_peak = 0          # most frames buffered at once, all streams together
+        self.stream_buffered_peak = 0   # most frames one stream had buffered
+        self.degraded = 0               # event loop
+        self.frames = self.frame_bytes = 0   # event loop: content frames written, their bytes
+        # Engine clock -> wall clock (the timing trailer speaks time.time()).
+        self.wall_offset = time.time() - engine.clock()
         self.snapshot: dict = {}
         self.failure: Optional[str] = None    # why the engine thread died, if it did
         self._publish()
@@ -90,8 +171,9 @@ class EngineLoop:
         if self.thread is not None:
             self.thread.join(timeout)
 
-    async def submit(self, ids: list[int], max_tokens: int, priority: int) -> tuple[int, asyncio.Queue]:
-        """Enqueue a request on the engine; returns its id and its token queue.
+    async def submit(self, ids: list[int], max_tokens: int, priority: int,
+                     received: Optional[float] = None) -> _Stream:
+        """Enqueue a request on the engine; returns its stream (id, token queue, counters).
 
         Waits for the engine thread to accept it, so an engine-side refusal
         becomes an ``ApiError`` (HTTP 400) before any response is started.
@@ -99,16 +181,16 @@ class EngineLoop:
         if not self.alive:
             raise ApiError(f"engine is not running ({self.failure or 'stopped'})", 503)
         loop = asyncio.get_running_loop()
-        rid = next(self.rids)
-        q: asyncio.Queue = asyncio.Queue()
+        st = _Stream(next(self.rids), loop, time.time() if received is None else received)
         ack = loop.create_future()
-        self.streams[rid] = (loop, q)
-        self.cmds.put(("add", rid, ids, max_tokens, priority, loop, ack))
+        # Enqueued = handed to the engine: the engine thread takes it at its next step
+        # boundary, as a simulated request waits for the step in flight (T_queue).
+        st.timing["enqueued"] = time.time()
+        self.cmds.put(("add", st, ids, max_tokens, priority, ack))
         err = await ack
         if err is not None:
-            self.streams.pop(rid, None)
             raise ApiError(err)
-        return rid, q
+        return st
 
     @property
     def alive(self) -> bool:
@@ -119,27 +201,72 @@ class EngineLoop:
         """Ask the engine thread to drop ``rid`` (a no-op if it has finished)."""
         self.cmds.put(("cancel", rid))
 
+    def consumed(self, st: _Stream, nbytes: int = 0) -> None:
+        """A token of ``st`` left its send buffer (its frame was written, or it was
+        folded into a degraded or non-streamed response). Under ``block``, the
+        first time a paused stream is drained to ``resume_frames`` this asks the
+        engine thread to resume it. The check and the engine thread's pause run
+        under one lock, so a pause can never slip in unseen after the drain."""
+        if nbytes:
+            self.frames += 1
+            self.frame_bytes += nbytes
+        if self.backpressure != "block":
+            st.written += 1
+            return
+        with self.lock:
+            st.written += 1
+            wake = st.paused and not st.wake_sent and st.buffered <= self.resume_frames
+            if wake:
+                st.wake_sent, st.wake_at = True, time.perf_counter()
+        if wake:
+            self.cmds.put(("resume", st.rid))
+
     # -- the engine thread ----------------------------------------------------------
     def _publish(self) -> None:
         e = self.engine
+        buffered = sum(s.buffered for s in list(self.streams.values()))
+        self.buffered_peak = max(self.buffered_peak, buffered)
         self.snapshot = {"kv_blocks_total": e.cache.num_blocks, "kv_blocks_free": e.cache.num_free,
                          "running": e.num_running, "waiting": len(e.waiting),
+                         "paused": len(e.paused),
                          "requests_served": self.served, "requests_cancelled": self.cancelled,
-                         "engine_steps": self.steps, "time": time.time()}
+                         "engine_steps": self.steps,
+                         "backpressure": self.backpressure,
+                         "stream_buffer_frames": self.buffer_frames,
+                         "buffered_frames": buffered, "buffered_frames_peak": self.buffered_peak,
+                         "stream_buffered_frames_peak": self.stream_buffered_peak,
+                         "pauses": self.pauses, "resumes": self.resumes,
+                         "paused_s_total": self.paused_s,
+                         "resume_lag_ms_max": self.resume_lag_max * 1e3,
+                         "time": time.time()}
 
     def _command(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, ids, max_tokens, priority, loop, ack = cmd
+            _, st, ids, max_tokens, priority, ack = cmd
             try:
-                self.engine.add_request(rid, ids, max_tokens, priority)
+                self.engine.add_request(st.rid, ids, max_tokens, priority)
+                self.streams[st.rid] = st
                 err = None
             except ValueError as e:        # too long for max_seq_len or for the cache
                 err = str(e)
-            loop.call_soon_threadsafe(_resolve, ack, err)
+            st.loop.call_soon_threadsafe(_resolve, ack, err)
         elif cmd[0] == "cancel":
+            st = self.streams.pop(cmd[1], None)
+            if st is not None and st.paused:
+                self.paused_s += self.engine.clock() - st.paused_at
             if self.engine.cancel(cmd[1]):
                 self.cancelled += 1
-            self.streams.pop(cmd[1], None)
+        elif cmd[0] == "resume":
+            st = self.streams.get(cmd[1])
+            with self.lock:
+                if st is None or not st.paused or not self.engine.resume(st.rid):
+                    return
+                st.paused = st.wake_sent = False
+            now = self.engine.clock()
+            st.paused_s += now - st.paused_at
+            self.paused_s += now - st.paused_at
+            self.resumes += 1
+            self.resume_lag_max = max(self.resume_lag_max, time.perf_counter() - st.wake_at)
 
     def _run(self) -> None:
         eng = self.engine
@@ -151,7 +278,7 @@ class EngineLoop:
                         self._command(self.cmds.get_nowait())
                 except queue.Empty:
                     pass
-                if not eng.has_work:
+                if not eng.has_work:      # idle, or every running request is paused
                     self._publish()
                     try:
                         self._command(self.cmds.get(timeout=0.5))
@@ -160,6 +287,11 @@ class EngineLoop:
                     continue
                 res = eng.step()
                 self.steps += 1
+                if res.admitted:
+                    t = res.t_start + self.wall_offset
+                    for rid in res.admitted:
+                        if rid in self.streams:
+                            self.streams[rid].timing["scheduled"] = t
                 if res.tokens:
                     self._deliver(res.tokens, set(res.finished), res.t_end)
                 self._publish()
@@ -174,9 +306,9 @@ class EngineLoop:
     def _abort_all(self) -> None:
         """End every open stream with ``_ABORT`` (the engine is gone)."""
         streams, self.streams = self.streams, {}
-        for loop, q in streams.values():
+        for st in streams.values():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, _ABORT)
+                st.loop.call_soon_threadsafe(st.q.put_nowait, _ABORT)
             except RuntimeError:
                 pass
         while True:                 # adds still queued: refuse them
@@ -186,21 +318,37 @@ class EngineLoop:
                 break
             if cmd[0] == "add":
                 try:
-                    cmd[5].call_soon_threadsafe(_resolve, cmd[6], "engine stopped")
+                    cmd[1].loop.call_soon_threadsafe(_resolve, cmd[5], "engine stopped")
                 except RuntimeError:
                     pass
 
     def _deliver(self, tokens: dict, finished: set, t: float) -> None:
-        """Hand one step's tokens to their request queues: one thread hop per loop."""
+        """Hand one step's tokens to their request queues (one thread hop per event
+        loop); under ``block``, pause every request whose buffer is now full, so it
+        sits out the next step."""
         by_loop: dict = {}
+        wall = t + self.wall_offset
+        block = self.backpressure == "block"
         for rid, tok in tokens.items():
-            s = self.streams.get(rid)
-            if s is None:
+            st = self.streams.get(rid)
+            if st is None:
                 continue                  # cancelled meanwhile
-            by_loop.setdefault(s[0], []).append((s[1], tok, rid in finished))
-            if rid in finished:
+            last = rid in finished
+            by_loop.setdefault(st.loop, []).append((st.q, tok, last))
+            st.delivered += 1
+            st.timing.setdefault("first_token", wall)
+            self.stream_buffered_peak = max(self.stream_buffered_peak, st.buffered)
+            if last:
+                st.timing["last_token"] = wall
+                st.timing["paused_s"] = st.paused_s
                 self.streams.pop(rid, None)
                 self.served += 1
+            elif block and st.buffered >= self.buffer_frames:
+                with self.lock:
+                    # Re-checked under the lock: ``consumed`` may have drained it since.
+                    if st.buffered >= self.buffer_frames and self.engine.pause(rid):
+                        st.paused, st.paused_at = True, self.engine.clock()
+                        self.pauses += 1
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
@@ -246,17 +394,27 @@ class _Getter:
 
 
 def make_app(engine: EngineCore, model_name: str = "latsim",
-             heartbeat_s: Optional[float] = 15.0) -> FastAPI:
+             heartbeat_s: Optional[float] = 15.0, backpressure: str = "buffer",
+             stream_buffer_frames: int = 256) -> FastAPI:
     """A FastAPI app serving ``engine``; the engine thread runs for the app's lifespan.
 
     ``heartbeat_s``: a stream that has sent nothing for this long (typically a
     request still queued) gets an SSE comment ``: ping`` so proxies and clients
-    keep the connection; None disables them.
+    keep the connection; None disables them. ``backpressure`` and
+    ``stream_buffer_frames``: what a slow reader runs into (module docstring).
     """
     from contextlib import asynccontextmanager
 
-    loop_ = EngineLoop(engine)
+    loop_ = EngineLoop(engine, backpressure, stream_buffer_frames)
     cfg, cache = engine.model.cfg, engine.cache
+    pol = engine.policy
+    # What a client needs to simulate this server (``real_engine.endpoint``).
+    settings = {"model": cfg.name, "device": str(engine.device), "policy": pol.name,
+                "max_num_seqs": pol.limits.max_num_seqs,
+                "max_num_batched_tokens": pol.limits.max_num_batched_tokens,
+                "chunk_size": getattr(pol, "chunk_size", None),
+                "aging_s": getattr(pol, "aging_s", None),
+                "num_blocks": cache.num_blocks, "block_size": cache.block_size}
 
     @asynccontextmanager
     async def lifespan(app):
@@ -277,7 +435,13 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
 
     @app.get("/metrics")
     async def metrics():
-        return dict(loop_.snapshot, active_streams=len(loop_.streams))
+        # Event-loop counters are read here, the engine's from its last snapshot.
+        mean_frame = loop_.frame_bytes / loop_.frames if loop_.frames else 0.0
+        snap = loop_.snapshot
+        return dict(snap, engine=settings, active_streams=len(loop_.streams),
+                    degraded=loop_.degraded,
+                    frames_written=loop_.frames, mean_frame_bytes=mean_frame,
+                    buffered_bytes_peak_est=snap["buffered_frames_peak"] * mean_frame)
 
     @app.get("/v1/models")
     async def models():
@@ -290,19 +454,21 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
                 body = json.loads(await request.body())
             except (ValueError, UnicodeDecodeError):
                 raise ApiError("request body is not valid JSON") from None
+            received = time.time()
             p = parse_request(body, chat, cfg.vocab, cfg.max_seq_len, cache.block_size,
                        cache.num_blocks, model_name)
-            rid, q = await loop_.submit(p.ids, p.max_tokens, p.priority)
+            st = await loop_.submit(p.ids, p.max_tokens, p.priority, received)
         except ApiError as e:
             return _error(str(e), e.status, e.param)
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if p.stream:
-            return StreamingResponse(_stream(loop_, rid, q, cid, created, p, chat,
-                                             heartbeat_s),
+            timing = TIMING_HEADER in request.headers
+            return StreamingResponse(_stream(loop_, st, cid, created, p, chat, heartbeat_s,
+                                             timing),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _collect(request, loop_, rid, q, cid, created, p, chat)
+        return await _collect(request, loop_, st, cid, created, p, chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -315,12 +481,19 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
     return app
 
 
-async def _stream(loop_: EngineLoop, rid: int, q: asyncio.Queue, cid: str, created: int,
-                  p: Parsed, chat: bool, heartbeat_s: Optional[float] = None):
+def _frame(obj: dict) -> str:
+    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
+
+
+async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Parsed,
+                  chat: bool, heartbeat_s: Optional[float] = None, timing: bool = False):
     """SSE frames, one per token (and ``: ping`` comments after ``heartbeat_s`` of
-    silence); cancels the request if the generator is torn down early."""
+    silence); under ``degrade``, once the send buffer is full, the rest as one frame.
+    Cancels the request if the generator is torn down early."""
     done = False
-    getter = _Getter(q)
+    getter = _Getter(st.q)
+    degrade = loop_.backpressure == "degrade"
+    held: Optional[list] = None          # degraded: the text not streamed yet
     try:
         n = 0
         while True:
@@ -335,23 +508,40 @@ async def _stream(loop_: EngineLoop, rid: int, q: asyncio.Queue, cid: str, creat
                 yield "data: " + json.dumps(error_body("engine stopped", 503)) + "\n\n"
                 return
             n += 1
-            c = chunk(cid, created, p.model, detokenize(tok), n == 1, n == p.max_tokens, chat)
-            yield "data: " + json.dumps(c, separators=(",", ":")) + "\n\n"
+            if held is None and degrade and st.buffered >= loop_.buffer_frames:
+                held = []
+                loop_.degraded += 1
+            if held is not None:
+                held.append(detokenize(tok))
+                loop_.consumed(st)
+                continue
+            f = _frame(chunk(cid, created, p.model, detokenize(tok), n == 1, n == p.max_tokens,
+                             chat))
+            yield f
+            # Starlette asks for the next frame only after this one was written.
+            loop_.consumed(st, len(f))
+        if held:
+            f = _frame(chunk(cid, created, p.model, "".join(held), n == len(held), True, chat))
+            yield f
+            loop_.frames += 1
+            loop_.frame_bytes += len(f)
         done = True
+        if timing:
+            yield f": {TIMING_COMMENT} {json.dumps(st.timing, separators=(',', ':'))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         getter.close()
         if not done:
             # Client went away (Starlette cancelled us) or the write failed: free the KV now.
-            loop_.cancel(rid)
+            loop_.cancel(st.rid)
 
 
-async def _collect(request: Request, loop_: EngineLoop, rid: int, q: asyncio.Queue, cid: str,
+async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
                    created: int, p: Parsed, chat: bool):
     """A non-streamed response: every token, then one JSON (cancelled on disconnect)."""
     toks: list[int] = []
     next_check = time.monotonic() + 0.1
-    getter = _Getter(q)
+    getter = _Getter(st.q)
     try:
         while True:
             tok = await getter.get(0.1)
@@ -360,7 +550,7 @@ async def _collect(request: Request, loop_: EngineLoop, rid: int, q: asyncio.Que
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + 0.1
                 if await request.is_disconnected():
-                    loop_.cancel(rid)
+                    loop_.cancel(st.rid)
                     return _error("client disconnected", 499)
             if tok is _Getter:
                 continue
@@ -369,13 +559,34 @@ async def _collect(request: Request, loop_: EngineLoop, rid: int, q: asyncio.Que
             if tok is _ABORT:
                 return _error("engine stopped", 503)
             toks.append(tok)
+            loop_.consumed(st)      # taken off the buffer: a whole response never blocks
     except asyncio.CancelledError:
-        loop_.cancel(rid)
+        loop_.cancel(st.rid)
         raise
     finally:
         getter.close()
     return completion(cid, created, p.model, "".join(detokenize(t) for t in toks), len(p.ids),
                       len(toks), chat)
+
+
+def listen_socket(host: str = "127.0.0.1", port: int = 0,
+                  send_buffer_bytes: Optional[int] = None) -> socket.socket:
+    """A bound TCP socket for uvicorn (``Server.run(sockets=[...])``).
+
+    ``send_buffer_bytes`` sets ``SO_SNDBUF`` on it, which accepted connections
+    inherit (Linux doubles the value and stops autotuning it). By default the
+    kernel grows a loopback send buffer to megabytes, i.e. thousands of SSE
+    frames absorbed before a slow reader pushes back on the server at all.
+    """
+    # IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on sockets whose proto says
+    # TCP, and without it every keep-alive response after the first waits ~40 ms
+    # (Nagle vs delayed ACK).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(send_buffer_bytes))
+    sock.bind((host, port))
+    return sock
 
 
 class BackgroundServer:
@@ -384,18 +595,13 @@ class BackgroundServer:
     ``with BackgroundServer(app) as s: ... s.url`` binds ``host:port`` (port 0:
     a free one, taken before the thread starts so there is no race), waits for
     startup and shuts down on exit. Signal handlers are left alone (not the
-    main thread).
+    main thread). ``send_buffer_bytes``: see ``listen_socket``.
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
-                 startup_timeout: float = 30.0) -> None:
+                 startup_timeout: float = 30.0, send_buffer_bytes: Optional[int] = None) -> None:
         import uvicorn
-        # IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on sockets whose proto says
-        # TCP, and without it every keep-alive response after the first waits ~40 ms
-        # (Nagle vs delayed ACK).
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = listen_socket(host, port, send_buffer_bytes)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.startup_timeout = startup_timeout
@@ -424,7 +630,8 @@ class BackgroundServer:
 def serve(model: str = "tiny", device: str = "cpu", host: str = "127.0.0.1", port: int = 8000,
           model_name: Optional[str] = None, log_level: str = "info",
           heartbeat_s: Optional[float] = 15.0, access_log: bool = False,
-          **engine_kwargs) -> None:
+          backpressure: str = "buffer", stream_buffer_frames: int = 256,
+          send_buffer_bytes: Optional[int] = None, **engine_kwargs) -> None:
     """Build the engine (``build_engine`` options in ``engine_kwargs``) and serve it (blocks).
 
     The access log is off by default: one log line per request is work on the
@@ -433,7 +640,13 @@ def serve(model: str = "tiny", device: str = "cpu", host: str = "127.0.0.1", por
     import uvicorn
 
     from .profile import build_engine
-    engine = build_engine(model, device, **engine_kwargs)
-    name = model_name or engine.model.cfg.name
-    uvicorn.run(make_app(engine, name, heartbeat_s), host=host, port=port, log_level=log_level,
-                access_log=access_log)
+    # Bound first: a taken port fails at once, not after building the model.
+    sock = listen_socket(host, port, send_buffer_bytes)
+    try:
+        engine = build_engine(model, device, **engine_kwargs)
+        name = model_name or engine.model.cfg.name
+        app = make_app(engine, name, heartbeat_s, backpressure, stream_buffer_frames)
+        uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=access_log,
+                                      lifespan="on")).run(sockets=[sock])
+    finally:
+        sock.close()

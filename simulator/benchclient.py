@@ -14,16 +14,27 @@ sees. Every SSE frame's arrival time is recorded when its event is complete
 (the blank line that ends it is read).
 
 The per-request table has the simulator's columns (``simulator.metrics``):
-``arrival`` is the send time; ``enqueued`` and ``scheduled`` are NaN (a client
-cannot see inside the server); ``first_token``/``first_delivered`` are both the
-first content frame's arrival and ``last_token``/``last_delivered`` the last's,
-so ``t_net``/``t_queue``/``t_prefill`` are NaN and ``t_stream`` is 0: only
-TTFT, TPOT, ITL, E2EL and ``t_decode`` (first to last frame) are measured.
+``arrival`` is the send time, ``first_delivered``/``last_delivered`` the first
+and last content frames' arrivals. What happened inside the server a client
+cannot see, unless the server tells it: every request carries the header
+``x-latsim-timing``, and ``latsim serve`` answers it with a trailing SSE comment
+``: latsim-timing {json}`` holding its wall-clock ``enqueued``, ``scheduled``,
+``first_token`` and ``last_token`` times; they fill those columns, so
+``t_net``, ``t_queue``, ``t_prefill`` and ``t_stream`` are measured. That needs
+the client's and the server's clocks to agree (same host, e.g. loopback): if a
+request's server times are impossible against its client times (enqueued
+before sent, or a token produced after it arrived) the server times are
+dropped for the run. Other servers ignore the header: then ``enqueued`` and
+``scheduled`` are NaN and ``first_token``/``last_token`` are the client's
+first/last frame, so only TTFT, TPOT, ITL, E2EL and ``t_decode`` are measured.
 ITL is every gap between consecutive content frames, pooled. A request counts
 as ``finished`` when it ended with ``[DONE]`` (or a clean end of stream) after
 at least one content frame. Extra columns: ``planned_arrival`` (the trace's
 time), ``frames`` (content frames), ``heartbeats`` (SSE comment lines),
-``status`` (HTTP) and ``error``.
+``http_version`` (what the connection negotiated: with ``http2`` the client
+offers HTTP/2 but a cleartext HTTP/1.1 server keeps 1.1), ``server_received``
+and ``paused_s`` (from the server's timing, NaN without), ``status`` and
+``error``.
 """
 from __future__ import annotations
 
@@ -50,6 +61,13 @@ _WORDS = ("the of and to in is that for it as was with be by on not he this are 
           "very make world still own see men work long get here between both life being under "
           "never day same another know while last might us great old year off come since "
           "against go came right used take three").split()
+
+
+# The server-timing handshake with ``latsim serve`` (``real_engine.server`` uses these).
+TIMING_HEADER = "x-latsim-timing"
+TIMING_COMMENT = "latsim-timing"
+# Server time fields, in the order a request passes them.
+_SERVER_TIMES = ("received", "enqueued", "scheduled", "first_token", "last_token")
 
 
 @dataclass
@@ -163,10 +181,29 @@ class _Rec:
     done: bool = False
     error: str = ""
     new_connection: bool = False
+    http_version: str = ""
+    server: dict = field(default_factory=dict)   # server timing, on the run's clock (s)
 
 
-async def _one(client, url: str, body: dict, rec: _Rec, t0: float, timeout: float) -> None:
-    """Send one request and record every content frame's arrival time."""
+def _server_timing(text: str, wall0: float) -> dict:
+    """A ``latsim-timing`` comment's times on the run's clock (``wall0``: its start)."""
+    try:
+        obj = json.loads(text[len(TIMING_COMMENT):])
+    except ValueError:
+        return {}
+    if not isinstance(obj, dict):
+        return {}
+    out = {k: float(obj[k]) - wall0 for k in _SERVER_TIMES
+           if isinstance(obj.get(k), (int, float))}
+    if isinstance(obj.get("paused_s"), (int, float)):
+        out["paused_s"] = float(obj["paused_s"])
+    return out
+
+
+async def _one(client, url: str, body: dict, rec: _Rec, t0: float, timeout: float,
+               wall0: float = 0.0) -> None:
+    """Send one request and record every content frame's arrival time (and the
+    server's timing trailer, if it sends one; ``wall0``: the wall clock at ``t0``)."""
     clock = time.perf_counter
 
     async def trace(name, info):
@@ -175,8 +212,10 @@ async def _one(client, url: str, body: dict, rec: _Rec, t0: float, timeout: floa
             rec.new_connection = True
 
     async def go() -> None:
-        async with client.stream("POST", url, json=body, extensions={"trace": trace}) as resp:
+        async with client.stream("POST", url, json=body, headers={TIMING_HEADER: "1"},
+                                 extensions={"trace": trace}) as resp:
             rec.status = resp.status_code
+            rec.http_version = resp.http_version
             if resp.status_code != 200:
                 txt = (await resp.aread()).decode("utf-8", "replace")
                 rec.error = f"HTTP {resp.status_code}: {txt[:200]}"
@@ -188,7 +227,10 @@ async def _one(client, url: str, body: dict, rec: _Rec, t0: float, timeout: floa
                     continue
                 now = clock() - t0
                 if ev.comment is not None:
-                    rec.heartbeats += 1
+                    if ev.comment.startswith(TIMING_COMMENT):
+                        rec.server = _server_timing(ev.comment, wall0)
+                    else:
+                        rec.heartbeats += 1
                 elif ev.done:
                     # No break: reading to the end of the body lets httpx return the
                     # connection to the keep-alive pool (a half-read one is closed).
@@ -251,6 +293,7 @@ async def run_bench(url: str, wl: Workload, *, model: Optional[str] = None,
             bodies.append(b)
             recs.append(_Rec(i, float(wl.arrival_s[i])))
         t0 = time.perf_counter()
+        wall0 = time.time()         # the same instant on the wall clock (server timing)
         tasks = []
         deadline = None if max_wall_s is None else t0 + max_wall_s
         for i, rec in enumerate(recs):
@@ -259,7 +302,8 @@ async def run_bench(url: str, wl: Workload, *, model: Optional[str] = None,
                 break
             if wait > 0:
                 await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(_one(client, full, bodies[i], rec, t0, timeout)))
+            tasks.append(asyncio.create_task(_one(client, full, bodies[i], rec, t0, timeout,
+                                                  wall0)))
         if tasks:
             left = None if deadline is None else max(0.0, deadline - time.perf_counter())
             _, pending = await asyncio.wait(tasks, timeout=left)
@@ -282,22 +326,47 @@ async def _served_model(client, base: str) -> str:
         return "default"
 
 
-def bench_table(recs: list[_Rec], wl: Workload) -> tuple[pd.DataFrame, ItlHistogram]:
-    """The simulator's per-request table from the records, and the pooled ITL."""
+def _server_col(recs: list[_Rec], key: str) -> np.ndarray:
+    return np.array([r.server.get(key, np.nan) for r in recs], dtype=np.float64)
+
+
+def server_times_consistent(recs: list[_Rec], tol: float = 1e-3) -> bool:
+    """Whether the server's times fit the client's (``tol`` s of clock slack): each
+    request enqueued after it was sent and each token made before it arrived. False
+    means the two clocks disagree (another host) and the server times are unusable."""
+    arr = np.array([r.arrival for r in recs], dtype=np.float64)
+    first = np.array([r.times[0] if r.times else np.nan for r in recs])
+    last = np.array([r.times[-1] if r.times else np.nan for r in recs])
+    bad = ((_server_col(recs, "enqueued") < arr - tol)
+           | (_server_col(recs, "first_token") > first + tol)
+           | (_server_col(recs, "last_token") > last + tol))
+    return not bad.any()         # NaN compares False: missing times are not evidence
+
+
+def bench_table(recs: list[_Rec], wl: Workload,
+                server_timing: bool = True) -> tuple[pd.DataFrame, ItlHistogram]:
+    """The simulator's per-request table from the records, and the pooled ITL.
+
+    ``server_timing``: use the server's timing trailers where present (see the
+    module docstring); False ignores them."""
     n = len(recs)
     names = np.array(wl.class_names, dtype=object)
     prio = wl.priority[:n]
-    nan = np.full(n, np.nan)
     first = np.array([r.times[0] if r.times else np.nan for r in recs])
     last = np.array([r.times[-1] if r.times else np.nan for r in recs])
     fin = np.array([r.done and bool(r.times) and not r.error for r in recs])
+    srv = {k: (_server_col(recs, k) if server_timing else np.full(n, np.nan))
+           for k in _SERVER_TIMES + ("paused_s",)}
     df = pd.DataFrame({
         "rid": np.arange(n), "priority": prio,
         "class": names[np.minimum(prio, len(names) - 1)] if len(names) else prio,
         "prompt_tokens": wl.prompt_tokens[:n], "output_tokens": wl.output_tokens[:n],
         "replica": -1, "new_connection": [r.new_connection for r in recs],
-        "arrival": [r.arrival for r in recs], "enqueued": nan, "scheduled": nan.copy(),
-        "first_token": first, "last_token": last,
+        "arrival": [r.arrival for r in recs], "enqueued": srv["enqueued"],
+        "scheduled": srv["scheduled"],
+        # Without the server's word, a token is taken to be made when its frame arrives.
+        "first_token": np.where(np.isnan(srv["first_token"]), first, srv["first_token"]),
+        "last_token": np.where(np.isnan(srv["last_token"]), last, srv["last_token"]),
         "first_delivered": first, "last_delivered": np.where(fin, last, np.nan),
     })
     df["finished"] = fin
@@ -306,6 +375,9 @@ def bench_table(recs: list[_Rec], wl: Workload) -> tuple[pd.DataFrame, ItlHistog
     df["planned_arrival"] = [r.planned for r in recs]
     df["frames"] = [len(r.times) for r in recs]
     df["heartbeats"] = [r.heartbeats for r in recs]
+    df["http_version"] = [r.http_version for r in recs]
+    df["server_received"] = srv["received"]
+    df["paused_s"] = srv["paused_s"]
     df["status"] = [r.status for r in recs]
     df["error"] = [r.error for r in recs]
     itl = ItlHistogram()
@@ -321,13 +393,22 @@ def bench_outputs(recs: list[_Rec], wl: Workload, facts: dict) -> tuple[pd.DataF
     Requests never sent (their arrival fell after ``max_wall_s``) have no row;
     ``run.planned - run.sent`` counts them.
     """
-    df, itl = bench_table(recs, wl)
+    timed = sum(bool(r.server) for r in recs)
+    usable = server_times_consistent(recs)
+    df, itl = bench_table(recs, wl, server_timing=usable)
     # The send order is fixed by the trace; keep only requests actually sent.
     df = df[~np.isnan(df["arrival"].to_numpy())].reset_index(drop=True)
     errors = df.loc[df["error"] != "", "error"]
+    fin = df[df["finished"]]
+    unobservable = [c for c in ("enqueued", "scheduled", "t_net", "t_queue", "t_prefill")
+                    if not len(fin) or fin[c].isna().all()]
+    versions = df.loc[df["http_version"] != "", "http_version"].value_counts()
     run = dict(facts, errors=int(len(errors)), first_error=(errors.iloc[0] if len(errors) else None),
                frames=int(df["frames"].sum()),
                new_connections=int(df["new_connection"].sum()),
-               unobservable=["enqueued", "scheduled", "t_net", "t_queue", "t_prefill"])
+               http_versions={str(k): int(v) for k, v in versions.items()},
+               server_timing=(f"{timed} requests" if usable else
+                              f"dropped: {timed} requests, but the clocks disagree"),
+               unobservable=unobservable)
     return df, {"policy": "bench", "overall": summarize(df, itl), "per_class": per_class(df),
                 "run": run}

@@ -56,6 +56,9 @@ def run(
             sc = sc.model_copy(update={"policies": names})
         runs = sc.policy_runs()
         s = sc.seed if seed is None else seed
+        from .kvreport import kv_capacity_line
+        from .simulate import kv_capacity_blocks
+        console.print(kv_capacity_line(sc, kv_capacity_blocks(sc)), highlight=False)
         t0 = time.perf_counter()
         # Same traffic for every policy: build the workload once from the seed.
         wl_rng = np.random.default_rng(np.random.SeedSequence(s).spawn(4)[0])
@@ -113,13 +116,16 @@ def profile(
         _fail(e)
 
 
+_VALIDATE_POLICIES = "fifo,chunked,priority_aging"
+
+
 @app.command()
 def validate(
     profile: Path = typer.Option(..., "--profile", help="profile the engine produced"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="trace file (any format "
                                          "`latsim trace` reads); default: synthetic Poisson"),
     fmt: Optional[str] = typer.Option(None, "--format", help="azure|mooncake|vidur|csv"),
-    policies: str = typer.Option("fifo,chunked,priority_aging", "--policies"),
+    policies: str = typer.Option(_VALIDATE_POLICIES, "--policies"),
     model: Optional[str] = typer.Option(None, "--model", help="default: the profile's model"),
     device: str = typer.Option("cpu", "--device"),
     limit: int = typer.Option(200, "--limit", min=1, help="requests to replay"),
@@ -134,10 +140,15 @@ def validate(
     aging_s: float = typer.Option(2.0, "--aging-s", min=0.001),
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(Path("results/validate"), "--out"),
+    endpoint: Optional[str] = typer.Option(
+        None, "--endpoint", help="over real HTTP: 'local' (serve each policy here on a "
+        "loopback port) or the URL of a running `latsim serve` (its own policy)"),
 ) -> None:
-    """Replay one trace through the real engine and the simulator; print the errors."""
+    """Replay one trace through the real engine and the simulator; print the errors.
+
+    With ``--endpoint`` the real side is ``latsim bench`` against ``latsim serve``,
+    so the wire (T_net, T_stream) is measured too (``real_engine.endpoint``)."""
     try:
-        import json as _json
         import numpy as np
         from .costmodel import load_profile
         from .workload import Workload
@@ -163,6 +174,23 @@ def validate(
                           output_tokens=rng.integers(2, max_output_tokens + 1, n),
                           priority=rng.integers(0, 3, n), class_names=("P0", "P1", "P2"))
         settings = v.engine_settings(max_num_seqs, max_num_batched_tokens, chunk_size, aging_s)
+        if endpoint is not None:
+            from .servecli import _need
+            _need("fastapi", "uvicorn", "httpx")
+            ep = _engine_import("real_engine.endpoint")
+            # A running server has one policy: --policies left at its default means "its own".
+            asked = None if (ep.parse_endpoint(endpoint) is not None
+                             and policies == _VALIDATE_POLICIES) else names
+            res, meta = ep.run_endpoint_validation(endpoint, prof, wl, asked, model=mdl,
+                                                   device=device, settings=settings, load=load,
+                                                   seed=seed, log=console.print)
+            meta.update(profile=str(profile), trace=str(trace))
+            console.print(ep.error_table(res))
+            for line in ep.summary_lines(res):
+                console.print(line, markup=False, highlight=False)
+            files = ep.write_endpoint(out, res, meta)
+            console.print(f"wrote {', '.join(str(f) for f in files)}")
+            return
         res, meta = v.run_validation(prof, wl, names, model=mdl, device=device,
                                      settings=settings, load=load, seed=seed, log=console.print)
         meta.update(profile=str(profile), trace=str(trace))

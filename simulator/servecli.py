@@ -45,6 +45,15 @@ def serve(
     served_name: Optional[str] = typer.Option(None, "--served-model-name"),
     heartbeat_s: float = typer.Option(15.0, "--heartbeat-s", min=0.0,
                                       help="SSE ': ping' after this long silent (0: never)"),
+    backpressure: str = typer.Option("buffer", "--backpressure",
+                                     help="a client slower than the engine: block (pause its "
+                                     "request, KV kept) | buffer (unbounded) | degrade (send "
+                                     "the rest as one frame)"),
+    stream_buffer_frames: int = typer.Option(256, "--stream-buffer-frames", min=1,
+                                             help="per-request send buffer bound (frames)"),
+    socket_send_buffer: Optional[int] = typer.Option(None, "--socket-send-buffer", min=1,
+                                                     help="SO_SNDBUF bytes per connection "
+                                                     "(default: the OS autotunes it)"),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Serve the real engine behind an OpenAI-compatible streaming API (blocks)."""
@@ -54,14 +63,23 @@ def serve(
     if policy not in POLICIES:
         raise LatsimError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}",
                           source="--policy")
+    if backpressure not in ("block", "buffer", "degrade"):
+        raise LatsimError("must be block, buffer or degrade", source="--backpressure",
+                          value=backpressure, has_value=True)
     _need("fastapi", "uvicorn", "torch")
     from real_engine.server import serve as _serve
-    console.print(f"latsim serve: {model} on {device}, policy {policy}, "
+    console.print(f"latsim serve: {model} on {device}, policy {policy}, backpressure "
+                  f"{backpressure} ({stream_buffer_frames} frames), "
                   f"http://{host}:{port}/v1/completions")
-    _serve(model, device, host, port, model_name=served_name, policy=policy, seed=seed,
-           heartbeat_s=heartbeat_s or None,
-           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-           chunk_size=chunk_size, aging_s=aging_s, num_blocks=num_blocks, threads=threads)
+    try:
+        _serve(model, device, host, port, model_name=served_name, policy=policy, seed=seed,
+               heartbeat_s=heartbeat_s or None, backpressure=backpressure,
+               stream_buffer_frames=stream_buffer_frames, send_buffer_bytes=socket_send_buffer,
+               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+               chunk_size=chunk_size, aging_s=aging_s, num_blocks=num_blocks, threads=threads)
+    except OSError as e:          # the port is taken, or the address is not this host's
+        raise LatsimError(f"cannot listen on {host}:{port}: {e.strerror or e}",
+                          source="--port") from None
 
 
 def bench(
@@ -123,6 +141,10 @@ def bench(
                   f"{summary['run']['errors']} errors in {facts['wall_s']:.2f} s -> {facts['url']}")
     if summary["run"]["first_error"]:
         console.print(f"first error: {summary['run']['first_error']}", markup=False)
+    run = summary["run"]
+    versions = ", ".join(f"{k} x{v}" for k, v in run["http_versions"].items()) or "-"
+    console.print(f"HTTP: {versions}{' (HTTP/2 offered)' if http2 else ''}; server timing: "
+                  f"{run['server_timing']}", markup=False, highlight=False)
     console.print(latency_table("Latency (client side)", {"bench": s}))
     console.print(throughput_table({"bench": s}))
     console.print(f"wrote {out / 'requests.csv'}, {out / 'summary.json'}")

@@ -2,8 +2,9 @@
 
 One server (the ``tiny`` model on CPU) is started by the module fixture on
 127.0.0.1 with a free port, in a background thread, and stopped at the end.
-Loads are a few dozen requests of at most a few hundred tokens; every wait is
-bounded.
+Loads are a few dozen requests of at most a few hundred tokens (the slow-reader
+tests: one request of 700); every wait is bounded. The backpressure tests start
+their own servers, one per policy, over one shared engine.
 """
 from __future__ import annotations
 
@@ -225,7 +226,15 @@ def test_bench_cli_writes_simulator_tables(server, tmp_path):
     for col in ("arrival", "enqueued", "scheduled", "first_token", "last_token",
                 "first_delivered", "last_delivered", "t_decode", "ttft", "tpot", "e2el"):
         assert col in df
-    assert df["enqueued"].isna().all() and df["scheduled"].isna().all()
+    # latsim serve answers x-latsim-timing: the server-side stages are measured and ordered.
+    order = ["arrival", "server_received", "enqueued", "scheduled", "first_token",
+             "first_delivered", "last_delivered"]
+    assert (df[order].diff(axis=1).iloc[:, 1:] >= -1e-6).all().all()
+    assert (df["last_token"] <= df["last_delivered"] + 1e-6).all()
+    for stage in ("t_net", "t_queue", "t_prefill", "t_decode", "t_stream"):
+        assert (df[stage] >= -1e-6).all() and (df[stage] < 10).all(), stage
+    assert (df["t_net"] > 0).all() and (df["t_prefill"] > 0).all()
+    assert (df["http_version"] == "HTTP/1.1").all() and (df["paused_s"] == 0).all()
     assert (df["arrival"] >= df["planned_arrival"] - 1e-3).all()
     assert ((df["ttft"] > 0) & (df["ttft"] < 10)).all()
     tpot = df["tpot"].dropna()
@@ -233,8 +242,10 @@ def test_bench_cli_writes_simulator_tables(server, tmp_path):
     o = s["overall"]
     assert o["num_requests"] == 12 and o["completed"] == 12
     assert 0 < o["median_ttft_ms"] < 10_000 and 0 < o["median_tpot_ms"] < 1000
-    assert 0 < o["median_itl_ms"] < 1000 and o["mean_t_queue_ms"] is None
+    assert 0 < o["median_itl_ms"] < 1000 and o["mean_t_net_ms"] > 0
     assert s["run"]["errors"] == 0 and s["run"]["new_connections"] <= 4
+    assert s["run"]["unobservable"] == [] and s["run"]["server_timing"] == "12 requests"
+    assert s["run"]["http_versions"] == {"HTTP/1.1": 12}
 
 
 def test_bench_max_wall_cancels_and_server_frees(server, client):
@@ -310,18 +321,48 @@ def test_bench_records_http_errors(server):
     assert s["overall"]["completed"] == 1 and s["run"]["errors"] == 1
 
 
-def test_bench_http2(server):
-    """--http2 needs h2; with it, a cleartext HTTP/1.1 server still answers (httpx
-    negotiates HTTP/2 only over TLS or with prior knowledge)."""
+def test_bench_http2_falls_back_and_is_reported(server):
+    """--http2 offers HTTP/2; uvicorn speaks HTTP/1.1 only (and httpx negotiates HTTP/2
+    only over TLS), so the requests run on HTTP/1.1 and the summary says so."""
+    pytest.importorskip("h2")
+    n = 3
+    wl = Workload(arrival_s=np.zeros(n), prompt_tokens=np.full(n, 4),
+                  output_tokens=np.full(n, 3), priority=np.zeros(n))
+    recs, facts = asyncio.run(run_bench(server.url, wl, http2=True))
+    df, s = bench_outputs(recs, wl, facts)
+    assert df["finished"].all() and (df["frames"] == 3).all()
+    assert s["run"]["http2"] is True and s["run"]["http_versions"] == {"HTTP/1.1": n}
+
+
+def test_bench_http2_without_h2_is_one_line_error(server, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "h2", None)        # makes `import h2` fail
     wl = Workload(arrival_s=[0.0], prompt_tokens=[4], output_tokens=[3], priority=[0])
-    try:
-        import h2  # noqa: F401
-    except ModuleNotFoundError:
-        with pytest.raises(LatsimError, match="h2"):
-            asyncio.run(run_bench(server.url, wl, http2=True))
-        return
-    recs, _ = asyncio.run(run_bench(server.url, wl, http2=True))
-    assert recs[0].done and len(recs[0].times) == 3
+    with pytest.raises(LatsimError, match="h2"):
+        asyncio.run(run_bench(server.url, wl, http2=True))
+
+
+def test_server_timing_dropped_when_clocks_disagree():
+    """Server times that contradict the client's (another host's clock) are not used."""
+    from simulator.benchclient import _Rec, _server_timing
+    wl = Workload(arrival_s=[0.0, 0.1], prompt_tokens=[4, 4], output_tokens=[2, 2],
+                  priority=[0, 0])
+
+    def rec(i, shift):
+        r = _Rec(i, 0.1 * i, arrival=0.1 * i, times=[0.1 * i + 0.05, 0.1 * i + 0.06],
+                 status=200, done=True, http_version="HTTP/1.1")
+        wall = 1000.0 + 0.1 * i + shift
+        r.server = _server_timing('latsim-timing {"received":%r,"enqueued":%r,"scheduled":%r,'
+                                  '"first_token":%r,"last_token":%r,"paused_s":0}'
+                                  % (wall + .001, wall + .002, wall + .003, wall + .04,
+                                     wall + .055), 1000.0)
+        return r
+    df, s = bench_outputs([rec(0, 0.0), rec(1, 0.0)], wl, {})
+    assert s["run"]["server_timing"] == "2 requests" and (df["t_queue"] > 0).all()
+    assert abs(df.loc[0, "t_net"] - 0.002) < 1e-9 and abs(df.loc[0, "t_stream"] - 0.005) < 1e-9
+    df, s = bench_outputs([rec(0, 0.0), rec(1, -0.5)], wl, {})     # server clock behind
+    assert s["run"]["server_timing"].startswith("dropped") and df["enqueued"].isna().all()
+    assert "t_net" in s["run"]["unobservable"] and (df["t_stream"] == 0).all()
 
 
 def test_serve_cli_rejects_bad_options():
@@ -332,6 +373,143 @@ def test_serve_cli_rejects_bad_options():
     app = typer.Typer()
     app.command("serve")(serve)
     app.command("noop")(lambda: None)
-    for args in (["serve", "--device", "tpu"], ["serve", "--policy", "nope"]):
+    for args in (["serve", "--device", "tpu"], ["serve", "--policy", "nope"],
+                 ["serve", "--backpressure", "drop"]):
         r = CliRunner().invoke(app, args)
         assert isinstance(r.exception, LatsimError), r.output
+
+
+# -- backpressure: a client that stops reading -----------------------------------------
+# The server's SO_SNDBUF is pinned small (the kernel would otherwise autotune a loopback
+# send buffer to ~4 MB, i.e. ~20k frames absorbed before the server feels anything) and
+# the client's receive buffer too; the socket plus uvicorn's 64 KiB transport buffer then
+# hold ~450 frames, so a request of SLOW_TOKENS tokens outgrows them within ~2 s.
+SLOW_TOKENS = 700
+SLOW_BUFFER = 16
+
+
+def _raw_request(port: int, body: dict, rcvbuf: int = 4096):
+    """A raw-socket client that sends one request and reads nothing (yet)."""
+    import socket
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
+              b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    return s
+
+
+def _read_sse(s, timeout: float = 30.0) -> list:
+    """Read a chunked SSE response to its end; its events."""
+    s.settimeout(timeout)
+    buf = bytearray()
+    while not buf.endswith(b"\r\n0\r\n\r\n"):
+        d = s.recv(1 << 16)
+        assert d, "connection closed before the end of the response"
+        buf += d
+    head, _, body = bytes(buf).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    text, i = [], 0
+    while True:                                   # undo the chunked transfer encoding
+        j = body.index(b"\r\n", i)
+        n = int(body[i:j], 16)
+        if n == 0:
+            break
+        text.append(body[j + 2:j + 2 + n])
+        i = j + 2 + n + 2
+    return parse_sse_lines(b"".join(text).decode().split("\n"))
+
+
+def _poll(c, cond, bound: float, what: str) -> dict:
+    t_end = time.perf_counter() + bound
+    while True:
+        m = _metrics(c)
+        if cond(m):
+            return m
+        assert time.perf_counter() < t_end, f"{what} not seen within {bound} s: {m}"
+        time.sleep(0.05)     # not faster: each poll costs the server's event loop and the GIL
+
+
+@pytest.fixture(scope="module")
+def slow_engine():
+    from real_engine.profile import build_engine
+    return build_engine("tiny", "cpu", max_num_seqs=8, max_num_batched_tokens=256,
+                        num_blocks=512)
+
+
+@pytest.mark.parametrize("mode", ["block", "buffer", "degrade"])
+def test_slow_reader_backpressure(slow_engine, mode):
+    """A client that stops reading: ``block`` pauses its request (KV kept, the engine
+    idles, the buffer stays at the bound) and resumes it as the client drains;
+    ``buffer`` lets the buffer grow past the bound; ``degrade`` sends the rest as one
+    frame. In every mode the request completes with all its tokens."""
+    from real_engine.server import BackgroundServer, make_app
+    app = make_app(slow_engine, "tiny", heartbeat_s=None, backpressure=mode,
+                   stream_buffer_frames=SLOW_BUFFER)
+    with BackgroundServer(app, send_buffer_bytes=8192) as srv, \
+            httpx.Client(base_url=srv.url, timeout=10) as c:
+        s = _raw_request(srv.port, {"prompt": "a b c", "max_tokens": SLOW_TOKENS,
+                                    "stream": True})
+        try:
+            if mode == "block":
+                m = _poll(c, lambda m: m["paused"] == 1, 20.0, "a paused request")
+                assert m["running"] == 1 and m["kv_blocks_free"] < m["kv_blocks_total"]
+                assert m["buffered_frames"] == SLOW_BUFFER       # never past the bound
+                time.sleep(0.2)
+                m2 = _metrics(c)
+                assert m2["engine_steps"] == m["engine_steps"], "a paused engine must idle"
+                assert m2["paused"] == 1 and m2["kv_blocks_free"] == m["kv_blocks_free"]
+                t0 = time.perf_counter()
+            else:
+                # The engine finishes the request while its client is still not reading.
+                m = _poll(c, lambda m: m["requests_served"] == 1, 30.0, "the request finished")
+                assert m["pauses"] == 0 and m["paused"] == 0
+            evs = _read_sse(s)
+            if mode == "block":
+                drained = time.perf_counter() - t0
+        finally:
+            s.close()
+        assert evs[-1].done
+        texts = [frame_text(e.data) for e in evs[:-1] if e.data is not None]
+        assert sum(len(t.split()) for t in texts) == SLOW_TOKENS      # every token arrived
+        m = _metrics(c)
+        assert m["requests_served"] == 1 and m["paused"] == 0 and m["running"] == 0
+        if mode == "block":
+            assert len(texts) == SLOW_TOKENS and m["pauses"] >= 1 and m["resumes"] == m["pauses"]
+            assert m["stream_buffered_frames_peak"] == SLOW_BUFFER
+            print(f"block: {m['pauses']} pauses, paused {m['paused_s_total']:.2f} s, "
+                  f"resume lag max {m['resume_lag_ms_max']:.2f} ms, "
+                  f"drained and finished in {drained:.2f} s")
+        elif mode == "buffer":
+            assert len(texts) == SLOW_TOKENS
+            assert m["stream_buffered_frames_peak"] > 4 * SLOW_BUFFER     # far past the bound
+            assert m["buffered_bytes_peak_est"] > m["buffered_frames_peak"] * 50
+            print(f"buffer: peak {m['buffered_frames_peak']} frames "
+                  f"(~{m['buffered_bytes_peak_est'] / 1024:.0f} KiB)")
+        else:
+            assert m["degraded"] == 1 and len(texts) < SLOW_TOKENS
+            assert len(texts[-1].split()) > SLOW_BUFFER     # the rest came as one frame
+            assert json.loads(evs[-2].data)["choices"][0]["finish_reason"] == "length"
+
+
+def test_paused_request_freed_when_its_client_leaves(slow_engine):
+    """A request paused by ``block`` whose client then disconnects is cancelled and its
+    KV blocks freed, like a running one."""
+    from real_engine.server import BackgroundServer, make_app
+    app = make_app(slow_engine, "tiny", heartbeat_s=None, backpressure="block",
+                   stream_buffer_frames=SLOW_BUFFER)
+    with BackgroundServer(app, send_buffer_bytes=8192) as srv, \
+            httpx.Client(base_url=srv.url, timeout=10) as c:
+        s = _raw_request(srv.port, {"prompt": "a b c", "max_tokens": SLOW_TOKENS,
+                                    "stream": True})
+        try:
+            _poll(c, lambda m: m["paused"] == 1, 20.0, "a paused request")
+        finally:
+            s.close()                    # unread data pending: the kernel sends a RST
+        t0 = time.perf_counter()
+        took = _wait_idle(c, FREE_BOUND_S)
+        m = _metrics(c)
+        assert m["requests_cancelled"] == 1 and m["paused"] == 0 and m["requests_served"] == 0
+        print(f"paused request: client gone -> blocks freed in {took * 1e3:.1f} ms "
+              f"({(time.perf_counter() - t0) * 1e3:.1f} ms)")
