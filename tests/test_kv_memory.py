@@ -409,3 +409,71 @@ def test_bad_kv_override_is_a_one_line_error(tmp_path):
         load_scenario(p)
     msg = str(e.value)
     assert "bad.yaml" in msg and "policies" in msg and "preemtion" in msg and "\n" not in msg
+
+
+# -- cancellation in every bookkeeping mode ----------------------------------------------------
+def _run_with_cancels(mode, n=60, seed=0, cancel_frac=0.3, num_blocks=80, preemption="recompute"):
+    """One replica fed directly (no wire): requests arrive, some are cancelled at
+    random times; returns the recorder."""
+    import json
+
+    import simpy
+
+    from conftest import REPO
+    from simulator.costmodel.profile import ProfileCostModel
+    from simulator.kvcache import request_blocks
+    from simulator.kvspace import KVRules
+    from simulator.recorder import Recorder
+    from simulator.replica import SimSeq
+    from simulator.scheduling import make_policy
+
+    rng = np.random.default_rng(seed)
+    arr = np.cumsum(rng.exponential(0.02, n))
+    prompt = rng.integers(1, 150, n)
+    output = rng.integers(1, 120, n)
+    prio = rng.integers(0, 2, n)
+    cancel_at = np.where(rng.random(n) < cancel_frac, arr + rng.exponential(0.5, n), np.inf)
+    prof = json.loads((REPO / "profiles" / "h200-llama3-8b-refbench.json").read_text())
+    env = simpy.Environment()
+    rec = Recorder(n, 1)
+    rep = Replica(env, 0, make_policy("chunked", max_num_seqs=16, max_num_batched_tokens=128),
+                  ProfileCostModel(prof), num_blocks, rec, 0.0, 0.0, lambda s, t: None,
+                  mode=mode, kv_rules=KVRules(preemption=preemption), block_bytes=1e6,
+                  swap_blocks=40, swap_bps=1e9)
+
+    def feed():
+        for i in range(n):
+            yield env.timeout(arr[i] - env.now)
+            s = SimSeq(i, env.now, int(prompt[i]), int(output[i]), int(prio[i]),
+                       request_blocks(int(prompt[i]), int(output[i])), 0, False)
+            rec.enqueued[i] = env.now
+            if rep.rejects(s):
+                rec.rejected[i] = True
+                continue
+            rep.enqueue(s)
+            if np.isfinite(cancel_at[i]):
+                env.timeout(cancel_at[i] - env.now).callbacks.append(
+                    lambda _e, rid=i: rep.cancel(rid))
+
+    env.process(feed())
+    env.run()
+    assert rep.kv.manager.num_used == 0 and not rep.by_id
+    return rec
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_cancels_agree_across_bookkeeping_modes(preemption):
+    recs = {m: _run_with_cancels(m, preemption=preemption) for m in ("auto", "step", "slow")}
+    a = recs["auto"]
+    assert a.cancelled.sum() > 3 and (~np.isnan(a.last_token)).sum() > 10
+    assert a.preemptions.sum() > 0
+    for m in ("step", "slow"):
+        r = recs[m]
+        assert (r.cancelled == a.cancelled).all(), m
+        np.testing.assert_allclose(r.cancelled_at, a.cancelled_at, atol=1e-9)
+        np.testing.assert_allclose(r.last_token, a.last_token, atol=1e-9)
+        np.testing.assert_allclose(r.first_token, a.first_token, atol=1e-9)
+        assert (r.generated == a.generated).all(), m
+    # Every request either finished with all its tokens, was cancelled, or was rejected.
+    done = ~np.isnan(a.last_token)
+    assert (done | a.cancelled | a.rejected).all()
