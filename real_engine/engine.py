@@ -6,15 +6,37 @@ and the running lists ``decoding``/``prefilling``; each ``step()`` snapshots a
 ``SchedulerState``, asks the policy for a ``StepPlan`` -- the very objects the
 SimPy replica uses -- and executes that plan as one token-packed forward.
 
-Semantics (the simulator assumes exactly these):
+KV memory is a ``simulator.kvspace.KVSpace`` over the simulator's block manager
+(``kv_rules``: allocation, preemption, victim order, watermark, prefix caching),
+so the engine's memory decisions are the simulator's (``simulator.replica`` and
+``replica_memory`` are the reference). Semantics (the simulator assumes exactly
+these):
 
-- admission reserves ``request_blocks(prompt, output)`` KV blocks at once (no
-  preemption); ``free_blocks`` in the state is the unreserved capacity;
-- a prefill chunk advances ``prefilled``; the chunk that completes the prompt
-  samples the request's first token at the end of that step;
+- one ``step()``: (1) every decoder whose next token crosses a block boundary
+  takes a block (``paged``); while blocks are short a victim
+  (``kvspace.select_victim`` over decoding + prefilling) is preempted; (2) if
+  nobody was preempted, swapped-out requests come back, oldest first, while they
+  fit; (3) the policy plans with ``free_blocks = 0`` if anything was preempted or
+  is still swapped out, else ``kv.policy_free()``, and prices admissions through
+  ``kv`` (prefix hits); (4) admissions allocate their blocks (``kv.admit``: an
+  admitted request starts its prefill at its cached tokens, attending to the
+  shared blocks as prior context); (5) the forward; (6) prefill progress (full
+  computed blocks are registered for reuse), tokens, finishes.
+- a prefill chunk advances ``prefilled``; the chunk that completes
+  ``prefill_len`` samples a token at the end of that step: the first one, or,
+  for a request recomputing after a preemption, its next one;
+- preemption by ``recompute``: the victim's blocks are freed, ``prefilled = 0``,
+  ``prefill_len = prompt + generated`` (a decoder) and it is requeued at the head
+  of its turn; readmitted, it prefills its prompt and generated token ids.
+  ``swap``: a decoding victim's blocks are copied to host tensors (up to
+  ``swap_blocks`` blocks in all) and back when it returns; a prefilling victim,
+  or one the swap space cannot take, is recomputed;
 - a decode samples one token; a request produces exactly ``output_tokens``
   tokens (EOS is ignored) and finishes in the step producing the last, freeing
   its blocks; ``output_tokens == 1`` finishes in its last prefill step;
+- ``pause``d requests keep their blocks and count towards ``max_num_seqs`` but
+  are neither scheduled, grown nor picked as victims; ``cancel`` frees a
+  request's blocks at once, wherever it is;
 - sampling is greedy argmax over the LM head of the sampled rows only; the
   sampled ids are copied to the host (a device sync) before the step ends.
 
@@ -24,32 +46,73 @@ serves.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from simulator.kvcache import request_blocks
+from simulator.kvcache import blocks_for, request_blocks
+from simulator.kvspace import KVRules, KVSpace
+from simulator.prefixkeys import keys_from_tokens
 from simulator.scheduling import SchedulerState, Seq, StepPlan
 
 from .graphs import DecodeGraphs
-from .kv import HostStep, build_host_step, to_device
+from .kv import HostStep, PagedKVCache, build_host_step, to_device
 from .model import Transformer
 
 
 @dataclass
 class Request:
-    """Executor-private data of a request (``Seq.payload``): its token ids."""
+    """Executor-private data of a request (``Seq.payload``): its token ids, and what
+    its KV memory went through."""
 
     prompt_ids: np.ndarray
     out_ids: list = field(default_factory=list)
+    preemptions: int = 0
+    recomputed_tokens: int = 0   # KV dropped by recompute preemptions, prefilled again
+    swapped_blocks: int = 0      # blocks of its KV in host memory now (swap)
+    swapped: Optional[tuple] = None   # the host copy of its KV while swapped out
+    preempted_at: float = 0.0
+    preempted_s: float = 0.0     # time spent preempted (waiting again or swapped)
+    _ids: Optional[np.ndarray] = field(default=None, repr=False)
+    _keys: Optional[list] = field(default=None, repr=False)
+
+    def prefill_ids(self, prefill_len: int) -> np.ndarray:
+        """Token ids of the first ``prefill_len`` positions: the prompt, then the
+        generated tokens (a request recomputing after a preemption)."""
+        P = len(self.prompt_ids)
+        if prefill_len == P:
+            return self.prompt_ids
+        ids = self._ids
+        if ids is None or len(ids) != prefill_len:
+            ids = self._ids = np.concatenate(
+                [self.prompt_ids, np.asarray(self.out_ids[:prefill_len - P], np.int64)])
+        return ids
+
+    def keys(self, block_size: int) -> list:
+        """Prefix-cache keys of the prompt's full blocks. Only the prompt is named, as
+        the simulator names it (``simulator.prefixkeys``): a request recomputing after
+        a preemption can hit its own prompt blocks, never its generated ones (naming
+        those too would change which cached blocks are evicted first, so the two
+        executors' hits would drift apart)."""
+        if self._keys is None:
+            self._keys = keys_from_tokens(self.prompt_ids, block_size)
+        return self._keys
 
 
 @dataclass
 class StepResult:
-    """What one ``step()`` did. Times are on the engine's clock (seconds)."""
+    """What one ``step()`` did. Times are on the engine's clock (seconds).
+
+    ``chunks``: per prefill chunk of the plan, ``(n, prior, completes)`` as the
+    simulator's cost model sees it (``prior`` counts cached tokens: a prefix hit,
+    or earlier chunks); ``ctx_sum``/``ctx_max``: the decodes' contexts (KV entries
+    attended, the new token included). ``preempted``: requests preempted before
+    the plan (in order), ``swapped_in``: swapped-out requests brought back."""
 
     plan: StepPlan
     tokens: dict            # rid -> token id emitted by this step
@@ -61,6 +124,11 @@ class StepResult:
     n_waiting: int
     timings: dict = field(default_factory=dict)   # seconds: schedule, prepare, issue, sync, apply
     graphed: bool = False
+    preempted: tuple = ()
+    swapped_in: tuple = ()
+    chunks: tuple = ()
+    ctx_sum: int = 0
+    ctx_max: int = 0
 
     @property
     def wall_s(self) -> float:
@@ -76,31 +144,62 @@ class StepResult:
 
 
 class EngineCore:
-    """A continuous-batching engine: requests in, one packed forward per ``step()``."""
+    """A continuous-batching engine: requests in, one packed forward per ``step()``.
+
+    ``kv_rules`` (``simulator.kvspace.KVRules``): paged or contiguous allocation,
+    preemption by recompute or swap, victim order, watermark, prefix caching;
+    ``block_size``, when given, overrides ``kv_rules.block_size``. ``swap_blocks``:
+    host swap space in blocks (None: unlimited)."""
 
     def __init__(self, model: Transformer, policy, *, num_blocks: Optional[int] = None,
-                 block_size: int = 16, cuda_graphs: Optional[bool] = None,
+                 block_size: Optional[int] = None, kv_rules: KVRules = KVRules(),
+                 swap_blocks: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  graph_max_batch: int = 64, clock: Callable[[], float] = time.perf_counter,
                  seed: int = 0) -> None:
+        if block_size is not None and block_size != kv_rules.block_size:
+            kv_rules = dataclasses.replace(kv_rules, block_size=block_size)
+        if kv_rules.allocation not in ("paged", "contiguous"):
+            raise ValueError(f"unknown KV allocation {kv_rules.allocation!r}")
+        if kv_rules.preemption not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption {kv_rules.preemption!r}")
+        if kv_rules.victim not in ("priority", "latest"):
+            raise ValueError(f"unknown victim order {kv_rules.victim!r}")
         self.model = model
         self.policy = policy
         self.device = model.device
-        self.cache = model.new_cache(num_blocks or default_num_blocks(model), block_size)
+        bs = kv_rules.block_size
+        n = num_blocks or default_num_blocks(model, bs)
+        self.kv = KVSpace(n, kv_rules, keys_of=self._keys_of, track_ids=True)
+        c = model.cfg
+        self.cache = PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n, block_size=bs,
+                                  device=model.device, dtype=model.dtype, kv=self.kv)
+        self.swap_blocks = swap_blocks
+        self.cpu_used = 0                      # blocks held in host memory by swapped requests
         self.clock = clock
         self.waiting = policy.new_queue()
         self.decoding: list[Seq] = []
         self.prefilling: list[Seq] = []
+        # Decoding requests taken off the schedule by ``pause`` (they keep their KV).
+        self.paused: dict[int, Seq] = {}
+        # Decoding requests whose KV is in host memory (``swap`` preemption), oldest first.
+        self.swapped: deque[Seq] = deque()
         self.seqs: dict[int, Seq] = {}
+        self.stats = {"preemptions": 0, "recomputed_tokens": 0, "swap_outs": 0,
+                      "swapped_blocks": 0, "cached_tokens": 0}
         self.rng = np.random.default_rng(seed)
         on_cuda = self.device.type == "cuda"
         self.graphs = (DecodeGraphs(model, self.cache, max_batch=graph_max_batch)
                        if (on_cuda if cuda_graphs is None else cuda_graphs) else None)
         self.use_graphs = self.graphs is not None
 
+    def _keys_of(self, seq: Seq) -> list:
+        return seq.payload.keys(self.kv.bs)
+
     # -- requests ---------------------------------------------------------------
     def add_request(self, rid: int, prompt: int | Sequence[int], output_tokens: int,
                     priority: int = 0, now: Optional[float] = None) -> Seq:
-        """Enqueue a request. ``prompt`` is its token ids, or a length (random ids)."""
+        """Enqueue a request. ``prompt`` is its token ids, or a length (random ids).
+        Raises ``ValueError`` if it could never run (too long for the model or the KV)."""
         if rid in self.seqs:
             raise ValueError(f"request {rid} already exists")
         ids = (self.rng.integers(0, self.model.cfg.vocab, int(prompt), dtype=np.int64)
@@ -111,86 +210,206 @@ class EngineCore:
         if P + O > self.model.cfg.max_seq_len:
             raise ValueError(f"request {rid}: {P}+{O} tokens exceed max_seq_len "
                              f"{self.model.cfg.max_seq_len}")
-        need = request_blocks(P, O, self.cache.block_size)
-        if need > self.cache.num_blocks:
-            raise ValueError(f"request {rid} needs {need} KV blocks, the cache has "
-                             f"{self.cache.num_blocks}")
         seq = Seq(rid, self.clock() if now is None else now, P, O, priority=priority,
-                  blocks_needed=need, payload=Request(ids))
+                  blocks_needed=request_blocks(P, O, self.kv.bs), payload=Request(ids))
+        why = self.kv.fits(seq)
+        if why is not None:
+            raise ValueError(f"request {rid} {why}")
         self.seqs[rid] = seq
         self.waiting.push(seq)
         return seq
 
     def cancel(self, rid: int) -> bool:
-        """Drop a request now, waiting or running; its blocks are freed at once."""
+        """Drop a request now, wherever it is (waiting, running, paused, swapped out);
+        its blocks are freed at once."""
         seq = self.seqs.pop(rid, None)
         if seq is None:
             return False
         if self.cache.holds(rid):
             self.cache.release(rid)
-            for lst in (self.decoding, self.prefilling):
-                if seq in lst:
-                    lst.remove(seq)
+            if self.paused.pop(rid, None) is None:
+                (self.decoding if seq in self.decoding else self.prefilling).remove(seq)
+        elif seq.payload.swapped is not None:
+            self.swapped.remove(seq)
+            self._drop_swap(seq)
         else:
             self.waiting.remove(seq)
         return True
 
+    def pause(self, rid: int) -> bool:
+        """Stop scheduling a decoding request, keeping its KV blocks (``block``
+        backpressure: its client is not reading). The policy no longer sees it.
+        False if ``rid`` is not decoding (finished, still prefilling, already paused)."""
+        seq = self.seqs.get(rid)
+        if seq is None or seq not in self.decoding:
+            return False
+        self.decoding.remove(seq)
+        self.paused[rid] = seq
+        return True
+
+    def resume(self, rid: int) -> bool:
+        """Put a paused request back among the decoding ones; False if it is not paused."""
+        seq = self.paused.pop(rid, None)
+        if seq is None:
+            return False
+        self.decoding.append(seq)
+        return True
+
     @property
     def has_work(self) -> bool:
-        return bool(self.decoding or self.prefilling or len(self.waiting))
+        # Paused requests are not work: a step would schedule nothing for them.
+        return bool(self.decoding or self.prefilling or len(self.waiting) or self.swapped)
 
     @property
     def num_running(self) -> int:
-        return len(self.decoding) + len(self.prefilling)
+        # Paused requests still hold their KV: they count as running.
+        return len(self.decoding) + len(self.prefilling) + len(self.paused)
+
+    # -- KV memory ----------------------------------------------------------------
+    def _make_room(self, now: float) -> list:
+        """Grow every decoder whose next token needs a new block, preempting victims
+        while blocks are short. Returns the preempted rids, in order."""
+        kv = self.kv
+        if not kv.paged or not self.decoding:
+            return []
+        due = [s for s in self.decoding if kv.needs_block(s, s.prompt_tokens + s.generated)]
+        if not due:
+            return []
+        victims = kv.make_room(due, lambda: self.decoding + self.prefilling,
+                               lambda v: self._preempt(v, now))
+        for s in due:
+            kv.grow(s, s.prompt_tokens + s.generated)
+        return [v.rid for v in victims]
+
+    def _preempt(self, s: Seq, now: float) -> None:
+        """Preempt running request ``s`` now: swap its KV out, or drop it and requeue
+        it to recompute (see module doc)."""
+        r: Request = s.payload
+        decoding = s in self.decoding
+        (self.decoding if decoding else self.prefilling).remove(s)
+        blocks = self.kv.manager.blocks_of(s.rid)
+        r.preemptions += 1
+        r.preempted_at = now
+        self.stats["preemptions"] += 1
+        swap = (decoding and self.kv.rules.preemption == "swap"
+                and (self.swap_blocks is None or self.cpu_used + blocks <= self.swap_blocks))
+        if swap:
+            r.swapped = self.cache.swap_out(s.rid)
+            r.swapped_blocks = blocks
+            self.cpu_used += blocks
+            self.stats["swap_outs"] += 1
+            self.stats["swapped_blocks"] += blocks
+            self.cache.release(s.rid)
+            self.swapped.append(s)
+            return
+        self.cache.release(s.rid)
+        # What it prefills again (as the simulator counts it): a decoder its prompt and
+        # generated tokens, a prefilling request what it had computed.
+        lost = s.prompt_tokens + s.generated if decoding else s.prefilled
+        r.recomputed_tokens += lost
+        self.stats["recomputed_tokens"] += lost
+        if decoding:
+            s.prefill_len = s.prompt_tokens + s.generated
+        s.prefilled = 0
+        self.waiting.requeue(s)
+
+    def _drop_swap(self, s: Seq) -> None:
+        r: Request = s.payload
+        self.cpu_used -= r.swapped_blocks
+        r.swapped, r.swapped_blocks = None, 0
+
+    def _swap_in(self, now: float) -> list:
+        """Bring swapped-out requests back, oldest first, while their blocks fit."""
+        kv = self.kv
+        mgr = kv.manager
+        back = []
+        max_seqs = self.policy.limits.max_num_seqs
+        while self.swapped and self.num_running < max_seqs:
+            s = self.swapped[0]
+            tokens = s.prompt_tokens + s.generated
+            if blocks_for(tokens, kv.bs) + kv.watermark_blocks > mgr.num_free:
+                break
+            self.swapped.popleft()
+            mgr.allocate(s.rid, tokens)
+            r: Request = s.payload
+            self.cache.swap_in(s.rid, r.swapped)
+            self._drop_swap(s)
+            r.preempted_s += now - r.preempted_at
+            self.decoding.append(s)
+            back.append(s.rid)
+        return back
+
+    def _admit(self, plan: StepPlan, now: float) -> StepPlan:
+        """Move the plan's admissions into the running set, allocating their blocks
+        (``KVSpace.admit_plan``, as the simulator's replica does)."""
+
+        def admitted(seq: Seq, cached: int) -> None:
+            self.waiting.remove(seq)
+            self.stats["cached_tokens"] += cached
+            r: Request = seq.payload
+            if r.preemptions:
+                r.preempted_s += now - r.preempted_at
+            self.prefilling.append(seq)
+
+        return self.kv.admit_plan(plan, self.seqs.__getitem__, admitted)
 
     # -- one iteration ------------------------------------------------------------
     def step(self) -> StepResult:
-        """Schedule, execute and apply one iteration."""
+        """Make room, schedule, execute and apply one iteration (see module doc)."""
         t0 = self.clock()
+        preempted = self._make_room(t0)
+        swapped_in = self._swap_in(t0) if self.swapped and not preempted else []
+        hold = bool(preempted) or bool(self.swapped)
         state = SchedulerState(now=t0, waiting=self.waiting, decoding=self.decoding,
-                               prefilling=self.prefilling, free_blocks=self.cache.num_free)
+                               prefilling=self.prefilling,
+                               free_blocks=0 if hold else self.kv.policy_free(),
+                               num_running=self.num_running, kv=self.kv)
         plan = self.policy.schedule(state)
-        for rid in plan.admit:
-            seq = self.seqs[rid]
-            self.waiting.remove(seq)
-            self.cache.reserve(rid, seq.blocks_needed)
-            self.prefilling.append(seq)
+        if plan.admit:
+            plan = self._admit(plan, t0)
         t1 = self.clock()
         timings = {"schedule": t1 - t0}
         if plan.is_empty:
             return StepResult(plan, {}, (), tuple(plan.admit), t0, t1, self.num_running,
-                              len(self.waiting), timings)
+                              len(self.waiting), timings, preempted=tuple(preempted),
+                              swapped_in=tuple(swapped_in))
+        seqs = self.seqs
+        ctx = [seqs[r].prompt_tokens + seqs[r].generated for r in plan.decode]
+        chunks = tuple((n, seqs[r].prefilled, seqs[r].prefilled + n >= seqs[r].prefill_len)
+                       for r, n in plan.prefill)
         sampled, graphed = self.execute(plan, timings)
         t2 = self.clock()
         tokens, finished = self._apply(plan, sampled)
         t3 = self.clock()
         timings["apply"] = t3 - t2
         return StepResult(plan, tokens, finished, tuple(plan.admit), t0, t3, self.num_running,
-                          len(self.waiting), timings, graphed)
+                          len(self.waiting), timings, graphed, tuple(preempted),
+                          tuple(swapped_in), chunks, sum(ctx), max(ctx, default=0))
 
     def host_step(self, plan: StepPlan) -> HostStep:
         """Describe a plan's packed step from the current state (host only)."""
         decodes, chunks = [], []
+        cache = self.cache
         for rid in plan.decode:
             s = self.seqs[rid]
             r: Request = s.payload
             # The input is the last sampled token; it sits at position prompt+generated-1.
-            decodes.append((self.cache.table(rid), s.prompt_tokens + s.generated, r.out_ids[-1]))
+            decodes.append((cache.table(rid), s.prompt_tokens + s.generated, r.out_ids[-1]))
         for rid, n in plan.prefill:
             s = self.seqs[rid]
             if not 0 < n <= s.remaining_prefill:
                 raise ValueError(f"plan prefills {n} tokens of request {rid}, "
                                  f"{s.remaining_prefill} remain")
             p = s.prefilled
-            chunks.append((self.cache.table(rid), p, s.payload.prompt_ids[p:p + n],
-                           p + n == s.prompt_tokens))
-        return build_host_step(decodes, chunks, self.cache)
+            ids = s.payload.prefill_ids(s.prefill_len)
+            chunks.append((cache.table(rid), p, ids[p:p + n], p + n == s.prefill_len))
+        return build_host_step(decodes, chunks, cache)
 
     def execute(self, plan: StepPlan, timings: Optional[dict] = None) -> tuple[np.ndarray, bool]:
         """Run ``plan``'s forward and greedy sampling; state is not changed.
 
         Returns the sampled ids (decodes in plan order, then each prefill chunk
-        that completes its prompt, in plan order) on the host, and whether a CUDA
+        that completes its prefill, in plan order) on the host, and whether a CUDA
         graph ran. Ends with the device-to-host copy, which synchronizes.
         """
         clock = time.perf_counter
@@ -216,6 +435,7 @@ class EngineCore:
         """Advance the requests by the plan's outcome; free finished ones."""
         tokens: dict[int, int] = {}
         finished: list[int] = []
+        kv = self.kv
         i = 0
         for rid in plan.decode:
             s = self.seqs[rid]
@@ -230,17 +450,20 @@ class EngineCore:
         for rid, n in plan.prefill:
             s = self.seqs[rid]
             s.prefilled += n
-            if s.prefilled == s.prompt_tokens:
-                tok = int(sampled[i])
-                i += 1
-                s.payload.out_ids.append(tok)
-                s.generated = 1
-                tokens[rid] = tok
-                self.prefilling.remove(s)
-                if s.generated >= s.output_tokens:
-                    finished.append(rid)
-                else:
-                    newly_decoding.append(s)
+            kv.computed(s)
+            if s.prefilled < s.prefill_len:
+                continue
+            # The first token, or (recomputing after a preemption) the next one.
+            tok = int(sampled[i])
+            i += 1
+            s.payload.out_ids.append(tok)
+            s.generated += 1
+            tokens[rid] = tok
+            self.prefilling.remove(s)
+            if s.generated >= s.output_tokens:
+                finished.append(rid)
+            else:
+                newly_decoding.append(s)
         if finished:
             done = set(finished)
             self.decoding = [s for s in self.decoding if s.rid not in done]
@@ -254,8 +477,9 @@ class EngineCore:
     def install_running(self, rid: int, prompt_tokens: int, output_tokens: int, *,
                         prefilled: int, generated: int = 0) -> Seq:
         """Put a request straight into the running set in a given state (random ids,
-        blocks reserved). For the profiler: builds a step's state without serving
-        up to it. The KV of the 'already computed' tokens is whatever the cache holds."""
+        blocks for prompt + output allocated, no prefix lookup). For the profiler:
+        builds a step's state without serving up to it. The KV of the 'already
+        computed' tokens is whatever the cache holds."""
         seq = self.add_request(rid, prompt_tokens, output_tokens)
         self.waiting.remove(seq)
         self.cache.reserve(rid, seq.blocks_needed)
@@ -266,7 +490,7 @@ class EngineCore:
         return seq
 
     def clear(self) -> None:
-        """Cancel every request (waiting and running)."""
+        """Cancel every request (waiting, running, paused, swapped out)."""
         for rid in list(self.seqs):
             self.cancel(rid)
 

@@ -2,7 +2,7 @@
 
 Layout. Per layer, K and V are tensors of shape
 ``[n_kv_heads, num_blocks + 1, block_size, head_dim]``: head-major, then
-block-major (a block is the unit a request reserves, see ``simulator.kvcache``).
+block-major (a block is the unit of KV memory, see ``simulator.blockmanager``).
 Gathering a list of blocks along dim 1 gives, for every head, the blocks'
 tokens back to back (``[Hkv, n_blocks * block_size, head_dim]``) with no further
 copy, which is what both the decode and the prefill attention read. The extra
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from simulator.kvcache import DEFAULT_BLOCK_SIZE, BlockAllocator, blocks_for
+from simulator.kvcache import DEFAULT_BLOCK_SIZE, blocks_for
+from simulator.kvspace import KVRules, KVSpace
 
 # index_reduce_ is stable in practice but still flagged beta; one warning per run is noise.
 warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
@@ -48,18 +49,34 @@ PAGE_BLOCKS = 4
 
 
 class PagedKVCache:
-    """K/V tensors of every layer plus the block tables of the sequences using them.
+    """K/V tensors of every layer, addressed by the block tables of a ``KVSpace``.
 
-    Block ids come from a ``simulator.kvcache.BlockAllocator`` so that the
-    engine's admission accounting is the simulator's. ``reserve(rid, n)`` gives
-    a sequence ``n`` blocks (its block table, a numpy int64 array); ``release``
-    frees them.
+    Block ids come from ``kv.manager`` (a ``simulator.blockmanager.PrefixKV``:
+    ``KVSpace(..., track_ids=True)``), the very block manager the simulator uses,
+    so admission, growth, preemption and prefix hits are decided by one
+    implementation. A shared (prefix-hit) block appears in several tables.
+    Without ``kv`` the cache makes its own (paged, no prefix caching).
+
+    ``table(rid)`` is a sequence's block table as a numpy int64 array (what the
+    attention gathers with); ``reserve(rid, n)`` gives a sequence ``n`` blocks
+    outside any admission rule (tests, profiling); ``release`` frees them.
+    ``swap_out``/``swap_in`` copy a sequence's blocks to host tensors and back.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, *,
                  block_size: int = DEFAULT_BLOCK_SIZE, page_blocks: int = PAGE_BLOCKS,
-                 device="cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device="cpu", dtype: torch.dtype = torch.float32,
+                 kv: Optional[KVSpace] = None) -> None:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        if kv is None:
+            kv = KVSpace(num_blocks, KVRules(block_size=block_size), track_ids=True)
+        if kv.capacity != num_blocks or kv.bs != block_size:
+            raise ValueError(f"KV space of {kv.capacity} blocks of {kv.bs} tokens for a cache "
+                             f"of {num_blocks} blocks of {block_size}")
+        if not hasattr(kv.manager, "table"):
+            raise ValueError("the KV space must track block ids (KVSpace(..., track_ids=True))")
+        self.kv = kv
+        self.manager = kv.manager
         self.block_size = block_size
         self.page_blocks = page_blocks
         self.num_blocks = num_blocks
@@ -69,8 +86,9 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(n_layers)]
         self.scratch_block = num_blocks
-        self.allocator = BlockAllocator(num_blocks)
-        self._tables: dict[int, np.ndarray] = {}
+        # rid -> (the manager's table list, its length then, that table as numpy): the
+        # array is rebuilt only when the table grew or was replaced.
+        self._np: dict[int, tuple[list, int, np.ndarray]] = {}
         # The fill value of masked scores as a 1-element fp32 tensor: torch.where with
         # it promotes bf16 scores to fp32 in the same kernel.
         self.masked = torch.full((1,), MASKED_SCORE, device=self.device, dtype=torch.float32)
@@ -84,28 +102,53 @@ class PagedKVCache:
 
     # -- block tables ---------------------------------------------------------
     def reserve(self, rid: int, n_blocks: int) -> np.ndarray:
-        """Reserve ``n_blocks`` for sequence ``rid``; returns its block table."""
-        if rid in self._tables:
-            raise ValueError(f"sequence {rid} already holds blocks")
-        table = np.asarray(self.allocator.allocate(n_blocks), dtype=np.int64)
-        self._tables[rid] = table
-        return table
+        """Give sequence ``rid`` ``n_blocks`` fresh blocks (no admission rule, no prefix
+        lookup); returns its block table."""
+        self.manager.allocate(rid, n_blocks * self.block_size)
+        return self.table(rid)
 
-    def release(self, rid: int) -> None:
-        """Free the blocks of ``rid`` (no-op if it holds none)."""
-        table = self._tables.pop(rid, None)
-        if table is not None:
-            self.allocator.free(table.tolist())
+    def release(self, rid: int) -> int:
+        """Free the blocks of ``rid`` (0 if it holds none); returns how many it held."""
+        self._np.pop(rid, None)
+        if not self.manager.holds(rid):
+            return 0
+        return self.manager.free(rid)
 
     def table(self, rid: int) -> np.ndarray:
-        return self._tables[rid]
+        """Block ids of ``rid`` in token order (int64; do not modify)."""
+        lst = self.manager.table(rid)
+        c = self._np.get(rid)
+        if c is None or c[0] is not lst or c[1] != len(lst):
+            c = (lst, len(lst), np.array(lst, dtype=np.int64))
+            self._np[rid] = c
+        return c[2]
 
     def holds(self, rid: int) -> bool:
-        return rid in self._tables
+        return self.manager.holds(rid)
 
     @property
     def num_free(self) -> int:
-        return self.allocator.num_free
+        """Blocks an allocation may take (never-cached free plus evictable cached ones)."""
+        return self.manager.num_free
+
+    # -- swapping -------------------------------------------------------------------
+    def swap_out(self, rid: int) -> tuple[list, list]:
+        """Copy the KV of ``rid``'s blocks to host memory; returns ``(k, v)`` lists (one
+        ``[n_kv_heads, blocks, block_size, head_dim]`` CPU tensor per layer). The blocks
+        stay allocated: free them afterwards."""
+        idx = torch.from_numpy(self.table(rid)).to(self.device)
+        k = [t.index_select(1, idx).to("cpu") for t in self.k]
+        v = [t.index_select(1, idx).to("cpu") for t in self.v]
+        return k, v
+
+    def swap_in(self, rid: int, saved: tuple[list, list]) -> None:
+        """Write host copies made by ``swap_out`` into the first blocks of ``rid``'s
+        (new) table."""
+        k, v = saved
+        n = k[0].shape[1] if k else 0
+        idx = torch.from_numpy(self.table(rid)[:n]).to(self.device)
+        for dst, src in zip(self.k + self.v, k + v):
+            dst.index_copy_(1, idx, src.to(self.device))
 
     def rows(self, blk: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Rows of the cache viewed as ``[-1, head_dim]`` of tokens at positions ``pos``

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from simulator.kvcache import request_blocks
+from simulator.kvspace import KVRules
 from simulator.scheduling import StepPlan, make_policy
 
 from .engine import EngineCore
@@ -44,11 +45,15 @@ def build_engine(model: str | ModelConfig | Transformer = "tiny", device: str = 
                  num_blocks: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  graph_max_batch: int = 64, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, chunk_size: Optional[int] = None,
-                 aging_s: float = 30.0, threads: Optional[int] = None) -> EngineCore:
+                 aging_s: float = 30.0, threads: Optional[int] = None,
+                 kv_rules: Optional[KVRules] = None,
+                 swap_blocks: Optional[int] = None) -> EngineCore:
     """A model (preset, config, checkpoint dir, or built) behind a policy by name.
 
     ``threads`` sets torch's CPU threads (process-wide); profile and serve with
-    the same value. CUDA graphs default to on for CUDA devices.
+    the same value. CUDA graphs default to on for CUDA devices. ``kv_rules`` and
+    ``swap_blocks``: KV memory (default ``KVRules()``: paged, recompute, no prefix
+    caching; see ``EngineCore``).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -57,6 +62,7 @@ def build_engine(model: str | ModelConfig | Transformer = "tiny", device: str = 
                       max_num_batched_tokens=max_num_batched_tokens, chunk_size=chunk_size,
                       aging_s=aging_s)
     return EngineCore(m, pol, num_blocks=num_blocks, cuda_graphs=cuda_graphs,
+                      kv_rules=kv_rules or KVRules(), swap_blocks=swap_blocks,
                       graph_max_batch=graph_max_batch, seed=seed)
 
 

@@ -7,7 +7,7 @@ of ``arrival``); the loop steps the engine whenever it has work and otherwise
 sleeps until the next arrival. Every timestamp is on one clock, seconds from
 the start, and is taken where the simulator takes it:
 
-- ``scheduled``: the START of the step that admitted the request;
+- ``scheduled``: the START of the step that first admitted the request;
 - ``first_token``/``last_token``/``token_times``: the END of the steps that
   produced them (the sampled ids are on the host at that point).
 
@@ -49,9 +49,10 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
     Returns ``{"requests": [...], "steps": [...], "policy", "realtime",
     "wall_s", "idle_skipped_s"}``. A request row: ``rid, arrival, enqueued,
     scheduled, first_token, last_token, token_times, prompt_tokens,
-    output_tokens, priority, completed``. A step row: ``start, end, n_decode,
-    prefill_tokens, n_running, n_waiting`` (the last two as the scheduler saw
-    them at the start of the step), ``graphed``.
+    output_tokens, priority, completed, preemptions``. A step row: ``start, end,
+    n_decode, prefill_tokens, n_running, n_waiting`` (the last two as the scheduler
+    saw them at the start of the step), ``graphed``, ``ctx_sum, ctx_max, chunks``
+    (what the cost model prices), ``busy_after``, ``preempted``.
     """
     arr = np.asarray(arrivals_s, dtype=np.float64)
     n = len(arr)
@@ -71,9 +72,8 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
     recs = [{"rid": i, "arrival": float(arr[i]), "enqueued": None, "scheduled": None,
              "first_token": None, "last_token": None, "token_times": [],
              "prompt_tokens": int(P[i]), "output_tokens": int(O[i]), "priority": int(pr[i]),
-             "completed": False} for i in range(n)]
+             "completed": False, "preemptions": 0} for i in range(n)]
     steps = []
-    prefilled = [0] * n
     skipped = 0.0
     t0 = time.perf_counter()
 
@@ -96,25 +96,22 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
             if engine.has_work:
                 n_run, n_wait = engine.num_running, len(engine.waiting)
                 res = engine.step()
+                for rid in res.preempted:
+                    recs[rid]["preemptions"] += 1
                 if res.plan.is_empty:
                     continue
-                plan = res.plan
-                # What the step held, for comparing its time with a cost model: each
-                # decode's context (KV entries attended, its new token included) and each
-                # chunk's cached prefix. Tokens so far = tokens recorded before this step.
-                ctx = [recs[r]["prompt_tokens"] + len(recs[r]["token_times"]) for r in plan.decode]
-                chunks = []
-                for rid, k in plan.prefill:
-                    prefilled[rid] += k
-                    chunks.append((k, prefilled[rid] - k,
-                                   prefilled[rid] >= recs[rid]["prompt_tokens"]))
                 steps.append({"start": res.t_start, "end": res.t_end, "n_decode": res.n_decode,
                               "prefill_tokens": res.n_prefill_tokens, "n_running": n_run,
                               "n_waiting": n_wait, "graphed": res.graphed,
-                              "ctx_sum": sum(ctx), "ctx_max": max(ctx, default=0),
-                              "chunks": chunks, "busy_after": engine.has_work})
+                              # What the step held, for comparing its time with a cost
+                              # model: the decodes' contexts (KV entries attended, the new
+                              # token included) and each chunk's (n, prior, completes).
+                              "ctx_sum": res.ctx_sum, "ctx_max": res.ctx_max,
+                              "chunks": list(res.chunks), "busy_after": engine.has_work,
+                              "preempted": list(res.preempted)})
                 for rid in res.admitted:
-                    recs[rid]["scheduled"] = res.t_start
+                    if recs[rid]["scheduled"] is None:      # not a readmission
+                        recs[rid]["scheduled"] = res.t_start
                 for rid in res.tokens:
                     r = recs[rid]
                     r["token_times"].append(res.t_end)

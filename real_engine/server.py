@@ -287,11 +287,22 @@ class EngineLoop:
                     continue
                 res = eng.step()
                 self.steps += 1
+                if res.plan.is_empty and not res.admitted:
+                    # Nothing could run: what is waiting needs memory that paused
+                    # requests hold. Wait for a command (a resume or a cancel) instead
+                    # of spinning on empty steps.
+                    self._publish()
+                    try:
+                        self._command(self.cmds.get(timeout=0.05))
+                    except queue.Empty:
+                        pass
+                    continue
                 if res.admitted:
                     t = res.t_start + self.wall_offset
                     for rid in res.admitted:
+                        # A request preempted and readmitted keeps its first admission.
                         if rid in self.streams:
-                            self.streams[rid].timing["scheduled"] = t
+                            self.streams[rid].timing.setdefault("scheduled", t)
                 if res.tokens:
                     self._deliver(res.tokens, set(res.finished), res.t_end)
                 self._publish()

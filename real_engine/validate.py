@@ -78,6 +78,7 @@ def real_table(run: dict, wl: Workload) -> tuple[pd.DataFrame, ItlHistogram]:
     df["last_delivered"] = df["last_token"]
     df["finished"] = [bool(r["completed"]) for r in reqs]
     df["rejected"] = False
+    df["preemptions"] = [int(r.get("preemptions", 0)) for r in reqs]
     add_derived(df)
     itl = ItlHistogram()
     for r in reqs:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional
 
 from .blockmanager import make_kv_manager
 from .kvcache import blocks_for
-from .scheduling import Seq
+from .scheduling import Seq, StepPlan
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,47 @@ class KVSpace:
     def reserved_tokens(self) -> int:
         """Token slots held by requests (used blocks x block size)."""
         return self.manager.num_used * self.bs
+
+    # -- steps shared by both executors -----------------------------------------------------
+    def make_room(self, due: list, running: Callable[[], list],
+                  preempt: Callable[[Seq], None]) -> list:
+        """Preempt until each request in ``due`` (decoders about to cross a block
+        boundary) can take one more block: victims are chosen by ``select_victim``
+        among ``running()`` and handed to ``preempt``, which must take them out of
+        the running set; a victim that was due leaves ``due``. Returns the victims."""
+        victims = []
+        need = len(due)
+        while need > self.manager.num_free:
+            victim = select_victim(running(), self.rules.victim)
+            if victim in due:
+                due.remove(victim)
+                need -= 1
+            preempt(victim)
+            victims.append(victim)
+        return victims
+
+    def admit_plan(self, plan: StepPlan, lookup: Callable[[int], Seq],
+                   admitted: Callable[[Seq, int], None]) -> StepPlan:
+        """Allocate the blocks of the plan's admissions, in order, and call
+        ``admitted(seq, cached_tokens)`` for each (the executor moves it to its running
+        set). A policy prices admissions against the cache as it was before this
+        step; an earlier admission of the same step can evict a cached block a later
+        one counted on. That one then prefills from its smaller hit (same chunk
+        size), or, if its blocks no longer fit, stays waiting and its chunk is
+        dropped from the returned plan."""
+        dropped = None
+        chunk = dict(plan.prefill)
+        for rid in plan.admit:
+            seq = lookup(rid)
+            if self.admission(seq)[1] > self.manager.num_free:
+                dropped = (dropped or set()) | {rid}
+                continue
+            cached = self.admit(seq)
+            if seq.prefilled + chunk[rid] > seq.prefill_len:
+                raise RuntimeError(f"plan over-prefills request {rid}")
+            admitted(seq, cached)
+        if dropped:
+            plan = StepPlan(decode=plan.decode,
+                            prefill=tuple(c for c in plan.prefill if c[0] not in dropped),
+                            admit=tuple(r for r in plan.admit if r not in dropped))
+        return plan

@@ -280,41 +280,24 @@ class Replica(ReplicaMemory, ReplicaApply):
                 self._sample(env.now)
 
     def _admit(self, plan: StepPlan, now: float) -> StepPlan:
-        """Move the plan's admissions into the running set, allocating their blocks.
-
-        A policy prices admissions against the cache as it was before this step; an
-        earlier admission of the same step can evict a cached block a later one
-        counted on. That one then prefills from its smaller hit (same chunk size),
-        or, if its blocks no longer fit, stays waiting and its chunk is dropped."""
-        kv = self.kv
+        """Move the plan's admissions into the running set (``KVSpace.admit_plan``)."""
         rec = self.rec
-        by_id = self.by_id
-        dropped = None
-        for rid in plan.admit:
-            seq = by_id[rid]
-            cached, need = kv.admission(seq)
-            if need > kv.manager.num_free:
-                dropped = (dropped or set()) | {rid}
-                continue
+
+        def admitted(seq, cached: int) -> None:
+            rid = seq.rid
             self.waiting.remove(seq)
-            cached = kv.admit(seq)
             if cached:
                 rec.cached_tokens[rid] += cached
                 self.kv_tokens += cached
                 self._outstanding -= cached
-            if seq.prefilled + dict(plan.prefill)[rid] > seq.prefill_len:
-                raise RuntimeError(f"plan over-prefills request {rid}")
             if math.isnan(rec.scheduled[rid]):
                 rec.scheduled[rid] = now
             else:
                 rec.preempted_s[rid] += now - seq.preempted_at
             seq.where = "p"
             self.prefilling.append(seq)
-        if dropped:
-            plan = StepPlan(decode=plan.decode,
-                            prefill=tuple(c for c in plan.prefill if c[0] not in dropped),
-                            admit=tuple(r for r in plan.admit if r not in dropped))
-        return plan
+
+        return self.kv.admit_plan(plan, self.by_id.__getitem__, admitted)
 
     def _epoch(self, nd: int, k: int):
         """``k`` decode-only steps, or fewer if an admissible arrival (or a cancel)

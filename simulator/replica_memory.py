@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import heapq
 
-from .kvspace import select_victim
 
 
 class ReplicaMemory:
@@ -97,16 +96,8 @@ class ReplicaMemory:
         if not due:
             return False
         kv = self.kv
-        mgr = kv.manager
-        preempted = False
-        need = len(due)
-        while need > mgr.num_free:
-            victim = select_victim(self.decoding + self.prefilling, kv.rules.victim)
-            if victim in due:
-                due.remove(victim)
-                need -= 1
-            self._preempt(victim, now)
-            preempted = True
+        preempted = bool(kv.make_room(due, lambda: self.decoding + self.prefilling,
+                                      lambda v: self._preempt(v, now)))
         for s in due:
             ctx = s.key + self.ticks if self.fast else s.context
             kv.grow(s, ctx)

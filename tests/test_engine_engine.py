@@ -15,7 +15,8 @@ from real_engine.graphs import DecodeGraphs, page_buckets  # noqa: E402
 from real_engine.kv import to_device  # noqa: E402
 from real_engine.model import build_model  # noqa: E402
 from real_engine.runner import run_trace  # noqa: E402
-from simulator.kvcache import BlockAllocator, blocks_for, request_blocks  # noqa: E402
+from simulator.kvcache import blocks_for, request_blocks  # noqa: E402
+from simulator.kvspace import KVRules  # noqa: E402
 from simulator.scheduling import POLICIES, StepPlan, make_policy  # noqa: E402
 
 torch.set_num_threads(1)   # 2 shared cores: one thread is faster and steadier
@@ -54,21 +55,7 @@ def random_reqs(n, vocab, seed=0, max_prompt=70, max_out=9):
                 int(rng.integers(1, max_out)), int(rng.integers(0, 3))) for r in range(n)}
 
 
-def test_block_allocator():
-    a = BlockAllocator(5)
-    assert (a.capacity, a.num_free) == (5, 5)
-    x = a.allocate(3)
-    assert x == [0, 1, 2] and a.num_free == 2 and a.num_used == 3
-    with pytest.raises(MemoryError):
-        a.allocate(3)
-    a.free(x[:1])
-    with pytest.raises(ValueError):
-        a.free(x[:1])          # double free
-    with pytest.raises(ValueError):
-        a.free([1, 1])         # duplicate in one call: nothing changes
-    assert a.num_free == 3
-    a.free(x[1:])
-    assert a.num_free == 5 and sorted(a.allocate(5)) == [0, 1, 2, 3, 4]
+def test_block_sizes():
     assert blocks_for(0) == 0 and blocks_for(16) == 1 and blocks_for(17) == 2
     assert request_blocks(10, 7) == 2
 
@@ -99,8 +86,9 @@ def test_policies_complete_with_exact_outputs(model, policy):
 
 
 def test_state_seen_by_policy(model):
-    """free_blocks is the unreserved capacity; admission reserves prompt+output blocks."""
-    e = engine(model, "chunked", num_blocks=10)
+    """free_blocks is the unreserved capacity; contiguous admission reserves
+    prompt+output blocks (paged admission: see test_engine_kvcache)."""
+    e = engine(model, "chunked", num_blocks=10, kv_rules=KVRules(allocation="contiguous"))
     e.add_request(0, 40, 9)              # 49 tokens -> 4 blocks
     e.add_request(1, 60, 30)             # 90 tokens -> 6 blocks
     e.add_request(2, 5, 5)               # must wait: no blocks left
@@ -122,8 +110,10 @@ def test_cancel_frees_blocks(model):
     waiting = [rid for rid in range(4) if rid not in running]
     assert running and waiting
     used = e.cache.num_blocks - e.cache.num_free
+    held = len(e.cache.table(running[0]))
+    assert held == blocks_for(30)              # paged: the prompt's blocks so far
     assert e.cancel(running[0])
-    assert e.cache.num_blocks - e.cache.num_free == used - request_blocks(30, 20)
+    assert e.cache.num_blocks - e.cache.num_free == used - held
     assert e.cancel(waiting[0]) and not e.cancel(waiting[0])
     while e.has_work:
         e.step()
