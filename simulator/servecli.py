@@ -54,6 +54,12 @@ def serve(
     socket_send_buffer: Optional[int] = typer.Option(None, "--socket-send-buffer", min=1,
                                                      help="SO_SNDBUF bytes per connection "
                                                      "(default: the OS autotunes it)"),
+    preemption: str = typer.Option("recompute", "--preemption",
+                                   help="KV full: recompute | swap (to CPU memory)"),
+    prefix_caching: bool = typer.Option(False, "--prefix-caching/--no-prefix-caching",
+                                        help="share KV blocks of identical prompt prefixes"),
+    kv_allocation: str = typer.Option("paged", "--kv-allocation",
+                                      help="paged | contiguous (reserve prompt + max_tokens)"),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Serve the real engine behind an OpenAI-compatible streaming API (blocks)."""
@@ -66,8 +72,17 @@ def serve(
     if backpressure not in ("block", "buffer", "degrade"):
         raise LatsimError("must be block, buffer or degrade", source="--backpressure",
                           value=backpressure, has_value=True)
+    for name, v, ok in (("--preemption", preemption, ("recompute", "swap")),
+                        ("--kv-allocation", kv_allocation, ("paged", "contiguous"))):
+        if v not in ok:
+            raise LatsimError(f"must be {' or '.join(ok)}", source=name, value=v, has_value=True)
+    if prefix_caching and kv_allocation == "contiguous":
+        raise LatsimError("needs --kv-allocation paged", source="--prefix-caching")
     _need("fastapi", "uvicorn", "torch")
     from real_engine.server import serve as _serve
+    from .kvspace import KVRules
+    kv_rules = KVRules(allocation=kv_allocation, preemption=preemption,
+                       prefix_caching=prefix_caching)
     console.print(f"latsim serve: {model} on {device}, policy {policy}, backpressure "
                   f"{backpressure} ({stream_buffer_frames} frames), "
                   f"http://{host}:{port}/v1/completions")
@@ -76,7 +91,8 @@ def serve(
                heartbeat_s=heartbeat_s or None, backpressure=backpressure,
                stream_buffer_frames=stream_buffer_frames, send_buffer_bytes=socket_send_buffer,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-               chunk_size=chunk_size, aging_s=aging_s, num_blocks=num_blocks, threads=threads)
+               chunk_size=chunk_size, aging_s=aging_s, num_blocks=num_blocks, threads=threads,
+               kv_rules=kv_rules)
     except OSError as e:          # the port is taken, or the address is not this host's
         raise LatsimError(f"cannot listen on {host}:{port}: {e.strerror or e}",
                           source="--port") from None

@@ -374,7 +374,9 @@ def test_serve_cli_rejects_bad_options():
     app.command("serve")(serve)
     app.command("noop")(lambda: None)
     for args in (["serve", "--device", "tpu"], ["serve", "--policy", "nope"],
-                 ["serve", "--backpressure", "drop"]):
+                 ["serve", "--backpressure", "drop"], ["serve", "--preemption", "evict"],
+                 ["serve", "--kv-allocation", "slab"],
+                 ["serve", "--kv-allocation", "contiguous", "--prefix-caching"]):
         r = CliRunner().invoke(app, args)
         assert isinstance(r.exception, LatsimError), r.output
 
