@@ -155,27 +155,32 @@ def test_prefix_caching_with_contiguous_is_a_config_error():
 
 
 # -- preemption ---------------------------------------------------------------------------
-def _pressure(preemption="recompute", num_blocks=120, policy="chunked", **kv):
+def _pressure(preemption="recompute", num_blocks=120, policy="chunked", sys_prompt=0, **kv):
     wl = {"kind": "synthetic", "num_requests": 120, "arrival": {"kind": "poisson", "rate": 40.0},
           "prompt_tokens": {"kind": "uniform", "low": 50, "high": 300},
           "output_tokens": {"kind": "uniform", "low": 50, "high": 300},
-          "classes": [{"name": "P0", "share": 1}, {"name": "P1", "share": 1}]}
+          "classes": [{"name": "P0", "share": 1, "system_prompt_tokens": sys_prompt},
+                      {"name": "P1", "share": 1, "system_prompt_tokens": sys_prompt}]}
     return make_scenario(workload=wl, engine={
         "policy": policy, "max_num_seqs": 32, "max_num_batched_tokens": 512,
         "kv": {"num_blocks": num_blocks, "preemption": preemption, **kv}})
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("policy", ["fifo", "chunked", "priority_aging"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_preemption_loses_no_request_and_modes_agree(policy, preemption):
+def test_preemption_loses_no_request_and_modes_agree(policy, preemption, caching):
     """Under memory pressure every request still finishes with all its tokens, and
-    the fast (tick/epoch) bookkeeping gives the same timestamps as step-by-step."""
-    sc = _pressure(preemption, policy=policy)
+    the fast (tick/epoch) bookkeeping gives the same timestamps as step-by-step
+    (with prefix caching too: 64-token system prompts per class)."""
+    sc = _pressure(preemption, policy=policy, sys_prompt=64 if caching else 0,
+                   prefix_caching=caching)
     res = {m: simulate(sc, mode=m) for m in ("auto", "step", "slow")}
     df = requests_table(res["auto"])
     assert df["finished"].all()
     assert (res["auto"].rec.generated == df["output_tokens"]).all()
     assert df["preemptions"].sum() > 0
+    assert (df["cached_tokens"].sum() > 0) == caching
     if preemption == "swap":
         assert df["swapped_bytes"].sum() > 0 and res["auto"].rec.swap_copy_s > 0
         assert df["recomputed_tokens"].sum() == 0
@@ -186,6 +191,7 @@ def test_preemption_loses_no_request_and_modes_agree(policy, preemption):
             np.testing.assert_allclose(getattr(res[m].rec, col), getattr(res["auto"].rec, col),
                                        rtol=0, atol=1e-9, err_msg=f"{m} {col}")
         assert (res[m].rec.preemptions == res["auto"].rec.preemptions).all()
+        assert (res[m].rec.cached_tokens == res["auto"].rec.cached_tokens).all()
         assert res[m].rec.itl.n == res["auto"].rec.itl.n
         assert abs(res[m].rec.itl.total - res["auto"].rec.itl.total) < 1e-6
 
