@@ -483,3 +483,22 @@ def test_cancels_agree_across_bookkeeping_modes(preemption):
     # Every request either finished with all its tokens, was cancelled, or was rejected.
     done = ~np.isnan(a.last_token)
     assert (done | a.cancelled | a.rejected).all()
+
+
+def test_seed_claim_system_prompt_shared_by_100_requests():
+    """The seeds: a ~500-token system prompt shared by 100 concurrent requests saves
+    about 8 GB. Measured here on Llama-3-8B's shape (128 KiB of KV per token): the
+    requests share the prompt's 31 full blocks (496 tokens), so at most 99 x 31 x 16
+    x 131,072 B = 6.44 GB is saved; the few admitted in the step that computes the
+    prompt first cannot share it yet."""
+    wl = {"kind": "synthetic", "num_requests": 100, "arrival": {"kind": "constant", "rate": 1e6},
+          "prompt_tokens": {"kind": "constant", "value": 40},
+          "output_tokens": {"kind": "constant", "value": 200},
+          "classes": [{"name": "support-bot", "system_prompt_tokens": 500}]}
+    sc = make_scenario(workload=wl, engine={
+        "policy": "chunked", "max_num_seqs": 128, "max_num_batched_tokens": 2048,
+        "kv": {"num_blocks": 20000, "prefix_caching": True}})
+    kv = run_outputs(simulate(sc))[1]["kv"]
+    full = 99 * 31 * 16 * 131072 / 1e9
+    assert full == pytest.approx(6.44, abs=0.01)
+    assert 0.9 * full <= kv["peak_memory_saved_gb"] <= full
