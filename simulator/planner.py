@@ -33,7 +33,7 @@ from .config import validate_scenario
 from .errors import LatsimError
 from .metrics import BREAKDOWN, PCTS
 from .executors import load_profile_for, make_executor
-from .sweep import Axis, describe, expand, point_scenario, resolve_key
+from .sweep import Axis, describe, expand, point_scenario, policy_axis, resolve_key
 
 REPLICAS = "cluster.replicas"
 COMPLETED = "completed"
@@ -207,9 +207,11 @@ class Planner:
     def __init__(self, base: dict, base_dir: Path, slos: list, axes: list, *,
                  seeds: int = 1, executor: str = "local", workers: Optional[int] = None) -> None:
         self.base = copy.deepcopy(base)
+        self.runs = None
         if self.base.get("policies") and not any(
                 resolve_key(self.base, a.key) == "engine.policy" for a in axes):
-            axes = [*axes, Axis("engine.policy", tuple(self.base["policies"]))]
+            axis, self.runs = policy_axis(self.base)
+            axes = [*axes, axis]
         self.base.pop("policies", None)
         self.base_dir, self.slos, self.seeds = Path(base_dir), slos, seeds
         rep = [a for a in axes if resolve_key(self.base, a.key) == REPLICAS]
@@ -226,7 +228,7 @@ class Planner:
         self._profiles: dict = {}
         self.runs = 0
         for c in self.combos:  # fail fast on a bad axis value
-            validate_scenario(point_scenario(self.base, {**c, REPLICAS: self.replicas[0]}),
+            validate_scenario(point_scenario(self.base, {**c, REPLICAS: self.replicas[0]}, self.runs),
                               source=f"search point {describe(c)}")
 
     def close(self) -> None:
@@ -240,7 +242,7 @@ class Planner:
             key = (tuple(sorted((k, repr(v)) for k, v in params.items())), mult)
             if key in self.cache or key in todo:
                 continue
-            data = point_scenario(self.base, params)
+            data = point_scenario(self.base, params, self.runs)
             sc = validate_scenario(data, source=f"search point {describe(params)}")
             if mult != 1.0:
                 data = scale_rate(data, sc, mult)

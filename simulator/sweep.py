@@ -118,11 +118,49 @@ def set_path(data: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def point_scenario(base: dict, params: dict) -> dict:
-    """A deep copy of ``base`` with every parameter of one grid point set."""
+def policy_axis(base: dict) -> tuple[Axis, dict]:
+    """The ``engine.policy`` axis a scenario's ``policies:`` list stands for: its values
+    are the runs' labels, and ``runs`` maps each label to its entry (a policy name,
+    or ``{policy, label, engine fields, kv}``), which ``point_scenario`` applies."""
+    runs = {}
+    for entry in base["policies"]:
+        if isinstance(entry, dict):
+            label = entry.get("label") or entry.get("policy")
+        else:
+            label = entry
+        runs[str(label)] = entry
+    return Axis("engine.policy", tuple(runs)), runs
+
+
+def _apply_run(data: dict, entry) -> None:
+    """Set a ``policies:`` entry's engine settings on a scenario mapping."""
+    eng = data.setdefault("engine", {})
+    if not isinstance(entry, dict):
+        eng["policy"] = entry
+        return
+    for k, v in entry.items():
+        if k == "label" or v is None:
+            continue
+        if k == "kv":
+            eng["kv"] = {**(eng.get("kv") or {}), **v}
+        else:
+            eng[k] = v
+
+
+def point_scenario(base: dict, params: dict, runs: Optional[dict] = None) -> dict:
+    """A deep copy of ``base`` with every parameter of one grid point set; an
+    ``engine.policy`` value that names one of ``runs`` applies that whole entry
+    first, so the other grid axes override its settings (the grid is explicit)."""
     out = copy.deepcopy(base)
+    rest = {}
     for key, value in params.items():
-        set_path(out, resolve_key(out, key), value)
+        path = resolve_key(out, key)
+        if runs and path == "engine.policy" and value in runs:
+            _apply_run(out, runs[value])
+        else:
+            rest[path] = value
+    for path, value in rest.items():
+        set_path(out, path, value)
     return out
 
 
@@ -250,8 +288,10 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     if seeds < 1:
         raise LatsimError("must be at least 1", source="--seeds", value=seeds, has_value=True)
     base = copy.deepcopy(base)
+    runs = None
     if base.get("policies") and not any(resolve_key(base, a.key) == "engine.policy" for a in axes):
-        axes = [*axes, Axis("engine.policy", tuple(base["policies"]))]
+        axis, runs = policy_axis(base)
+        axes = [*axes, axis]
     base.pop("policies", None)
     points = expand(axes)
     base_seed = int(base.get("seed", 0) or 0)
@@ -271,7 +311,7 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     cache: dict = {}
     tasks, task_rows, order = [], [], {}
     for i, params in enumerate(points):
-        data = point_scenario(base, params)
+        data = point_scenario(base, params, runs)
         try:
             sc = validate_scenario(data, source=f"grid point {describe(params)}")
         except LatsimError as e:

@@ -209,3 +209,24 @@ def test_sweep_command_writes_csv_and_parquet(tmp_path):
     r = CliRunner().invoke(_app(), ["sweep", str(sc), "--grid", "engine.policy=nope",
                                     "--out", str(tmp_path / "o2")])
     assert isinstance(r.exception, LatsimError) and "unknown policy" in str(r.exception)
+
+
+def test_sweep_over_a_scenario_whose_policies_carry_settings(tmp_path):
+    """``policies:`` entries with their own engine/kv settings become the policy axis
+    (their labels); the other grid axes override what an entry sets."""
+    from simulator.sweep import point_scenario, policy_axis
+    base = {"engine": {"policy": "chunked", "kv": {"gpu_memory_gb": 24}},
+            "policies": [{"policy": "chunked", "label": "swap", "kv": {"preemption": "swap"}},
+                         {"policy": "fifo", "label": "big", "max_num_seqs": 8,
+                          "kv": {"gpu_memory_gb": 48}}, "priority_aging"]}
+    axis, runs = policy_axis(base)
+    assert axis.values == ("swap", "big", "priority_aging")
+    d = point_scenario(base, {"engine.policy": "big"}, runs)
+    assert d["engine"]["policy"] == "fifo" and d["engine"]["max_num_seqs"] == 8
+    assert d["engine"]["kv"] == {"gpu_memory_gb": 48}
+    d = point_scenario(base, {"engine.policy": "big", "engine.kv.gpu_memory_gb": 80}, runs)
+    assert d["engine"]["kv"]["gpu_memory_gb"] == 80
+    d = point_scenario(base, {"engine.policy": "swap"}, runs)
+    assert d["engine"]["kv"] == {"gpu_memory_gb": 24, "preemption": "swap"}
+    assert point_scenario(base, {"engine.policy": "priority_aging"}, runs)["engine"]["policy"] \
+        == "priority_aging"
