@@ -166,10 +166,13 @@ class Replica(ReplicaMemory, ReplicaApply):
         self._outstanding += seq.prompt_tokens + seq.output_tokens
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
-        elif (self._in_epoch and was_empty
-              and len(self.decoding) + len(self.prefilling) < self.max_num_seqs
-              and self.kv.admission(seq)[1] <= self.kv.policy_free()):
+        elif self._in_epoch and (self._aging or (
+                was_empty and len(self.decoding) + len(self.prefilling) < self.max_num_seqs
+                and self.kv.admission(seq)[1] <= self.kv.policy_free())):
             # Admissible now: the engine must look at it at the next step boundary.
+            # With aging the queue's order changes with time alone, so whether anyone
+            # waiting becomes admissible is not decided at arrivals: any arrival ends
+            # the epoch, and the loop then steps one by one while somebody waits.
             self._in_epoch = False
             self.process.interrupt()
 
