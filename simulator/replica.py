@@ -239,8 +239,10 @@ class Replica(ReplicaMemory, ReplicaApply):
             by_id = self.by_id
             nd = len(plan.decode)
             k_room = 0
-            if (self.epochs and nd and not plan.prefill and not self._copy_s
-                    and not self.swapped and (not self._aging or len(self.waiting) == 0)):
+            # An epoch repeats this plan until something happens; a step that held
+            # admissions back (a preemption, swapped requests) is not one to repeat.
+            if (self.epochs and nd and not plan.prefill and not self._copy_s and not hold
+                    and (not self._aging or len(self.waiting) == 0)):
                 self._clean_top(self._finish_heap)
                 k = min(self._finish_heap[0][0] - self.ticks, MAX_EPOCH_STEPS)
                 k_room = self._epoch_room(nd, k)

@@ -504,32 +504,45 @@ def test_seed_claim_system_prompt_shared_by_100_requests():
     assert 0.9 * full <= kv["peak_memory_saved_gb"] <= full
 
 
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 40), blocks=st.integers(14, 80), seed=st.integers(0, 10_000),
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 60), blocks=st.integers(14, 120), seed=st.integers(0, 10_000),
        policy=st.sampled_from(["fifo", "chunked", "priority_aging"]),
        preemption=st.sampled_from(["recompute", "swap"]),
        victim=st.sampled_from(["priority", "latest"]),
-       caching=st.booleans(), sys_prompt=st.sampled_from([0, 16, 40]),
+       caching=st.booleans(), sys_prompt=st.sampled_from([0, 16, 40, 100]),
        swap_gb=st.sampled_from([0.0, 0.01, 4.0]), rate=st.sampled_from([5.0, 50.0, 500.0]),
-       alloc=st.sampled_from(["paged", "contiguous"]), watermark=st.sampled_from([0.0, 0.05]))
+       alloc=st.sampled_from(["paged", "contiguous"]), watermark=st.sampled_from([0.0, 0.05]),
+       replicas=st.integers(1, 3),
+       router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
+       max_seqs=st.sampled_from([1, 4, 8, 32]), budget=st.sampled_from([16, 64, 512]),
+       chunk=st.sampled_from([None, 8, 32]), aging=st.sampled_from([0.05, 1.0, 30.0]),
+       max_len=st.sampled_from([None, 300]))
 def test_random_workloads_epochs_equal_step_by_step(n, blocks, seed, policy, preemption, victim,
                                                     caching, sys_prompt, swap_gb, rate, alloc,
-                                                    watermark):
+                                                    watermark, replicas, router, max_seqs,
+                                                    budget, chunk, aging, max_len):
     """The fast bookkeeping (ticks, decode epochs) equals per-request stepping on random
-    memory-bound workloads. (This found epochs running past an admission that
-    priority aging made possible: with aging, any arrival now ends an epoch.)"""
+    memory-bound workloads. It found two ways an epoch ran past a step whose plan
+    would have differed: priority aging making a smaller request admissible while
+    the head was blocked on memory (now any arrival ends an aging epoch), and the
+    step after a preemption, which admits again (no epoch starts from a step that
+    held admissions back)."""
     wl = {"kind": "synthetic", "num_requests": n, "arrival": {"kind": "poisson", "rate": rate},
           "prompt_tokens": {"kind": "uniform", "low": 1, "high": 120},
           "output_tokens": {"kind": "uniform", "low": 1, "high": 80},
           "classes": [{"name": "P0", "share": 1, "system_prompt_tokens": sys_prompt},
-                      {"name": "P1", "share": 1, "system_prompt_tokens": sys_prompt}]}
-    sc = make_scenario(seed=seed, workload=wl, engine={
-        "policy": policy, "max_num_seqs": 8, "max_num_batched_tokens": 64,
-        "kv": {"num_blocks": blocks, "preemption": preemption, "victim": victim,
-               "prefix_caching": caching and alloc == "paged", "swap_space_gb": swap_gb,
-               "allocation": alloc, "watermark": watermark}})
+                      {"name": "P1", "share": 1, "system_prompt_tokens": sys_prompt},
+                      {"name": "P2", "share": 1}]}
+    kv = {"num_blocks": blocks, "preemption": preemption, "victim": victim,
+          "prefix_caching": caching and alloc == "paged", "swap_space_gb": swap_gb,
+          "allocation": alloc, "watermark": watermark, "max_model_len": max_len}
+    eng = {"policy": policy, "max_num_seqs": min(max_seqs, budget),
+           "max_num_batched_tokens": budget, "chunk_size": chunk, "aging_s": aging, "kv": kv}
+    sc = make_scenario(seed=seed, workload=wl, engine=eng,
+                       cluster={"replicas": replicas, "router": router})
     a, s = simulate(sc, mode="auto").rec, simulate(sc, mode="slow").rec
     for col in ("scheduled", "first_token", "last_token", "last_delivered"):
         np.testing.assert_allclose(getattr(s, col), getattr(a, col), atol=1e-9, err_msg=col)
     assert (s.preemptions == a.preemptions).all() and (s.cached_tokens == a.cached_tokens).all()
+    assert (s.replica == a.replica).all()
     assert s.itl.n == a.itl.n and abs(s.itl.total - a.itl.total) < 1e-6
