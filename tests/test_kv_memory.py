@@ -546,3 +546,20 @@ def test_random_workloads_epochs_equal_step_by_step(n, blocks, seed, policy, pre
     assert (s.preemptions == a.preemptions).all() and (s.cached_tokens == a.cached_tokens).all()
     assert (s.replica == a.replica).all()
     assert s.itl.n == a.itl.n and abs(s.itl.total - a.itl.total) < 1e-6
+
+
+def test_trace_system_prompts_and_their_conflict_with_prefix_hashes(shared_data):
+    from simulator.workload import build_workload
+    from simulator.workload.traces import TraceWorkload
+    azure = shared_data / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    cfg = TraceWorkload(path=str(azure), limit=50,
+                        classes=[{"name": "bot", "share": 1, "system_prompt_tokens": 300}])
+    wl = build_workload(cfg, np.random.default_rng(0), shared_data)
+    plain = build_workload(TraceWorkload(path=str(azure), limit=50), np.random.default_rng(0),
+                           shared_data)
+    assert (wl.prompt_tokens == plain.prompt_tokens + 300).all()
+    assert (wl.shared_prefix_tokens == 300).all()
+    moon = TraceWorkload(path=str(shared_data / "mooncake" / "conversation_trace.jsonl"),
+                         limit=20, classes=[{"name": "bot", "system_prompt_tokens": 300}])
+    with pytest.raises(LatsimError, match="prefix hashes"):
+        build_workload(moon, np.random.default_rng(0), shared_data)

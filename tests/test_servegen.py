@@ -210,3 +210,16 @@ def _pmf_mean(folder: Path, client: int, column: str) -> float:
     raw = json.loads((folder / f"chunk-{client}-dataset.json").read_text())["21600"][column]
     pmf = ast.literal_eval(raw)
     return sum(k * v for k, v in pmf.items()) / sum(pmf.values())
+
+
+def test_class_system_prompts_are_prepended():
+    """A class's shared system prompt lengthens its prompts and is marked shared
+    (prefix caching then serves it from cache); the same seed, same draws otherwise."""
+    classes = [{"name": "bot", "share": 1, "system_prompt_tokens": 500}, {"name": "api", "share": 1}]
+    plain = sg(window=[0, 7200], classes=[{"name": "bot", "share": 1}, {"name": "api", "share": 1}])
+    wl = sg(window=[0, 7200], classes=classes)
+    bot = wl.priority == 0
+    assert bot.any() and (~bot).any()
+    assert (wl.prompt_tokens[bot] == plain.prompt_tokens[bot] + 500).all()
+    assert (wl.prompt_tokens[~bot] == plain.prompt_tokens[~bot]).all()
+    assert (wl.shared_prefix_tokens == np.where(bot, 500, 0)).all()

@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import LatsimError
 from ..registry import WORKLOADS
 from .base import Workload
-from .classes import PriorityClass, assign_classes, class_names
+from .classes import PriorityClass, add_system_prompts, assign_classes, class_names
 
 WINDOW_S = 600.0  # ServeGen's arrival windows
 _TRACE_RE = re.compile(r"chunk-(\d+)-trace\.csv$")
@@ -240,9 +240,11 @@ def build_servegen(cfg: ServeGenWorkload, rng: np.random.Generator, base_dir: Pa
             "fallback_client": fallback, "expected_requests": float(sum(
                 r[0] * cfg.rate_scale * (min(end, (first + k + 1) * WINDOW_S) - max(start, (first + k) * WINDOW_S))
                 for c in chosen for k, r in enumerate(rows[c])))}
+    prio = assign_classes(cfg.classes, len(t), rng)
+    prompt, shared = add_system_prompts(cfg.classes, prompt, prio)
     return Workload(arrival_s=t - start, prompt_tokens=prompt, output_tokens=output,
-                    priority=assign_classes(cfg.classes, len(t), rng),
-                    class_names=class_names(cfg.classes), client=client, meta=meta)
+                    priority=prio, class_names=class_names(cfg.classes), client=client,
+                    meta=meta, shared_prefix_tokens=shared)
 
 
 WORKLOADS.register("servegen", ServeGenWorkload, build_servegen)
