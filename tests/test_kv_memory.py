@@ -90,7 +90,7 @@ _chains = st.lists(st.integers(0, 2), min_size=0, max_size=6).map(
     lambda xs: [tuple(xs[:i + 1]) for i in range(len(xs))])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free", "reg"]),
                           st.integers(0, 7), st.integers(1, 120), _chains),
                 max_size=60))
@@ -226,7 +226,7 @@ def _checking_sample(monkeypatch):
     return seen
 
 
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 25), blocks=st.integers(12, 60), seed=st.integers(0, 10_000),
        policy=st.sampled_from(["fifo", "chunked", "priority_aging"]),
@@ -504,7 +504,7 @@ def test_seed_claim_system_prompt_shared_by_100_requests():
     assert 0.9 * full <= kv["peak_memory_saved_gb"] <= full
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(n=st.integers(1, 60), blocks=st.integers(14, 120), seed=st.integers(0, 10_000),
        policy=st.sampled_from(["fifo", "chunked", "priority_aging"]),
        preemption=st.sampled_from(["recompute", "swap"]),
