@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -39,14 +38,14 @@ import pandas as pd
 from simulator.benchclient import _WORDS, bench_outputs, run_bench
 from simulator.config import validate_scenario
 from simulator.errors import LatsimError
-from simulator.metrics import requests_table, summarize
+from simulator.metrics import BREAKDOWN, requests_table, summarize
 from simulator.report import json_safe
 from simulator.simulate import simulate
 from simulator.workload import Workload
 
-from .validate import METRICS, compare, policy_kwargs
+from .validate import compare, policy_kwargs
 
-STAGES = ("t_net", "t_queue", "t_prefill", "t_decode", "t_stream")
+STAGES = BREAKDOWN   # the E2E stages, all measured over the wire
 LOOPBACK_MBPS = 10_000.0     # nominal: on loopback a frame's transmit time is negligible
 POOL_SIZE = 32               # the bench's keep-alive connections (the simulated client's pool)
 # What latsim bench sends besides the prompt's words (headers + JSON envelope), bytes.
@@ -256,28 +255,9 @@ def run_endpoint_validation(endpoint: str, profile: dict, wl: Workload,
 
 
 def error_table(results: dict, title: str = "Simulated vs real, over the wire"):
-    """A rich table: per policy, real and simulated P50/P99 of every latency metric and
-    every E2E stage (ms), with the relative error."""
-    from rich.table import Table
-    t = Table(title=title, title_justify="left")
-    for c in ("policy", "metric", "real P50", "sim P50", "err P50", "real P99", "sim P99",
-              "err P99"):
-        t.add_column(c, justify="left" if c in ("policy", "metric") else "right")
-
-    def f(v, pct=False):
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return "-"
-        return f"{v * 100:+.1f}%" if pct else f"{v:.3f}"
-
-    for name, r in results.items():
-        rows = [(m.upper(), r["errors"][f"median_{m}_ms"], r["errors"][f"p99_{m}_ms"])
-                for m in METRICS]
-        rows += [(st.upper(), r["stages"][f"median_{st}_ms"], r["stages"][f"p99_{st}_ms"])
-                 for st in STAGES]
-        for label, a, b in rows:
-            t.add_row(name, label, f(a["real"]), f(a["sim"]), f(a["rel_err"], True),
-                      f(b["real"]), f(b["sim"]), f(b["rel_err"], True))
-    return t
+    """``validate.error_table`` with every E2E stage too (the wire's are measured here)."""
+    from .validate import error_table as table
+    return table(results, title, stages=STAGES, digits=3)
 
 
 def summary_lines(results: dict) -> list[str]:

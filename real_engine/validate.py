@@ -319,8 +319,10 @@ def diagnosis_lines(results: dict) -> list[str]:
     return lines
 
 
-def error_table(results: dict, title: str = "Simulated vs real"):
-    """A rich table: per policy and metric, real and simulated P50/P99 and the error."""
+def error_table(results: dict, title: str = "Simulated vs real", stages: tuple = (),
+                digits: int = 2):
+    """A rich table: per policy, real and simulated P50/P99 and the relative error of
+    every latency metric, then of each E2E stage named in ``stages`` (ms)."""
     from rich.table import Table
     t = Table(title=title, title_justify="left")
     for c in ("policy", "metric", "real P50", "sim P50", "err P50", "real P99", "sim P99",
@@ -330,12 +332,12 @@ def error_table(results: dict, title: str = "Simulated vs real"):
     def f(v, pct=False):
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return "-"
-        return f"{v * 100:+.1f}%" if pct else f"{v:.2f}"
+        return f"{v * 100:+.1f}%" if pct else f"{v:.{digits}f}"
 
     for name, r in results.items():
-        e = r["errors"]
-        for m in METRICS:
-            a, b = e[f"median_{m}_ms"], e[f"p99_{m}_ms"]
+        rows = [(m, r["errors"]) for m in METRICS] + [(st, r["stages"]) for st in stages]
+        for m, src in rows:
+            a, b = src[f"median_{m}_ms"], src[f"p99_{m}_ms"]
             t.add_row(name, m.upper(), f(a["real"]), f(a["sim"]), f(a["rel_err"], True),
                       f(b["real"]), f(b["sim"]), f(b["rel_err"], True))
     return t

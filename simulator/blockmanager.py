@@ -38,6 +38,15 @@ from typing import Hashable, Optional, Sequence
 from .kvcache import DEFAULT_BLOCK_SIZE, blocks_for
 
 
+def _checked(capacity: int, block_size: int) -> tuple[int, int]:
+    """A pool's size and block size as ints, or ``ValueError``."""
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return int(capacity), int(block_size)
+
+
 class KVStats:
     """Counters every manager keeps (prefix-cache ones stay 0 without caching)."""
 
@@ -62,12 +71,7 @@ class CountingKV:
     prefix_caching = False
 
     def __init__(self, capacity: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.capacity = int(capacity)
-        self.block_size = int(block_size)
+        self.capacity, self.block_size = _checked(capacity, block_size)
         self.num_free = self.capacity
         self._held: dict[int, int] = {}
         self.stats = KVStats()
@@ -142,12 +146,7 @@ class PrefixKV:
 
     def __init__(self, capacity: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  prefix_caching: bool = True) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.capacity = int(capacity)
-        self.block_size = int(block_size)
+        self.capacity, self.block_size = _checked(capacity, block_size)
         self.prefix_caching = bool(prefix_caching)
         # Never-cached free blocks, a stack with the lowest id on top (deterministic ids).
         self._free: list[int] = list(range(self.capacity - 1, -1, -1))

@@ -184,20 +184,17 @@ def validate(
             res, meta = ep.run_endpoint_validation(endpoint, prof, wl, asked, model=mdl,
                                                    device=device, settings=settings, load=load,
                                                    seed=seed, log=console.print)
-            meta.update(profile=str(profile), trace=str(trace))
-            console.print(ep.error_table(res))
-            for line in ep.summary_lines(res):
-                console.print(line, markup=False, highlight=False)
-            files = ep.write_endpoint(out, res, meta)
-            console.print(f"wrote {', '.join(str(f) for f in files)}")
-            return
-        res, meta = v.run_validation(prof, wl, names, model=mdl, device=device,
-                                     settings=settings, load=load, seed=seed, log=console.print)
+            table, lines, write = ep.error_table, ep.summary_lines, ep.write_endpoint
+        else:
+            res, meta = v.run_validation(prof, wl, names, model=mdl, device=device,
+                                         settings=settings, load=load, seed=seed,
+                                         log=console.print)
+            table, lines, write = v.error_table, v.diagnosis_lines, v.write_validation
         meta.update(profile=str(profile), trace=str(trace))
-        console.print(v.error_table(res))
-        for line in v.diagnosis_lines(res):
+        console.print(table(res))
+        for line in lines(res):
             console.print(line, markup=False, highlight=False)
-        files = v.write_validation(out, res, meta)
+        files = write(out, res, meta)
         console.print(f"wrote {', '.join(str(f) for f in files)}")
     except LatsimError as e:
         _fail(e)

@@ -9,6 +9,7 @@ their own servers, one per policy, over one shared engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -440,19 +441,27 @@ def slow_engine():
                         num_blocks=512)
 
 
+@contextlib.contextmanager
+def _slow_reader(engine, mode: str):
+    """A server with ``mode`` backpressure and a small send buffer, a metrics client,
+    and a raw-socket request of SLOW_TOKENS tokens that reads nothing yet: yields
+    ``(client, socket)``; the caller closes the socket."""
+    from real_engine.server import BackgroundServer, make_app
+    app = make_app(engine, "tiny", heartbeat_s=None, backpressure=mode,
+                   stream_buffer_frames=SLOW_BUFFER)
+    with BackgroundServer(app, send_buffer_bytes=8192) as srv, \
+            httpx.Client(base_url=srv.url, timeout=10) as c:
+        yield c, _raw_request(srv.port, {"prompt": "a b c", "max_tokens": SLOW_TOKENS,
+                                         "stream": True})
+
+
 @pytest.mark.parametrize("mode", ["block", "buffer", "degrade"])
 def test_slow_reader_backpressure(slow_engine, mode):
     """A client that stops reading: ``block`` pauses its request (KV kept, the engine
     idles, the buffer stays at the bound) and resumes it as the client drains;
     ``buffer`` lets the buffer grow past the bound; ``degrade`` sends the rest as one
     frame. In every mode the request completes with all its tokens."""
-    from real_engine.server import BackgroundServer, make_app
-    app = make_app(slow_engine, "tiny", heartbeat_s=None, backpressure=mode,
-                   stream_buffer_frames=SLOW_BUFFER)
-    with BackgroundServer(app, send_buffer_bytes=8192) as srv, \
-            httpx.Client(base_url=srv.url, timeout=10) as c:
-        s = _raw_request(srv.port, {"prompt": "a b c", "max_tokens": SLOW_TOKENS,
-                                    "stream": True})
+    with _slow_reader(slow_engine, mode) as (c, s):
         try:
             if mode == "block":
                 m = _poll(c, lambda m: m["paused"] == 1, 20.0, "a paused request")
@@ -498,13 +507,7 @@ def test_slow_reader_backpressure(slow_engine, mode):
 def test_paused_request_freed_when_its_client_leaves(slow_engine):
     """A request paused by ``block`` whose client then disconnects is cancelled and its
     KV blocks freed, like a running one."""
-    from real_engine.server import BackgroundServer, make_app
-    app = make_app(slow_engine, "tiny", heartbeat_s=None, backpressure="block",
-                   stream_buffer_frames=SLOW_BUFFER)
-    with BackgroundServer(app, send_buffer_bytes=8192) as srv, \
-            httpx.Client(base_url=srv.url, timeout=10) as c:
-        s = _raw_request(srv.port, {"prompt": "a b c", "max_tokens": SLOW_TOKENS,
-                                    "stream": True})
+    with _slow_reader(slow_engine, "block") as (c, s):
         try:
             _poll(c, lambda m: m["paused"] == 1, 20.0, "a paused request")
         finally:
