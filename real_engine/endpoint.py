@@ -26,7 +26,6 @@ limits it runs, so that one policy is compared.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
@@ -39,11 +38,10 @@ from simulator.benchclient import _WORDS, bench_outputs, run_bench
 from simulator.config import validate_scenario
 from simulator.errors import LatsimError
 from simulator.metrics import BREAKDOWN, requests_table, summarize
-from simulator.report import json_safe
 from simulator.simulate import simulate
 from simulator.workload import Workload
 
-from .validate import compare, policy_kwargs
+from .validate import compare, policy_kwargs, write_results
 
 STAGES = BREAKDOWN   # the E2E stages, all measured over the wire
 LOOPBACK_MBPS = 10_000.0     # nominal: on loopback a frame's transmit time is negligible
@@ -269,16 +267,4 @@ def summary_lines(results: dict) -> list[str]:
 
 def write_endpoint(out_dir: Path, results: dict, meta: dict) -> list[Path]:
     """``real-<policy>.csv`` (bench table), ``sim-<policy>.csv`` and ``endpoint.json``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = []
-    summary = {"meta": meta, "policies": {}}
-    for name, r in results.items():
-        for side in ("real", "sim"):
-            p = out_dir / f"{side}-{name}.csv"
-            r[f"{side}_table"].to_csv(p, index=False, float_format="%.9g")
-            files.append(p)
-        summary["policies"][name] = {k: v for k, v in r.items() if not k.endswith("_table")}
-    p = out_dir / "endpoint.json"
-    p.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
-    files.append(p)
-    return files
+    return write_results(out_dir, results, meta, "endpoint.json")

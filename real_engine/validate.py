@@ -283,8 +283,10 @@ def run_validation(profile: dict, wl: Workload, policies: Sequence[str], *, mode
     return validate(engine, profile, wl, policies, settings, realtime=realtime, log=log), meta
 
 
-def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
-    """``real-<policy>.csv``, ``sim-<policy>.csv`` and ``validation.json``."""
+def write_results(out_dir: Path, results: dict, meta: dict, json_name: str,
+                  fields: Optional[tuple] = None) -> list[Path]:
+    """``real-<policy>.csv`` and ``sim-<policy>.csv`` (the per-request tables) and a
+    JSON summary of each policy's ``fields`` (default: everything but the tables)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
     summary = {"meta": meta, "policies": {}}
@@ -293,16 +295,19 @@ def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
             p = out_dir / f"{side}-{name}.csv"
             r[f"{side}_table"].to_csv(p, index=False, float_format="%.9g")
             files.append(p)
-        summary["policies"][name] = {k: r[k] for k in ("real", "sim", "errors", "step_fit",
-                                                       "logic_check",
-                                                       "real_wall_s",
-                                                       "extrapolations", "steps_real",
-                                                       "steps_sim")}
-    p = out_dir / "validation.json"
-
+        summary["policies"][name] = {k: v for k, v in r.items()
+                                     if (k in fields if fields else not k.endswith("_table"))}
+    p = out_dir / json_name
     p.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     files.append(p)
     return files
+
+
+def write_validation(out_dir: Path, results: dict, meta: dict) -> list[Path]:
+    """``real-<policy>.csv``, ``sim-<policy>.csv`` and ``validation.json``."""
+    return write_results(out_dir, results, meta, "validation.json",
+                         ("real", "sim", "errors", "step_fit", "logic_check", "real_wall_s",
+                          "extrapolations", "steps_real", "steps_sim"))
 
 
 def diagnosis_lines(results: dict) -> list[str]:

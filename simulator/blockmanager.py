@@ -203,15 +203,20 @@ class PrefixKV:
             h += 1
         return h, min(h, (tokens - 1) // self.block_size)
 
-    def admission(self, tokens: int, keys: Optional[Sequence] = None) -> tuple[int, int]:
-        """``(cached_tokens, blocks taken from the free pool)`` if admitted now: the
-        new blocks plus the hit blocks that are evictable (they leave the free pool)."""
-        _, h = self._leading_hits(keys, tokens)
+    def _price(self, tokens: int, keys: Optional[Sequence]) -> tuple[int, int, int]:
+        """(leading keys cached, usable hit blocks, blocks taken from the free pool)."""
+        found, h = self._leading_hits(keys, tokens)
         need = blocks_for(tokens, self.block_size) - h
         if h:
             ref = self._ref
             cache = self._block_of
             need += sum(1 for i in range(h) if ref[cache[keys[i]]] == 0)
+        return found, h, need
+
+    def admission(self, tokens: int, keys: Optional[Sequence] = None) -> tuple[int, int]:
+        """``(cached_tokens, blocks taken from the free pool)`` if admitted now: the
+        new blocks plus the hit blocks that are evictable (they leave the free pool)."""
+        _, h, need = self._price(tokens, keys)
         return h * self.block_size, need
 
     # -- mutations ----------------------------------------------------------------
@@ -239,8 +244,8 @@ class PrefixKV:
         (changing nothing) when the pool cannot supply the rest."""
         if rid in self._tables:
             raise ValueError(f"request {rid} already holds blocks")
-        found, h = self._leading_hits(keys, tokens)
-        cached_tokens, need = self.admission(tokens, keys)
+        found, h, need = self._price(tokens, keys)
+        cached_tokens = h * self.block_size
         if need > self.num_free:
             raise MemoryError(f"KV cache full: request {rid} needs {need} blocks, "
                               f"{self.num_free} free of {self.capacity}")
