@@ -24,11 +24,12 @@ import numpy as np
 from rich.table import Table
 
 
-def kv_run_stats(replicas, cost, rec, workload, chunk: int) -> dict:
-    """Tallies of the replicas' block managers and the prefill time hits saved."""
+def kv_run_stats(stats, cost, rec, workload, chunk: int) -> dict:
+    """Tallies of the replicas' block managers (their ``KVStats``) and the prefill
+    time hits saved."""
     keys = ("queried_blocks", "hit_blocks", "queried_tokens", "cached_tokens", "evictions",
             "admissions")
-    out = {k: sum(getattr(r.kv.manager.stats, k) for r in replicas) for k in keys}
+    out = {k: sum(getattr(st, k) for st in stats) for k in keys}
     out["swap_copy_s"] = float(rec.swap_copy_s)
     out["prefill_s_saved"] = _prefill_saved(cost, rec, chunk)
     return out

@@ -41,6 +41,7 @@ from .replica import Replica, SimSeq
 from .routers import make_router
 from .scheduling import make_policy
 from .stream import DisconnectDraws, StreamTiming, client_downlinks_bps
+from .fastloop import FastLoop, Unsupported, unsupported_reason
 from .wire import Wire
 from .workload import Workload, build_workload
 
@@ -93,13 +94,18 @@ def replica_kv_args(scenario: Scenario) -> dict:
 def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
              policy: Optional[str] = None, workload: Optional[Workload] = None,
              profile: Optional[dict] = None, mode: str = "auto",
-             cost_model=None) -> Results:
+             cost_model=None, loop: str = "auto") -> Results:
     """Run the scenario once. ``policy`` overrides ``engine.policy``; ``workload`` and
     ``profile`` may be passed in pre-built (e.g. to run several policies on the same
     traffic without rebuilding it). ``mode`` selects the replica's bookkeeping
     (``auto``, ``step``, ``slow``; see ``replica``) - for tests, results do not depend on it.
     ``cost_model``: an object to use instead of building one from ``model.cost`` (one
-    replica only; e.g. ``real_engine.validate.ReplayCost``)."""
+    replica only; e.g. ``real_engine.validate.ReplayCost``). ``loop``: ``auto`` runs the
+    configurations ``fastloop`` covers with its event loop (the same model, identical
+    results) and the rest with SimPy; ``simpy`` always uses SimPy; ``fast`` insists on
+    the fast loop (``fastloop.Unsupported`` if it cannot)."""
+    if loop not in ("auto", "simpy", "fast"):
+        raise ValueError(f"unknown loop {loop!r}; known: auto, simpy, fast")
     seed = scenario.seed if seed is None else seed
     ss = np.random.SeedSequence(seed)
     rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
@@ -143,6 +149,48 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
             wire.finished(s, delivered_at)
 
     kv_args = replica_kv_args(scenario)
+    if loop != "simpy":
+        costs = [cost_model] if cost_model is not None else [
+            build_cost_model(scenario.model.cost, np.random.default_rng(rng_cost.integers(2**63)),
+                             profile_search_dirs(base_dir), profile=profile)
+            for _ in range(n_rep)]
+        why = unsupported_reason(pol, kv_args["kv_rules"], rich or topo is not None, mode,
+                                 cost_model, stream.frame_time, costs,
+                                 scenario.cluster.router)
+        try:
+            if why is not None:
+                raise Unsupported(why)
+            fast = FastLoop(rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
+                            capacity=capacity, rules=kv_args["kv_rules"],
+                            router=make_router(scenario.cluster.router, n_rep, rng_router),
+                            pools=pools, net=net, frame_time=stream.frame_time,
+                            one_way=stream.one_way, series_interval=_series_interval(workload),
+                            arrival=workload.arrival_s, prompt=workload.prompt_tokens,
+                            output=workload.output_tokens, clients=clients,
+                            until=scenario.max_sim_time_s)
+            rec.arrival[:] = workload.arrival_s
+            end = fast.run()
+        except Unsupported as e:
+            if loop == "fast":
+                raise
+            # Everything is rebuilt from the seed: the SimPy run is what it would have been.
+            res = simulate(scenario, seed, base_dir=base_dir, policy=policy, workload=workload,
+                           profile=profile, mode=mode, cost_model=cost_model, loop="simpy")
+            res.meta["loop"] = f"simpy ({e})"
+            return res
+        res = Results(
+            scenario=scenario, seed=seed, policy=pname, workload=workload, rec=rec,
+            kv_capacity_blocks=capacity, kv_capacity_tokens=capacity * bs,
+            cost_info=costs[0].describe(),
+            extrapolations=sum(c.extrapolations for c in costs),
+            cost_lookups=sum(c.lookups for c in costs),
+            connections={"new": pools.new_connections, "reused": pools.reused_connections},
+            sim_end=float(end),
+        )
+        res.meta["kv"] = kv_run_stats([r.stats for r in fast.replicas], costs[0], rec,
+                                      workload, eng.chunk_size or eng.max_num_batched_tokens)
+        res.meta["loop"] = "fast"
+        return res
     keys_of = WorkloadKeys(workload, bs) if kv_args["kv_rules"].prefix_caching else None
     costs = []
     replicas = []
@@ -218,7 +266,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
 
     env.process(arrivals())
     env.run(until=scenario.max_sim_time_s)
-    kv_stats = kv_run_stats(replicas, costs[0], rec, workload,
+    kv_stats = kv_run_stats([r.kv.manager.stats for r in replicas], costs[0], rec, workload,
                             eng.chunk_size or eng.max_num_batched_tokens)
     res = Results(
         scenario=scenario, seed=seed, policy=pname, workload=workload, rec=rec,
@@ -230,6 +278,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         sim_end=float(env.now),
     )
     res.meta["kv"] = kv_stats
+    res.meta["loop"] = "simpy"
     if wire is not None:
         res.meta.update(wire.summary(float(env.now)))
     return res

@@ -1,0 +1,149 @@
+"""The SimPy-free loop (``simulator.fastloop``) is the SimPy model, bit for bit.
+
+Every recorded array, the ITL histogram, the time series, the step tallies, the
+cost-model tallies, the connection counts, the KV tallies and the end of the run
+must be *identical* (not close) between ``loop="simpy"`` and ``loop="auto"``, on
+random configurations that cover what the fast loop runs: both inlined policies,
+several replicas and routers, paged and contiguous memory, watermarks, tight and
+loose limits, ties in time (constant arrivals, zero network), cost noise, keep-alive
+pools, and a clock stop. Configurations it cannot run (a preemption) must fall back
+to SimPy and say so.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ZERO_NET, make_scenario
+from simulator.fastloop import Unsupported
+from simulator.recorder import TIMESTAMPS
+from simulator.simulate import simulate
+
+ARRAYS = TIMESTAMPS + ("replica", "new_connection", "rejected", "generated")
+
+
+def assert_identical(a, b) -> None:
+    """Two runs' results are the same, bit for bit."""
+    for f in ARRAYS:
+        np.testing.assert_array_equal(getattr(a.rec, f), getattr(b.rec, f), err_msg=f)
+    ia, ib = a.rec.itl, b.rec.itl
+    assert (ia.n, ia.total) == (ib.n, ib.total)
+    assert list(ia.counts) == list(ib.counts)
+    assert (a.rec.steps, a.rec.step_time_total) == (b.rec.steps, b.rec.step_time_total)
+    for sa, sb in zip(a.rec.series, b.rec.series, strict=True):
+        for x, y in zip(sa, sb, strict=True):
+            assert list(x) == list(y)
+    assert a.sim_end == b.sim_end
+    assert (a.cost_lookups, a.extrapolations) == (b.cost_lookups, b.extrapolations)
+    assert a.connections == b.connections
+    assert a.meta["kv"] == b.meta["kv"]
+
+
+def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, blocks, max_seqs,
+              budget, chunk, arrival, rate, net, noise, until, reuse, prompt_hi, out_hi):
+    arr = ({"kind": "poisson", "rate": rate} if arrival == "poisson" else
+           {"kind": "gamma", "rate": rate, "burstiness": 0.3} if arrival == "gamma" else
+           {"kind": "constant", "rate": rate})
+    wl = {"kind": "synthetic", "num_requests": n, "arrival": arr,
+          "prompt_tokens": {"kind": "uniform", "low": 1, "high": prompt_hi},
+          "output_tokens": {"kind": "uniform", "low": 1, "high": out_hi}}
+    network = dict(ZERO_NET) if net == "zero" else {
+        "distance_km": 800, "tls": "1.2", "clients": 3, "pool_size": 2, "keepalive_s": 0.5,
+        "connection_reuse": reuse}
+    eng = {"policy": policy, "max_num_seqs": min(max_seqs, budget),
+           "max_num_batched_tokens": budget, "chunk_size": chunk,
+           "kv": {"num_blocks": blocks, "allocation": alloc, "watermark": watermark,
+                  "max_model_len": max_len}}
+    extra = {"max_sim_time_s": until} if until else {}
+    sc = make_scenario(seed=seed, workload=wl, engine=eng, network=network,
+                       cluster={"replicas": replicas, "router": router}, **extra)
+    if noise:
+        sc.model.cost.noise = True
+    return sc
+
+
+@settings(max_examples=70, deadline=None, derandomize=True)
+@given(n=st.integers(1, 150), seed=st.integers(0, 10_000),
+       policy=st.sampled_from(["chunked", "fifo"]), replicas=st.integers(1, 3),
+       router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
+       alloc=st.sampled_from(["paged", "contiguous"]), max_len=st.sampled_from([None, 400]),
+       watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([40, 200, 4000]),
+       max_seqs=st.sampled_from([1, 4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
+       chunk=st.sampled_from([None, 16, 100]),
+       arrival=st.sampled_from(["poisson", "gamma", "constant"]),
+       rate=st.sampled_from([2.0, 40.0, 400.0]), net=st.sampled_from(["zero", "wan"]),
+       noise=st.booleans(), until=st.sampled_from([None, 0.7, 5.0]), reuse=st.booleans(),
+       prompt_hi=st.sampled_from([40, 300]), out_hi=st.sampled_from([2, 60, 200]))
+def test_fast_loop_is_the_simpy_model_bit_for_bit(**cfg):
+    sc = _scenario(**cfg)
+    ref = simulate(sc, loop="simpy")
+    res = simulate(sc)
+    assert ref.meta["loop"] == "simpy"
+    assert res.meta["loop"] == "fast" or res.meta["loop"].startswith("simpy (")
+    assert_identical(ref, res)
+
+
+def test_fast_loop_runs_the_common_configurations():
+    """The equivalence above would be vacuous if the fast loop never ran: with room
+    to spare it must run both policies, every router and both allocations."""
+    for policy in ("chunked", "fifo"):
+        for router in ("round_robin", "least_outstanding", "random"):
+            for alloc in ("paged", "contiguous"):
+                sc = _scenario(300, 3, policy, 2, router, alloc, None, 0.0, 20000, 16, 256,
+                               None, "poisson", 20.0, "wan", False, None, True, 300, 60)
+                res = simulate(sc)
+                assert res.meta["loop"] == "fast", (policy, router, alloc)
+                assert_identical(simulate(sc, loop="simpy"), res)
+
+
+def test_a_preemption_falls_back_to_simpy_with_the_reason():
+    sc = _scenario(80, 1, "chunked", 1, "round_robin", "paged", None, 0.0, 40, 64, 512,
+                   None, "poisson", 400.0, "zero", False, None, True, 300, 200)
+    res = simulate(sc)
+    assert res.meta["loop"] == "simpy (a preemption (KV blocks short for growth))"
+    assert res.rec.preemptions.sum() > 0
+    with pytest.raises(Unsupported, match="preemption"):
+        simulate(sc, loop="fast")
+
+
+@pytest.mark.parametrize("over, why", [
+    ({"engine": {"policy": "priority_aging"}}, "policy 'priority_aging'"),
+    ({"engine": {"policy": "chunked", "kv": {"num_blocks": 4000, "prefix_caching": True}}},
+     "prefix caching"),
+    ({"stream": {"every_tokens": 4}}, "per-request stream models"),
+    ({"cluster": {"replicas": 2, "router": "nearest_region"}}, "router 'nearest_region'"),
+])
+def test_what_the_fast_loop_does_not_model_runs_on_simpy(over, why):
+    res = simulate(make_scenario(**over))
+    assert res.meta["loop"] == f"simpy ({why})"
+
+
+def test_unknown_loop_is_an_error():
+    with pytest.raises(ValueError, match="unknown loop 'turbo'"):
+        simulate(make_scenario(), loop="turbo")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_memory_bound_runs_are_identical_whether_or_not_they_fall_back(seed):
+    """Blocks scarce enough that growth sometimes finds too few free: the runs that
+    need a preemption fall back, the others run fast; all equal SimPy's."""
+    sc = _scenario(60, seed, "chunked", 1 + seed % 2, "least_outstanding", "paged", None,
+                   0.05 * (seed % 3 == 0), 60 + 12 * seed, 16, 128, None, "poisson", 30.0,
+                   "zero", seed % 2 == 0, None, True, 120, 150)
+    res = simulate(sc)
+    # These seeds straddle the edge: the first six preempt, the last six do not.
+    assert (res.meta["loop"] == "fast") == (seed >= 6)
+    assert_identical(simulate(sc, loop="simpy"), res)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_watermark_bound_arrivals_do_not_cut_epochs(seed):
+    """A large watermark: arrivals whose blocks are free but inside the watermark
+    must not end an epoch (the SimPy replica does not interrupt for them)."""
+    sc = _scenario(80, seed, "chunked", 1, "round_robin", "paged", None, 0.3, 200, 16, 128,
+                   None, "poisson", 20.0, "zero", False, None, True, 300, 100)
+    res = simulate(sc)
+    assert res.meta["loop"] == "fast"
+    assert_identical(simulate(sc, loop="simpy"), res)
