@@ -5,7 +5,10 @@ Azure-conv-like traffic (lognormal prompts ~1k tokens, outputs ~200) at a load
 that keeps each replica busy but stable, for 10k, 100k and 1M requests (pass
 sizes as arguments to change). A benchmark, not a test: it prints its figures.
 
-    python benchmarks/sim_speed.py [10000 100000 1000000]
+    python benchmarks/sim_speed.py [--loop auto|simpy] [10000 100000 1000000]
+
+``--loop simpy`` forces the SimPy model; the default runs this configuration on
+``fastloop`` (the same model without SimPy, identical results).
 """
 from __future__ import annotations
 
@@ -32,19 +35,23 @@ def scenario(n: int):
     })
 
 
-def main(sizes: list[int]) -> None:
+def main(sizes: list[int], loop: str = "auto") -> None:
     print(f"{'requests':>10} {'wall s':>8} {'req/s':>9} {'steps':>10} {'steps/s':>9} "
-          f"{'max RSS MB':>10}")
+          f"{'max RSS MB':>10}  loop")
     for n in sizes:
         sc = scenario(n)
         t0 = time.perf_counter()
-        res = simulate(sc)
+        res = simulate(sc, loop=loop)
         wall = time.perf_counter() - t0
         # Peak RSS of the process so far (sizes run in increasing order, so it is this run's).
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"{n:>10,} {wall:>8.2f} {n / wall:>9,.0f} {res.rec.steps:>10,} "
-              f"{res.rec.steps / wall:>9,.0f} {rss:>10.0f}", flush=True)
+              f"{res.rec.steps / wall:>9,.0f} {rss:>10.0f}  {res.meta['loop']}", flush=True)
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [10_000, 100_000, 1_000_000])
+    args = sys.argv[1:]
+    loop = "auto"
+    if args[:1] == ["--loop"]:
+        loop, args = args[1], args[2:]
+    main([int(a) for a in args] or [10_000, 100_000, 1_000_000], loop)

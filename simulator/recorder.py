@@ -23,51 +23,79 @@ _ITL_BINS = int(math.log(1e4 / _ITL_LO) / _ITL_STEP) + 2
 
 
 class ItlHistogram:
-    """Pooled inter-token gaps (s) in log-spaced bins, plus exact sum and count."""
+    """Pooled inter-token gaps (s) in log-spaced bins, plus their sum and count.
 
-    __slots__ = ("counts", "total", "n")
+    The hot path appends ``(gap, weight)`` to two flat buffers (an engine step adds
+    one or a few); they are binned in numpy every ``FLUSH`` entries and whenever the
+    histogram is read, which costs a fraction of binning each gap in Python."""
+
+    __slots__ = ("_counts", "_total", "_n", "_g", "_w")
+    FLUSH = 1 << 16
 
     def __init__(self) -> None:
-        # A plain int array: scalar increments on it are several times cheaper than on
-        # a numpy array, and the hot path does one per engine step.
-        self.counts = array("q", bytes(8 * _ITL_BINS))
-        self.total = 0.0
-        self.n = 0
+        self._counts = np.zeros(_ITL_BINS, dtype=np.int64)
+        self._total = 0.0
+        self._n = 0
+        self._g = array("d")
+        self._w = array("q")
 
     def add(self, gap: float, weight: int = 1) -> None:
-        i = int(math.log((gap if gap > _ITL_LO else _ITL_LO) / _ITL_LO) / _ITL_STEP)
-        self.counts[i if i < _ITL_BINS else _ITL_BINS - 1] += weight
-        self.total += gap * weight
-        self.n += weight
+        self._g.append(gap)
+        self._w.append(weight)
+        if len(self._g) >= self.FLUSH:
+            self._flush()
 
     def add_many(self, gaps, weight: int = 1) -> None:
         """Add every gap in ``gaps`` (a sequence or array), each ``weight`` times."""
-        if len(gaps) <= 16:
-            for g in gaps:
-                self.add(float(g), weight)
+        k = len(gaps)
+        self._g.extend(gaps if not isinstance(gaps, np.ndarray) else gaps.tolist())
+        self._w.extend([weight] * k)
+        if len(self._g) >= self.FLUSH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._g:
             return
-        gaps = np.asarray(gaps, dtype=np.float64)
-        g = np.maximum(gaps, _ITL_LO)
-        idx = np.minimum((np.log(g / _ITL_LO) / _ITL_STEP).astype(np.int64), _ITL_BINS - 1)
-        counts = self.counts
-        for i in idx.tolist():   # a few to a few hundred: cheaper than np.add.at
-            counts[i] += weight
-        self.total += float(gaps.sum()) * weight
-        self.n += len(gaps) * weight
+        g = np.frombuffer(self._g, dtype=np.float64)
+        w = np.frombuffer(self._w, dtype=np.int64)
+        idx = np.minimum((np.log(np.maximum(g, _ITL_LO) / _ITL_LO) / _ITL_STEP).astype(np.int64),
+                         _ITL_BINS - 1)
+        self._counts += np.bincount(idx, weights=w, minlength=_ITL_BINS).astype(np.int64)
+        self._total += float(np.dot(g, w.astype(np.float64)))
+        self._n += int(w.sum())
+        self._g = array("d")
+        self._w = array("q")
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Gaps per bin."""
+        self._flush()
+        return self._counts
+
+    @property
+    def total(self) -> float:
+        """Sum of the gaps (s)."""
+        self._flush()
+        return self._total
+
+    @property
+    def n(self) -> int:
+        """Number of gaps."""
+        self._flush()
+        return self._n
 
     def merge(self, other: "ItlHistogram") -> None:
-        for i, c in enumerate(other.counts):
-            if c:
-                self.counts[i] += c
-        self.total += other.total
-        self.n += other.n
+        self._flush()
+        self._counts += other.counts
+        self._total += other.total
+        self._n += other.n
 
     def quantile(self, q: float) -> float:
         """The q-quantile (0..1) of the pooled gaps; NaN when empty."""
         if self.n == 0:
             return float("nan")
-        cum = np.cumsum(np.frombuffer(self.counts, dtype=np.int64))
-        i = int(np.searchsorted(cum, q * (self.n - 1) + 1e-9 if q > 0 else 1, side="left"))
+        cum = np.cumsum(self._counts)
+        i = int(np.searchsorted(cum, q * (self._n - 1) + 1e-9 if q > 0 else 1, side="left"))
         # Geometric middle of the bin.
         return _ITL_LO * math.exp((i + 0.5) * _ITL_STEP)
 

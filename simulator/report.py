@@ -37,6 +37,8 @@ def run_outputs(res) -> tuple[pd.DataFrame, dict]:
             "cost_lookups": res.cost_lookups,
             "connections": res.connections,
             "sim_end_s": res.sim_end,
+            # ``fast`` (``fastloop``) or ``simpy``, with why the fast loop could not run.
+            "event_loop": res.meta.get("loop", "simpy"),
         },
         "kv": kv_summary(res, df),
     }

@@ -166,7 +166,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                             pools=pools, net=net, frame_time=stream.frame_time,
                             one_way=stream.one_way, series_interval=_series_interval(workload),
                             arrival=workload.arrival_s, prompt=workload.prompt_tokens,
-                            output=workload.output_tokens, clients=clients,
+                            output=workload.output_tokens, priority=workload.priority,
+                            clients=clients,
                             until=scenario.max_sim_time_s)
             rec.arrival[:] = workload.arrival_s
             end = fast.run()

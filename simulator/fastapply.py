@@ -1,0 +1,141 @@
+"""A step's effects inside a ``fastreplica.FastReplica``: decode progress by the
+tick counter, prefill progress and first tokens, joining the decoders, paged growth
+by phase counts, finishes and time-series samples - ``replica_apply`` and
+``replica_memory`` in the fast mode, written for this loop."""
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .fastreplica import _Req
+
+
+class FastApply:
+    """Mixin of ``FastReplica``: what a step's end changes."""
+
+    def _decode(self, t: float, m: int, first_end: float, later_gaps) -> None:
+        itl = self.rec.itl
+        nd = len(self.decoding)
+        for tl, c in self.last_tok.items():
+            if c:
+                itl.add(first_end - tl, c)
+        if later_gaps is not None:
+            itl.add_many(later_gaps, nd)
+        self.last_tok = {t: nd}
+        self.ticks += m
+        self.kv_tokens += m * nd
+        self._outstanding -= m * nd
+
+    def _prefill(self, chunks, t: float) -> None:
+        rec = self.rec
+        ft = self.ft
+        tokens = 0
+        for s, n in chunks:
+            s.prefilled += n
+            done = s.prefilled >= s.prompt
+            tokens += n + done
+            if not done:
+                continue
+            self.prefilling.remove(s)
+            s.generated += 1
+            rec.first_token[s.rid] = t
+            rec.first_delivered[s.rid] = t + ft + self.one_way
+            if s.generated >= s.output:
+                self.kv_tokens += tokens
+                self._outstanding -= tokens
+                tokens = 0
+                self._finish(s, t, t + ft)
+                continue
+            self.decoding.append(s)
+            self._join(s, t)
+        self.kv_tokens += tokens
+        self._outstanding -= tokens
+
+    def _join(self, s: _Req, last_token_t: float) -> None:
+        ticks = self.ticks
+        s.ver += 1
+        key = s.prompt + s.generated - ticks
+        s.key = key
+        s.finish_tick = ticks + s.output - s.generated
+        heapq.heappush(self.finish_heap, (s.finish_tick, s.rid, s.ver, s))
+        self.key_sum += key
+        if len(self.decoding) == 1 or key > self.key_max:
+            self.key_max = key
+        self.last_tok[last_token_t] = self.last_tok.get(last_token_t, 0) + 1
+        if self.paged:
+            ph = (1 - key) % self.bs
+            s.phase = ph
+            self.phase[ph] += 1
+            if ticks == self.grown and ticks % self.bs == ph:
+                self.late += 1
+
+    def _catch_up_growth(self, start: int) -> None:
+        """After an epoch that started at tick ``start``: the blocks its later steps
+        took (the epoch was sized so that they fit)."""
+        last = self.ticks - 1
+        if last <= start:
+            return
+        phase, bs = self.phase, self.bs
+        span = last - start
+        due = (span // bs) * len(self.decoding)
+        for t in range(start + 1, start + 1 + span % bs):
+            due += phase[t % bs]
+        self.num_free -= due
+        self.grown = last
+
+    def _finish_due(self, t: float) -> None:
+        heap = self.finish_heap
+        while heap and heap[0][2] != heap[0][3].ver:
+            heapq.heappop(heap)
+        ticks = self.ticks
+        if not heap or heap[0][0] > ticks:
+            return
+        done = []
+        while heap and heap[0][0] <= ticks:
+            tick, _, ver, s = heapq.heappop(heap)
+            if ver == s.ver:
+                done.append(s)
+        if not done:
+            return
+        gone = set(map(id, done))
+        self.decoding = [s for s in self.decoding if id(s) not in gone]
+        self.last_tok[t] -= len(done)
+        recompute = False
+        ft = self.ft
+        paged, phase, bs = self.paged, self.phase, self.bs
+        for s in done:
+            s.generated = s.output
+            s.ver += 1
+            self.key_sum -= s.key
+            recompute |= s.key == self.key_max
+            if paged:
+                # Its context grew to prompt + output - 1 tokens (the last token is
+                # never fed back), a block at each boundary.
+                phase[s.phase] -= 1
+                s.held = -(-(s.prompt + s.output - 1) // bs)
+            self._finish(s, t, t + ft)
+        if recompute:
+            self.key_max = max((s.key for s in self.decoding), default=0)
+
+    def _finish(self, s: _Req, t: float, depart: float) -> None:
+        rec = self.rec
+        rid = s.rid
+        rec.last_token[rid] = t
+        arrived = depart + self.one_way
+        rec.last_delivered[rid] = arrived
+        rec.generated[rid] = s.generated
+        self.num_free += s.held
+        s.held = 0
+        self.kv_tokens -= s.prompt + s.generated
+        self.loop.pools.release(s.client, arrived, s.pooled)
+
+    def _sample(self, t: float) -> None:
+        ts, wq, run, blk, kv, shared = self.series
+        ts.append(t)
+        wq.append(len(self.waiting))
+        run.append(len(self.decoding) + len(self.prefilling))
+        blk.append(self.capacity - self.num_free)
+        kv.append(self.kv_tokens)
+        shared.append(0)
+        self.last_sample = t
