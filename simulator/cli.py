@@ -40,9 +40,14 @@ def run(
     policies: Optional[str] = typer.Option(None, "--policies",
                                            help="comma-separated policies to compare"),
     plots: bool = typer.Option(False, "--plots", help="also write PNG plots to --out"),
+    loop: str = typer.Option("auto", "--loop", help="auto: the SimPy-free loop where it "
+                             "applies (same results); simpy: always SimPy"),
 ) -> None:
     """Simulate a scenario and print P50/P90/P99 latencies and the E2E breakdown."""
     try:
+        if loop not in ("auto", "simpy"):
+            raise LatsimError("must be 'auto' or 'simpy'", source="--loop", value=loop,
+                              has_value=True)
         from .config import load_scenario
         from .costmodel import load_profile, profile_search_dirs, resolve_profile_path
         from .report import print_run, run_outputs, series_table, write_run
@@ -69,7 +74,7 @@ def run(
                                                         profile_search_dirs(base)))
         outs, tables, series = {}, {}, {}
         for label, psc in runs:
-            res = simulate(psc, s, base_dir=base, workload=wl, profile=profile)
+            res = simulate(psc, s, base_dir=base, workload=wl, profile=profile, loop=loop)
             df, o = run_outputs(res)
             outs[label], tables[label] = o, df
             series[label] = series_table(res)
@@ -77,7 +82,8 @@ def run(
         first = next(iter(outs.values()))["run"]
         console.print(f"[bold]{sc.name}[/]: {len(wl)} requests, {sc.cluster.replicas} replica(s), "
                       f"KV capacity {first['kv_capacity_tokens']:,} tokens/replica, "
-                      f"seed {s}, simulated in {wall:.2f} s")
+                      f"seed {s}, simulated in {wall:.2f} s "
+                      f"({', '.join(sorted({o['run']['event_loop'] for o in outs.values()}))})")
         print_run(console, outs)
         if out is not None:
             files = write_run(out, sc, outs, tables, series)

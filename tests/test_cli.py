@@ -61,6 +61,23 @@ def test_same_seed_identical_requests_csv(tmp_path):
     assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
 
 
+def test_simpy_loop_gives_the_same_requests_csv(tmp_path):
+    """``--loop simpy`` runs the SimPy model; the default ran the SimPy-free loop; the
+    tables are the same bytes and each summary says which loop ran."""
+    a = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "a",
+               "--set", "workload.num_requests=200")
+    b = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "b",
+               "--set", "workload.num_requests=200", "--loop", "simpy")
+    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+    assert "(fast)" in a.stdout and "(simpy)" in b.stdout
+    assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
+    runs = [json.loads((tmp_path / d / "summary.json").read_text())["run"] for d in "ab"]
+    assert [r["event_loop"] for r in runs] == ["fast", "simpy"]
+    bad = latsim("run", "scenarios/quickstart.yaml", "--loop", "turbo")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "latsim: error: --loop: must be 'auto' or 'simpy' (got 'turbo')")
+
+
 def _bad(tmp_path, data):
     p = _write(tmp_path, data)
     r = latsim("run", p)
