@@ -7,8 +7,14 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from .kvspace import select_victim
+
 if TYPE_CHECKING:
     from .fastreplica import _Req
+
+
+class Unsupported(Exception):
+    """This run needs the SimPy model (the message says why)."""
 
 
 class FastApply:
@@ -23,6 +29,7 @@ class FastApply:
         if later_gaps is not None:
             itl.add_many(later_gaps, nd)
         self.last_tok = {t: nd}
+        self.last_dec_end = t
         self.ticks += m
         self.kv_tokens += m * nd
         self._outstanding -= m * nd
@@ -33,14 +40,20 @@ class FastApply:
         tokens = 0
         for s, n in chunks:
             s.prefilled += n
-            done = s.prefilled >= s.prompt
+            done = s.prefilled >= s.prefill_len
             tokens += n + done
             if not done:
                 continue
             self.prefilling.remove(s)
+            # A request recomputing after a preemption yields its next token, not its first.
+            resumed = s.generated > 0
             s.generated += 1
-            rec.first_token[s.rid] = t
-            rec.first_delivered[s.rid] = t + ft + self.one_way
+            if not resumed:
+                rec.first_token[s.rid] = t
+                rec.first_delivered[s.rid] = t + ft + self.one_way
+            else:
+                # The gap since its last token before the preemption is one ITL.
+                rec.itl.add(t - s.last_t)
             if s.generated >= s.output:
                 self.kv_tokens += tokens
                 self._outstanding -= tokens
@@ -58,6 +71,9 @@ class FastApply:
         key = s.prompt + s.generated - ticks
         s.key = key
         s.finish_tick = ticks + s.output - s.generated
+        s.join_tick = ticks
+        s.last_t = last_token_t
+        s.decoding = True
         heapq.heappush(self.finish_heap, (s.finish_tick, s.rid, s.ver, s))
         self.key_sum += key
         if len(self.decoding) == 1 or key > self.key_max:
@@ -69,6 +85,61 @@ class FastApply:
             self.phase[ph] += 1
             if ticks == self.grown and ticks % self.bs == ph:
                 self.late += 1
+                s.late_tick = ticks
+
+    def _make_room(self, due: int, fresh: bool, now: float) -> int:
+        """``due`` decoders need a block and fewer are free: preempt victims (by the
+        scenario's rule, ``kvspace.select_victim``) until the rest fit; returns how
+        many are still due (a victim that was due leaves)."""
+        if self.swap:
+            raise Unsupported("a preemption by swap")
+        ticks = self.ticks
+        ph = ticks % self.bs
+        while due > self.num_free:
+            v = select_victim(self.decoding + self.prefilling, self.victim)
+            if v.decoding and v.phase == ph and (fresh or v.late_tick == ticks):
+                due -= 1
+            self._preempt(v, now)
+        return due
+
+    def _preempt(self, s: _Req, now: float) -> None:
+        """``ReplicaMemory._preempt`` by recompute, in the fast bookkeeping."""
+        rec = self.rec
+        rid = s.rid
+        rec.preemptions[rid] += 1
+        if s.decoding:
+            # ``_leave_fast``: what it generated so far, and when its last token left.
+            ticks = self.ticks
+            s.generated = s.output - (s.finish_tick - ticks)
+            tl = self.last_dec_end if ticks > s.join_tick else s.last_t
+            self.last_tok[tl] -= 1
+            s.last_t = tl
+            s.ver += 1
+            self.key_sum -= s.key
+            if s.key == self.key_max:
+                self.key_max = max((d.key for d in self.decoding if d is not s), default=0)
+            self.decoding.remove(s)
+            s.decoding = False
+            self.phase[s.phase] -= 1
+            held_tokens = lost = s.prompt + s.generated
+            # Its context took a block at each boundary up to the last step's.
+            held = -(-(s.key + ticks - 1) // self.bs)
+            s.prefill_len = s.prompt + s.generated
+        else:
+            self.prefilling.remove(s)
+            held_tokens = lost = s.prefilled
+            held = s.held
+        self.kv_tokens -= held_tokens
+        s.preempted_at = now
+        self.num_free += held
+        s.held = 0
+        rec.recomputed_tokens[rid] += lost
+        self._outstanding += lost
+        s.prefilled = 0
+        if self.aging:
+            self.waiting.requeue(s)
+        else:
+            self.waiting.appendleft(s)
 
     def _catch_up_growth(self, start: int) -> None:
         """After an epoch that started at tick ``start``: the blocks its later steps
@@ -109,6 +180,7 @@ class FastApply:
             s.ver += 1
             self.key_sum -= s.key
             recompute |= s.key == self.key_max
+            s.decoding = False
             if paged:
                 # Its context grew to prompt + output - 1 tokens (the last token is
                 # never fed back), a block at each boundary.

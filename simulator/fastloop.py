@@ -29,9 +29,10 @@ random configurations. The inline decisions are a second copy of ``FifoPolicy`` 
 ``ChunkedPolicy`` (``PriorityAgingPolicy`` is ``ChunkedPolicy`` over its own queue):
 that test is what keeps them the same. A policy registered by a user runs on SimPy.
 
-When a run needs what this loop does not model (a preemption: growth finds too few
-free blocks; an empty plan, which the SimPy model reports as an error) it raises
-``Unsupported`` and ``simulate`` runs the scenario again with SimPy.
+Preemption by recompute (growth finds too few free blocks) is modelled, with both
+victim rules. When a run needs what this loop does not model (a preemption by swap;
+an empty plan, which the SimPy model reports as an error) it raises ``Unsupported``
+and ``simulate`` runs the scenario again with SimPy.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from .blockmanager import KVStats
-from .fastapply import FastApply
+from .fastapply import FastApply, Unsupported
 from .kvcache import blocks_for
 from .replica import MAX_EPOCH_STEPS
 from .scheduling.policies import FifoPolicy, PriorityAgingPolicy
@@ -27,17 +27,13 @@ if TYPE_CHECKING:
     from .fastloop import FastLoop
 
 
-class Unsupported(Exception):
-    """This run needs the SimPy model (the message says why)."""
-
-
-
 class _Req:
     """A request inside this loop (the fields of ``replica.SimSeq`` it needs)."""
 
     __slots__ = ("rid", "prompt", "output", "client", "pooled", "priority", "enqueued",
                  "prefilled", "generated",
-                 "held", "key", "finish_tick", "ver", "phase")
+                 "held", "key", "finish_tick", "ver", "phase",
+                 "prefill_len", "join_tick", "last_t", "late_tick", "preempted_at", "decoding")
 
     def __init__(self, rid: int, prompt: int, output: int, client: int, pooled: bool,
                  priority: int) -> None:
@@ -55,6 +51,12 @@ class _Req:
         self.finish_tick = 0
         self.ver = 0
         self.phase = 0
+        self.prefill_len = prompt   # + generated after a preemption by recompute
+        self.join_tick = 0
+        self.last_t = 0.0           # when its last token left the engine
+        self.late_tick = -1         # the tick it joined as a late decoder (see ``late``)
+        self.preempted_at = None
+        self.decoding = False
 
 class FastReplica(FastApply):
     """One replica: ``Replica``'s fast bookkeeping with the policy inlined."""
@@ -78,6 +80,8 @@ class FastReplica(FastApply):
         self.paged = rules.allocation == "paged"
         self.bs = rules.block_size
         self.max_model_len = rules.max_model_len
+        self.swap = rules.preemption == "swap"
+        self.victim = rules.victim
         self.stats = KVStats()
         self.rec = rec
         self.ft = frame_time
@@ -100,6 +104,7 @@ class FastReplica(FastApply):
         self.key_sum = 0
         self.key_max = 0
         self.last_tok: dict[float, int] = {}
+        self.last_dec_end = -1.0
         self.series = rec.series[index]
         self.interval = series_interval
         self.last_sample = -float("inf")
@@ -123,7 +128,7 @@ class FastReplica(FastApply):
     def adm_tokens(self, s: _Req) -> int:
         """Token slots admitting ``s`` allocates (``KVSpace.admission_tokens``)."""
         if self.paged:
-            return s.prompt
+            return s.prefill_len
         r = self.max_model_len
         return r if r is not None else s.prompt + s.output
 
@@ -174,18 +179,23 @@ class FastReplica(FastApply):
             self.idle = True
             return
         ticks = self.ticks
+        hold = False
         if self.paged and decoding:
-            # ``Replica._make_room``: one block for each decoder crossing a boundary now.
+            # ``Replica._make_room``: one block for each decoder crossing a boundary now,
+            # preempting victims while the free blocks are too few.
+            fresh = ticks > self.grown
             due = self.late
-            if ticks > self.grown:
+            if fresh:
                 due += self.phase[ticks % self.bs]
                 self.grown = ticks
             if due:
                 self.late = 0
                 if due > self.num_free:
-                    raise Unsupported("a preemption (KV blocks short for growth)")
+                    hold = True
+                    due = self._make_room(due, fresh, now)
                 self.num_free -= due
-        free = self.num_free - self.watermark
+        # A step that preempted admits nobody (as in vLLM and the SimPy replica).
+        free = 0 if hold else self.num_free - self.watermark
         chunks = []
         admit = []
         if self.fifo:
@@ -193,7 +203,7 @@ class FastReplica(FastApply):
             used = 0
             budget = self.budget
             for s in prefilling:
-                n = s.prompt - s.prefilled
+                n = s.prefill_len - s.prefilled
                 if chunks and used + n > budget:
                     break
                 chunks.append((s, n))
@@ -204,7 +214,7 @@ class FastReplica(FastApply):
                     if running >= self.max_seqs:
                         break
                     need = self.adm_blocks(s)
-                    n = s.prompt - s.prefilled
+                    n = s.prefill_len - s.prefilled
                     if (chunks and used + n > budget) or need > free:
                         break
                     chunks.append((s, n))
@@ -221,7 +231,7 @@ class FastReplica(FastApply):
             for s in prefilling:
                 if left <= 0:
                     break
-                n = s.prompt - s.prefilled
+                n = s.prefill_len - s.prefilled
                 n = n if n < cs else cs
                 n = n if n < left else left
                 chunks.append((s, n))
@@ -234,7 +244,7 @@ class FastReplica(FastApply):
                     need = self.adm_blocks(s)
                     if need > free:
                         break
-                    n = s.prompt - s.prefilled
+                    n = s.prefill_len - s.prefilled
                     n = n if n < cs else cs
                     n = n if n < left else left
                     chunks.append((s, n))
@@ -258,11 +268,14 @@ class FastReplica(FastApply):
                 s.held = need
                 st.admissions += 1
                 st.queried_tokens += tokens
-                rec_sched[s.rid] = now
+                if s.preempted_at is None:
+                    rec_sched[s.rid] = now
+                else:
+                    self.rec.preempted_s[s.rid] += now - s.preempted_at
                 prefilling.append(s)
         loop = self.loop
         rec = self.rec
-        if nd and not chunks and not (self.aging and len(waiting)):
+        if nd and not chunks and not hold and not (self.aging and len(waiting)):
             # Aging reorders the queue as time passes: epochs only while nobody waits.
             fh = self.finish_heap
             while fh and fh[0][2] != fh[0][3].ver:
@@ -294,7 +307,7 @@ class FastReplica(FastApply):
             ctx_sum = self.key_sum + nd * ticks
         else:
             ctx_max = ctx_sum = 0
-        parts = [(n, s.prefilled, s.prefilled + n >= s.prompt) for s, n in chunks]
+        parts = [(n, s.prefilled, s.prefilled + n >= s.prefill_len) for s, n in chunks]
         dt = self.cost.step_time(nd, ctx_max, ctx_sum, parts) + 0.0
         rec.steps += 1
         rec.step_time_total += dt

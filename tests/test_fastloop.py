@@ -6,9 +6,10 @@ must be *identical* (not close) between ``loop="simpy"`` and ``loop="auto"``, on
 random configurations that cover what the fast loop runs: the three policies
 (priority classes with aging among them),
 several replicas and routers, paged and contiguous memory, watermarks, tight and
-loose limits, ties in time (constant arrivals, zero network), cost noise, keep-alive
-pools, and a clock stop. Configurations it cannot run (a preemption) must fall back
-to SimPy and say so.
+loose limits, preemption by recompute with both victim rules, ties in time (constant
+arrivals, zero network), cost noise, keep-alive pools, and a clock stop.
+Configurations it cannot run (a preemption by swap) must fall back to SimPy and say
+so.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from simulator.fastloop import Unsupported
 from simulator.recorder import TIMESTAMPS
 from simulator.simulate import simulate
 
-ARRAYS = TIMESTAMPS + ("replica", "new_connection", "rejected", "generated")
+ARRAYS = TIMESTAMPS + ("replica", "new_connection", "rejected", "generated", "preemptions",
+                       "recomputed_tokens", "preempted_s", "cached_tokens", "swapped_bytes")
 
 
 def assert_identical(a, b) -> None:
@@ -44,7 +46,7 @@ def assert_identical(a, b) -> None:
 
 def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, blocks, max_seqs,
               budget, chunk, arrival, rate, net, noise, until, reuse, prompt_hi, out_hi,
-              aging=1.0):
+              aging=1.0, preemption="recompute", victim="priority"):
     arr = ({"kind": "poisson", "rate": rate} if arrival == "poisson" else
            {"kind": "gamma", "rate": rate, "burstiness": 0.3} if arrival == "gamma" else
            {"kind": "constant", "rate": rate})
@@ -59,7 +61,7 @@ def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, bloc
     eng = {"policy": policy, "max_num_seqs": min(max_seqs, budget),
            "max_num_batched_tokens": budget, "chunk_size": chunk, "aging_s": aging,
            "kv": {"num_blocks": blocks, "allocation": alloc, "watermark": watermark,
-                  "max_model_len": max_len}}
+                  "max_model_len": max_len, "preemption": preemption, "victim": victim}}
     extra = {"max_sim_time_s": until} if until else {}
     sc = make_scenario(seed=seed, workload=wl, engine=eng, network=network,
                        cluster={"replicas": replicas, "router": router}, **extra)
@@ -80,7 +82,9 @@ def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, bloc
        rate=st.sampled_from([2.0, 40.0, 400.0]), net=st.sampled_from(["zero", "wan"]),
        noise=st.booleans(), until=st.sampled_from([None, 0.7, 5.0]), reuse=st.booleans(),
        prompt_hi=st.sampled_from([40, 300]), out_hi=st.sampled_from([2, 60, 200]),
-       aging=st.sampled_from([0.05, 1.0, 30.0]))
+       aging=st.sampled_from([0.05, 1.0, 30.0]),
+       preemption=st.sampled_from(["recompute", "recompute", "swap"]),
+       victim=st.sampled_from(["priority", "latest"]))
 def test_fast_loop_is_the_simpy_model_bit_for_bit(**cfg):
     sc = _scenario(**cfg)
     ref = simulate(sc, loop="simpy")
@@ -103,14 +107,19 @@ def test_fast_loop_runs_the_common_configurations():
                 assert_identical(simulate(sc, loop="simpy"), res)
 
 
-def test_a_preemption_falls_back_to_simpy_with_the_reason():
-    sc = _scenario(80, 1, "chunked", 1, "round_robin", "paged", None, 0.0, 40, 64, 512,
-                   None, "poisson", 400.0, "zero", False, None, True, 300, 200)
+@pytest.mark.parametrize("victim", ["priority", "latest"])
+def test_preemption_by_recompute_runs_fast_and_by_swap_falls_back(victim):
+    args = (80, 1, "chunked", 1, "round_robin", "paged", None, 0.0, 40, 64, 512,
+            None, "poisson", 400.0, "zero", False, None, True, 300, 200)
+    sc = _scenario(*args, victim=victim)
     res = simulate(sc)
-    assert res.meta["loop"] == "simpy (a preemption (KV blocks short for growth))"
-    assert res.rec.preemptions.sum() > 0
-    with pytest.raises(Unsupported, match="preemption"):
-        simulate(sc, loop="fast")
+    assert res.meta["loop"] == "fast" and res.rec.preemptions.sum() > 0
+    assert res.rec.recomputed_tokens.sum() > 0 and res.rec.preempted_s.sum() > 0
+    assert_identical(simulate(sc, loop="simpy"), res)
+    swap = _scenario(*args, victim=victim, preemption="swap")
+    assert simulate(swap).meta["loop"] == "simpy (a preemption by swap)"
+    with pytest.raises(Unsupported, match="swap"):
+        simulate(swap, loop="fast")
 
 
 @pytest.mark.parametrize("over, why", [
@@ -131,14 +140,14 @@ def test_unknown_loop_is_an_error():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_memory_bound_runs_are_identical_whether_or_not_they_fall_back(seed):
-    """Blocks scarce enough that growth sometimes finds too few free: the runs that
-    need a preemption fall back, the others run fast; all equal SimPy's."""
+    """Blocks scarce enough that growth sometimes finds too few free: with or without
+    preemptions, every run equals SimPy's (and the first six do preempt)."""
     sc = _scenario(60, seed, "chunked", 1 + seed % 2, "least_outstanding", "paged", None,
                    0.05 * (seed % 3 == 0), 60 + 12 * seed, 16, 128, None, "poisson", 30.0,
                    "zero", seed % 2 == 0, None, True, 120, 150)
     res = simulate(sc)
-    # These seeds straddle the edge: the first six preempt, the last six do not.
-    assert (res.meta["loop"] == "fast") == (seed >= 6)
+    assert res.meta["loop"] == "fast"
+    assert (res.rec.preemptions.sum() > 0) == (seed < 6)
     assert_identical(simulate(sc, loop="simpy"), res)
 
 
@@ -164,3 +173,26 @@ def test_workload_read_in_windows_gives_the_same_run(monkeypatch):
     res = simulate(sc)
     assert res.meta["loop"] == "fast"
     assert_identical(ref, res)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(n=st.integers(5, 90), seed=st.integers(0, 10_000),
+       policy=st.sampled_from(["chunked", "fifo", "priority_aging"]), replicas=st.integers(1, 2),
+       router=st.sampled_from(["round_robin", "least_outstanding"]),
+       watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([24, 40, 64]),
+       max_seqs=st.sampled_from([4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
+       chunk=st.sampled_from([None, 16]), rate=st.sampled_from([30.0, 400.0]),
+       net=st.sampled_from(["zero", "wan"]), noise=st.booleans(),
+       out_hi=st.sampled_from([60, 200]), aging=st.sampled_from([0.05, 1.0]),
+       victim=st.sampled_from(["priority", "latest"]))
+def test_under_memory_pressure_the_fast_loop_preempts_as_simpy_does(
+        n, seed, policy, replicas, router, watermark, blocks, max_seqs, budget, chunk, rate,
+        net, noise, out_hi, aging, victim):
+    """Caches a few prompts large, long outputs: most runs preempt (by recompute), some
+    many times over; each must be SimPy's run bit for bit."""
+    sc = _scenario(n, seed, policy, replicas, router, "paged", None, watermark, blocks,
+                   max_seqs, budget, chunk, "poisson", rate, net, noise, None, True, 120,
+                   out_hi, aging=aging, victim=victim)
+    res = simulate(sc)
+    assert res.meta["loop"] == "fast"
+    assert_identical(simulate(sc, loop="simpy"), res)
