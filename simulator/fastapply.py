@@ -65,7 +65,7 @@ class FastApply:
         self.kv_tokens += tokens
         self._outstanding -= tokens
 
-    def _join(self, s: _Req, last_token_t: float) -> None:
+    def _join(self, s: _Req, last_token_t: float, swapped_in: bool = False) -> None:
         ticks = self.ticks
         s.ver += 1
         key = s.prompt + s.generated - ticks
@@ -83,7 +83,9 @@ class FastApply:
             ph = (1 - key) % self.bs
             s.phase = ph
             self.phase[ph] += 1
-            if ticks == self.grown and ticks % self.bs == ph:
+            # Back from swap it holds the blocks of its whole context, so it takes none
+            # before its first step (its first boundary is always a later tick).
+            if ticks == self.grown and ticks % self.bs == ph and not swapped_in:
                 self.late += 1
                 s.late_tick = ticks
 
@@ -91,8 +93,6 @@ class FastApply:
         """``due`` decoders need a block and fewer are free: preempt victims (by the
         scenario's rule, ``kvspace.select_victim``) until the rest fit; returns how
         many are still due (a victim that was due leaves)."""
-        if self.swap:
-            raise Unsupported("a preemption by swap")
         ticks = self.ticks
         ph = ticks % self.bs
         while due > self.num_free:
@@ -103,7 +103,8 @@ class FastApply:
         return due
 
     def _preempt(self, s: _Req, now: float) -> None:
-        """``ReplicaMemory._preempt`` by recompute, in the fast bookkeeping."""
+        """``ReplicaMemory._preempt`` (recompute, or swap for a decoder when the swap
+        space has room), in the fast bookkeeping."""
         rec = self.rec
         rid = s.rid
         rec.preemptions[rid] += 1
@@ -123,23 +124,58 @@ class FastApply:
             self.phase[s.phase] -= 1
             held_tokens = lost = s.prompt + s.generated
             # Its context took a block at each boundary up to the last step's.
-            held = -(-(s.key + ticks - 1) // self.bs)
-            s.prefill_len = s.prompt + s.generated
+            held = max(s.held, -(-(s.key + ticks - 1) // self.bs))
+            swap = self.swap and self.cpu_used + held <= self.cpu_blocks
         else:
             self.prefilling.remove(s)
             held_tokens = lost = s.prefilled
             held = s.held
+            swap = False
         self.kv_tokens -= held_tokens
         s.preempted_at = now
         self.num_free += held
         s.held = 0
+        if swap:
+            s.swapped_blocks = held
+            self.cpu_used += held
+            nbytes = held * self.block_bytes
+            rec.swapped_bytes[rid] += nbytes
+            self.copy_s += nbytes / self.swap_bps
+            self.swapped.append(s)
+            return
         rec.recomputed_tokens[rid] += lost
         self._outstanding += lost
+        s.prefill_len = s.prompt + s.generated
         s.prefilled = 0
         if self.aging:
             self.waiting.requeue(s)
         else:
             self.waiting.appendleft(s)
+
+    def _swap_in(self, now: float) -> None:
+        """``ReplicaMemory._swap_in``: swapped requests back, oldest first, while
+        their blocks fit."""
+        rec = self.rec
+        st = self.stats
+        while self.swapped and len(self.decoding) + len(self.prefilling) < self.max_seqs:
+            s = self.swapped[0]
+            tokens = s.prompt + s.generated
+            need = -(-tokens // self.bs)
+            if need + self.watermark > self.num_free:
+                break
+            self.swapped.popleft()
+            self.num_free -= need
+            s.held = need
+            st.admissions += 1
+            st.queried_tokens += tokens
+            self.cpu_used -= s.swapped_blocks
+            nbytes = s.swapped_blocks * self.block_bytes
+            rec.swapped_bytes[s.rid] += nbytes
+            self.copy_s += nbytes / self.swap_bps
+            rec.preempted_s[s.rid] += now - s.preempted_at
+            self.kv_tokens += tokens
+            self.decoding.append(s)
+            self._join(s, s.last_t, swapped_in=True)
 
     def _catch_up_growth(self, start: int) -> None:
         """After an epoch that started at tick ``start``: the blocks its later steps
@@ -185,7 +221,7 @@ class FastApply:
                 # Its context grew to prompt + output - 1 tokens (the last token is
                 # never fed back), a block at each boundary.
                 phase[s.phase] -= 1
-                s.held = -(-(s.prompt + s.output - 1) // bs)
+                s.held = max(s.held, -(-(s.prompt + s.output - 1) // bs))
             self._finish(s, t, t + ft)
         if recompute:
             self.key_max = max((s.key for s in self.decoding), default=0)
@@ -205,7 +241,7 @@ class FastApply:
     def _sample(self, t: float) -> None:
         ts, wq, run, blk, kv, shared = self.series
         ts.append(t)
-        wq.append(len(self.waiting))
+        wq.append(len(self.waiting) + len(self.swapped))
         run.append(len(self.decoding) + len(self.prefilling))
         blk.append(self.capacity - self.num_free)
         kv.append(self.kv_tokens)

@@ -29,10 +29,10 @@ random configurations. The inline decisions are a second copy of ``FifoPolicy`` 
 ``ChunkedPolicy`` (``PriorityAgingPolicy`` is ``ChunkedPolicy`` over its own queue):
 that test is what keeps them the same. A policy registered by a user runs on SimPy.
 
-Preemption by recompute (growth finds too few free blocks) is modelled, with both
-victim rules. When a run needs what this loop does not model (a preemption by swap;
-an empty plan, which the SimPy model reports as an error) it raises ``Unsupported``
-and ``simulate`` runs the scenario again with SimPy.
+Preemption (growth finds too few free blocks) by recompute and by swap is modelled,
+with both victim rules. When a run needs what this loop does not model (an empty plan, which the SimPy
+model reports as an error) it raises ``Unsupported`` and ``simulate`` runs the
+scenario again with SimPy.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class FastLoop:
     """The event loop: arrivals, deliveries, and each replica's step ends (see module doc)."""
 
     def __init__(self, *, rec, n_replicas: int, policy, costs, capacity,
-                 rules, router, pools, net, frame_time: float, one_way: float,
+                 rules, swap: tuple, router, pools, net, frame_time: float, one_way: float,
                  series_interval: float, arrival, prompt, output, priority, clients,
                  until: Optional[float]) -> None:
         self.now = 0.0
@@ -96,7 +96,7 @@ class FastLoop:
         self._lo = 0
         self._win = [[] for _ in self._cols]
         self.until = until
-        self.replicas = [FastReplica(self, i, policy, costs[i], capacity, rules, rec,
+        self.replicas = [FastReplica(self, i, policy, costs[i], capacity, rules, swap, rec,
                                      frame_time, one_way, series_interval)
                          for i in range(n_replicas)]
         self._next = 0        # the arrival process: next request, and its clock ``t``

@@ -33,7 +33,8 @@ class _Req:
     __slots__ = ("rid", "prompt", "output", "client", "pooled", "priority", "enqueued",
                  "prefilled", "generated",
                  "held", "key", "finish_tick", "ver", "phase",
-                 "prefill_len", "join_tick", "last_t", "late_tick", "preempted_at", "decoding")
+                 "prefill_len", "join_tick", "last_t", "late_tick", "preempted_at", "decoding",
+                 "swapped_blocks")
 
     def __init__(self, rid: int, prompt: int, output: int, client: int, pooled: bool,
                  priority: int) -> None:
@@ -57,12 +58,14 @@ class _Req:
         self.late_tick = -1         # the tick it joined as a late decoder (see ``late``)
         self.preempted_at = None
         self.decoding = False
+        self.swapped_blocks = 0
 
 class FastReplica(FastApply):
     """One replica: ``Replica``'s fast bookkeeping with the policy inlined."""
 
     def __init__(self, loop: "FastLoop", index: int, policy, cost, capacity: int, rules,
-                 rec, frame_time: float, one_way: float, series_interval: float) -> None:
+                 swap: tuple, rec, frame_time: float, one_way: float,
+                 series_interval: float) -> None:
         self.loop = loop
         self.index = index
         self.cost = cost
@@ -81,6 +84,12 @@ class FastReplica(FastApply):
         self.bs = rules.block_size
         self.max_model_len = rules.max_model_len
         self.swap = rules.preemption == "swap"
+        # Swap: bytes per block, CPU swap space (blocks), copy bandwidth (bytes/s).
+        self.block_bytes, self.cpu_blocks, self.swap_bps = swap
+        self.cpu_used = 0
+        self.swapped: deque[_Req] = deque()
+        self.copy_s = 0.0            # swap copies of the step being planned (s)
+        self.copying = None          # an iteration that only copies: its seconds
         self.victim = rules.victim
         self.stats = KVStats()
         self.rec = rec
@@ -175,12 +184,13 @@ class FastReplica(FastApply):
         decoding = self.decoding
         prefilling = self.prefilling
         waiting = self.waiting
-        if not (decoding or prefilling or waiting):
+        if not (decoding or prefilling or waiting or self.swapped):
             self.idle = True
             return
         ticks = self.ticks
         hold = False
-        if self.paged and decoding:
+        self.copy_s = 0.0
+        if self.paged:
             # ``Replica._make_room``: one block for each decoder crossing a boundary now,
             # preempting victims while the free blocks are too few.
             fresh = ticks > self.grown
@@ -194,7 +204,11 @@ class FastReplica(FastApply):
                     hold = True
                     due = self._make_room(due, fresh, now)
                 self.num_free -= due
-        # A step that preempted admits nobody (as in vLLM and the SimPy replica).
+        # Swapped requests come back before anyone new; a step that preempted, or that
+        # left someone swapped out, admits nobody (as in vLLM and the SimPy replica).
+        if self.swapped and not hold:
+            self._swap_in(now)
+        hold = hold or bool(self.swapped)
         free = 0 if hold else self.num_free - self.watermark
         chunks = []
         admit = []
@@ -253,6 +267,13 @@ class FastReplica(FastApply):
                     running += 1
                     free -= need
         if not nd and not chunks:
+            if self.copy_s and (decoding or prefilling):
+                # Only swap copies this iteration: charge them, then plan again.
+                self.copying = self.copy_s
+                self.step = self.epoch = None
+                self.ver += 1
+                self.loop.push(now + self.copy_s, NORMAL, _END, self, self.ver)
+                return
             raise Unsupported("an empty plan")
         if admit:
             rec_sched = self.rec.scheduled
@@ -275,7 +296,8 @@ class FastReplica(FastApply):
                 prefilling.append(s)
         loop = self.loop
         rec = self.rec
-        if nd and not chunks and not hold and not (self.aging and len(waiting)):
+        if (nd and not chunks and not hold and not self.copy_s
+                and not (self.aging and len(waiting))):
             # Aging reorders the queue as time passes: epochs only while nobody waits.
             fh = self.finish_heap
             while fh and fh[0][2] != fh[0][3].ver:
@@ -308,9 +330,10 @@ class FastReplica(FastApply):
         else:
             ctx_max = ctx_sum = 0
         parts = [(n, s.prefilled, s.prefilled + n >= s.prefill_len) for s, n in chunks]
-        dt = self.cost.step_time(nd, ctx_max, ctx_sum, parts) + 0.0
+        dt = self.cost.step_time(nd, ctx_max, ctx_sum, parts) + self.copy_s
         rec.steps += 1
         rec.step_time_total += dt
+        rec.swap_copy_s += self.copy_s
         self.step = (nd, chunks)
         self.epoch = None
         self.ver += 1
@@ -330,6 +353,11 @@ class FastReplica(FastApply):
     def ended(self, t: float) -> None:
         """The step or epoch in progress ended at ``t``: apply it, sample, plan again."""
         rec = self.rec
+        if self.copying is not None:
+            rec.swap_copy_s += self.copying
+            self.copying = None
+            self.iterate(t)
+            return
         if self.epoch is not None:
             nd, k, ends, start, m = self.epoch
             self.epoch = None

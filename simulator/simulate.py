@@ -162,6 +162,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                 raise Unsupported(why)
             fast = FastLoop(rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
                             capacity=capacity, rules=kv_args["kv_rules"],
+                            swap=(kv_args["block_bytes"], kv_args["swap_blocks"],
+                                  kv_args["swap_bps"]),
                             router=make_router(scenario.cluster.router, n_rep, rng_router),
                             pools=pools, net=net, frame_time=stream.frame_time,
                             one_way=stream.one_way, series_interval=_series_interval(workload),

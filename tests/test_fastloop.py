@@ -6,10 +6,10 @@ must be *identical* (not close) between ``loop="simpy"`` and ``loop="auto"``, on
 random configurations that cover what the fast loop runs: the three policies
 (priority classes with aging among them),
 several replicas and routers, paged and contiguous memory, watermarks, tight and
-loose limits, preemption by recompute with both victim rules, ties in time (constant
+loose limits, preemption by recompute and by swap with both victim rules, ties in time (constant
 arrivals, zero network), cost noise, keep-alive pools, and a clock stop.
-Configurations it cannot run (a preemption by swap) must fall back to SimPy and say
-so.
+Configurations it cannot run (prefix caching, per-request streams, a policy of the
+user's) must run on SimPy and say so.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def assert_identical(a, b) -> None:
 
 def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, blocks, max_seqs,
               budget, chunk, arrival, rate, net, noise, until, reuse, prompt_hi, out_hi,
-              aging=1.0, preemption="recompute", victim="priority"):
+              aging=1.0, preemption="recompute", victim="priority", swap_gb=4.0):
     arr = ({"kind": "poisson", "rate": rate} if arrival == "poisson" else
            {"kind": "gamma", "rate": rate, "burstiness": 0.3} if arrival == "gamma" else
            {"kind": "constant", "rate": rate})
@@ -61,7 +61,8 @@ def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, bloc
     eng = {"policy": policy, "max_num_seqs": min(max_seqs, budget),
            "max_num_batched_tokens": budget, "chunk_size": chunk, "aging_s": aging,
            "kv": {"num_blocks": blocks, "allocation": alloc, "watermark": watermark,
-                  "max_model_len": max_len, "preemption": preemption, "victim": victim}}
+                  "max_model_len": max_len, "preemption": preemption, "victim": victim,
+                  "swap_space_gb": swap_gb}}
     extra = {"max_sim_time_s": until} if until else {}
     sc = make_scenario(seed=seed, workload=wl, engine=eng, network=network,
                        cluster={"replicas": replicas, "router": router}, **extra)
@@ -83,7 +84,7 @@ def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, bloc
        noise=st.booleans(), until=st.sampled_from([None, 0.7, 5.0]), reuse=st.booleans(),
        prompt_hi=st.sampled_from([40, 300]), out_hi=st.sampled_from([2, 60, 200]),
        aging=st.sampled_from([0.05, 1.0, 30.0]),
-       preemption=st.sampled_from(["recompute", "recompute", "swap"]),
+       preemption=st.sampled_from(["recompute", "swap"]),
        victim=st.sampled_from(["priority", "latest"]))
 def test_fast_loop_is_the_simpy_model_bit_for_bit(**cfg):
     sc = _scenario(**cfg)
@@ -108,18 +109,18 @@ def test_fast_loop_runs_the_common_configurations():
 
 
 @pytest.mark.parametrize("victim", ["priority", "latest"])
-def test_preemption_by_recompute_runs_fast_and_by_swap_falls_back(victim):
-    args = (80, 1, "chunked", 1, "round_robin", "paged", None, 0.0, 40, 64, 512,
-            None, "poisson", 400.0, "zero", False, None, True, 300, 200)
-    sc = _scenario(*args, victim=victim)
-    res = simulate(sc)
-    assert res.meta["loop"] == "fast" and res.rec.preemptions.sum() > 0
-    assert res.rec.recomputed_tokens.sum() > 0 and res.rec.preempted_s.sum() > 0
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_runs_on_the_fast_loop(victim, preemption):
+    sc = _scenario(80, 1, "chunked", 1, "round_robin", "paged", None, 0.0, 40, 64, 512,
+                   None, "poisson", 400.0, "zero", False, None, True, 300, 200,
+                   victim=victim, preemption=preemption)
+    res = simulate(sc, loop="fast")
+    assert res.rec.preemptions.sum() > 0 and res.rec.preempted_s.sum() > 0
+    if preemption == "swap":
+        assert res.rec.swapped_bytes.sum() > 0 and res.meta["kv"]["swap_copy_s"] > 0
+    else:
+        assert res.rec.recomputed_tokens.sum() > 0
     assert_identical(simulate(sc, loop="simpy"), res)
-    swap = _scenario(*args, victim=victim, preemption="swap")
-    assert simulate(swap).meta["loop"] == "simpy (a preemption by swap)"
-    with pytest.raises(Unsupported, match="swap"):
-        simulate(swap, loop="fast")
 
 
 @pytest.mark.parametrize("over, why", [
@@ -131,6 +132,13 @@ def test_preemption_by_recompute_runs_fast_and_by_swap_falls_back(victim):
 def test_what_the_fast_loop_does_not_model_runs_on_simpy(over, why):
     res = simulate(make_scenario(**over))
     assert res.meta["loop"] == f"simpy ({why})"
+
+
+def test_fast_loop_asked_for_an_unsupported_run_says_why():
+    sc = make_scenario(engine={"policy": "chunked", "kv": {"num_blocks": 4000,
+                                                           "prefix_caching": True}})
+    with pytest.raises(Unsupported, match="prefix caching"):
+        simulate(sc, loop="fast")
 
 
 def test_unknown_loop_is_an_error():
@@ -184,15 +192,19 @@ def test_workload_read_in_windows_gives_the_same_run(monkeypatch):
        chunk=st.sampled_from([None, 16]), rate=st.sampled_from([30.0, 400.0]),
        net=st.sampled_from(["zero", "wan"]), noise=st.booleans(),
        out_hi=st.sampled_from([60, 200]), aging=st.sampled_from([0.05, 1.0]),
-       victim=st.sampled_from(["priority", "latest"]))
+       victim=st.sampled_from(["priority", "latest"]),
+       preemption=st.sampled_from(["recompute", "swap"]),
+       swap_gb=st.sampled_from([0.0, 0.01, 4.0]))
 def test_under_memory_pressure_the_fast_loop_preempts_as_simpy_does(
         n, seed, policy, replicas, router, watermark, blocks, max_seqs, budget, chunk, rate,
-        net, noise, out_hi, aging, victim):
-    """Caches a few prompts large, long outputs: most runs preempt (by recompute), some
-    many times over; each must be SimPy's run bit for bit."""
+        net, noise, out_hi, aging, victim, preemption, swap_gb):
+    """Caches a few prompts large, long outputs: most runs preempt (by recompute or
+    swap; a full swap space recomputes), some many times over; each must be SimPy's
+    run bit for bit."""
     sc = _scenario(n, seed, policy, replicas, router, "paged", None, watermark, blocks,
                    max_seqs, budget, chunk, "poisson", rate, net, noise, None, True, 120,
-                   out_hi, aging=aging, victim=victim)
+                   out_hi, aging=aging, victim=victim, preemption=preemption,
+                   swap_gb=swap_gb)
     res = simulate(sc)
     assert res.meta["loop"] == "fast"
     assert_identical(simulate(sc, loop="simpy"), res)
