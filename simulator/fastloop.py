@@ -30,9 +30,10 @@ random configurations. The inline decisions are a second copy of ``FifoPolicy`` 
 that test is what keeps them the same. A policy registered by a user runs on SimPy.
 
 Preemption (growth finds too few free blocks) by recompute and by swap is modelled,
-with both victim rules. When a run needs what this loop does not model (an empty plan, which the SimPy
-model reports as an error) it raises ``Unsupported`` and ``simulate`` runs the
-scenario again with SimPy.
+with both victim rules. What it does not model is decided before the run
+(``unsupported_reason``); an empty plan, which the SimPy model reports as an error,
+raises ``Unsupported`` mid-run and ``simulate`` runs the scenario again with SimPy,
+which then reports it.
 """
 from __future__ import annotations
 

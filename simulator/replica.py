@@ -27,9 +27,10 @@ into the inter-token-latency histogram. Two exact ways to compute it:
 KV memory (allocation, growth, preemption, swap, cancellation) is in
 ``replica_memory``; the block accounting itself in ``kvspace``/``blockmanager``.
 
-``fastloop`` replays this model without SimPy for chunked/fifo runs in the fast
-mode (identical results, tested bit for bit); a change here must be made there too,
-and ``tests/test_fastloop.py`` fails until it is.
+``fastloop`` replays this model without SimPy for runs of the built-in policies in
+the fast mode without prefix caching or per-request streams (identical results,
+tested bit for bit); a change here must be made there too, and
+``tests/test_fastloop.py`` fails until it is.
 """
 from __future__ import annotations
 
