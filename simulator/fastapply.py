@@ -38,8 +38,11 @@ class FastApply:
         rec = self.rec
         ft = self.ft
         tokens = 0
+        mgr = self.mgr
         for s, n in chunks:
             s.prefilled += n
+            if mgr is not None:
+                mgr.register(s.rid, s.keys, s.prefilled)   # ``KVSpace.computed``
             done = s.prefilled >= s.prefill_len
             tokens += n + done
             if not done:
@@ -124,17 +127,20 @@ class FastApply:
             self.phase[s.phase] -= 1
             held_tokens = lost = s.prompt + s.generated
             # Its context took a block at each boundary up to the last step's.
-            held = max(s.held, -(-(s.key + ticks - 1) // self.bs))
+            if self.mgr is not None:
+                held = self.mgr.blocks_of(rid)
+            else:
+                held = max(s.held, -(-(s.key + ticks - 1) // self.bs))
             swap = self.swap and self.cpu_used + held <= self.cpu_blocks
         else:
             self.prefilling.remove(s)
             held_tokens = lost = s.prefilled
-            held = s.held
+            held = self.mgr.blocks_of(rid) if self.mgr is not None else s.held
             swap = False
         self.kv_tokens -= held_tokens
         s.preempted_at = now
-        self.num_free += held
-        s.held = 0
+        s.held = held
+        self._free_blocks(s)
         if swap:
             s.swapped_blocks = held
             self.cpu_used += held
@@ -164,10 +170,14 @@ class FastApply:
             if need + self.watermark > self.num_free:
                 break
             self.swapped.popleft()
-            self.num_free -= need
-            s.held = need
-            st.admissions += 1
-            st.queried_tokens += tokens
+            if self.mgr is not None:
+                self.mgr.allocate(s.rid, tokens)
+                self.num_free = self.mgr.num_free
+            else:
+                self.num_free -= need
+                s.held = need
+                st.admissions += 1
+                st.queried_tokens += tokens
             self.cpu_used -= s.swapped_blocks
             nbytes = s.swapped_blocks * self.block_bytes
             rec.swapped_bytes[s.rid] += nbytes
@@ -188,8 +198,34 @@ class FastApply:
         due = (span // bs) * len(self.decoding)
         for t in range(start + 1, start + 1 + span % bs):
             due += phase[t % bs]
-        self.num_free -= due
+        if self.mgr is None:
+            self.num_free -= due
+        elif due:
+            # Each decoder's blocks for its context at the epoch's last step.
+            grow = self.mgr.grow
+            for s in self.decoding:
+                grow(s.rid, s.key + last)
+            self.num_free = self.mgr.num_free
         self.grown = last
+
+    def _grow_due(self, fresh: bool) -> None:
+        """With a block manager: one block for each decoder due now (see ``late``)."""
+        ticks = self.ticks
+        ph = ticks % self.bs
+        grow = self.mgr.grow
+        for s in self.decoding:
+            if s.phase == ph and (fresh or s.late_tick == ticks):
+                grow(s.rid, s.key + ticks)
+        self.num_free = self.mgr.num_free
+
+    def _free_blocks(self, s: _Req) -> None:
+        """Release ``s``'s blocks (finish, preemption)."""
+        if self.mgr is not None:
+            self.mgr.free(s.rid)
+            self.num_free = self.mgr.num_free
+        else:
+            self.num_free += s.held
+        s.held = 0
 
     def _finish_due(self, t: float) -> None:
         heap = self.finish_heap
@@ -233,8 +269,7 @@ class FastApply:
         arrived = depart + self.one_way
         rec.last_delivered[rid] = arrived
         rec.generated[rid] = s.generated
-        self.num_free += s.held
-        s.held = 0
+        self._free_blocks(s)
         self.kv_tokens -= s.prompt + s.generated
         self.loop.pools.release(s.client, arrived, s.pooled)
 
@@ -245,5 +280,5 @@ class FastApply:
         run.append(len(self.decoding) + len(self.prefilling))
         blk.append(self.capacity - self.num_free)
         kv.append(self.kv_tokens)
-        shared.append(0)
+        shared.append(self.mgr.shared_refs if self.mgr is not None else 0)
         self.last_sample = t

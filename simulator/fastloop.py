@@ -2,8 +2,7 @@
 
 ``simulate`` builds the SimPy model of ``replica`` and ``wire``. Most large runs use
 only part of it: the built-in policies (fifo, chunked, priority_aging), no
-per-request stream models, no prefix caching, frames that always leave faster than
-a step (the replica's *fast* bookkeeping with decode epochs). For those, this module
+per-request stream models, frames that always leave faster than a step (the replica's *fast* bookkeeping with decode epochs). For those, this module
 replays the *same* model with a plain event loop and the policies' decisions written
 inline (``fastreplica``), because a SimPy step (event objects, generator resumption,
 a ``SchedulerState`` and a frozen ``StepPlan`` per step) costs as much again as the
@@ -21,7 +20,9 @@ It is not an approximation:
   by block-boundary phase instead of a heap of per-request boundaries, which takes
   the same blocks at the same steps;
 - the cost model, routers, connection pools, recorder and, for priority_aging, the
-  waiting queue are the very objects the SimPy model uses.
+  waiting queue are the very objects the SimPy model uses, and so is the block
+  manager with prefix caching (``PrefixKV``: which cached blocks a growth evicts
+  depends only on how many blocks are taken, so decoders grow in any order).
 
 ``tests/test_fastloop.py`` checks that every recorded array, the ITL histogram, the
 time series, the step tallies and the end time are identical, bit for bit, on
@@ -62,8 +63,6 @@ def unsupported_reason(policy, rules, rich: bool, mode: str, cost_model,
         return "a cost model passed in"
     if type(policy) not in (ChunkedPolicy, FifoPolicy, PriorityAgingPolicy):
         return f"policy {policy.name!r}"
-    if rules.prefix_caching and rules.allocation == "paged":
-        return "prefix caching"
     if router not in ("round_robin", "random", "least_outstanding"):
         return f"router {router!r}"
     lim = policy.limits
@@ -79,7 +78,7 @@ class FastLoop:
     def __init__(self, *, rec, n_replicas: int, policy, costs, capacity,
                  rules, swap: tuple, router, pools, net, frame_time: float, one_way: float,
                  series_interval: float, arrival, prompt, output, priority, clients,
-                 until: Optional[float]) -> None:
+                 until: Optional[float], keys_of=None) -> None:
         self.now = 0.0
         self._heap: list = []
         self._eid = 0
@@ -97,6 +96,7 @@ class FastLoop:
         self._lo = 0
         self._win = [[] for _ in self._cols]
         self.until = until
+        self.keys_of = keys_of    # rid -> prefix-cache keys of its prompt blocks
         self.replicas = [FastReplica(self, i, policy, costs[i], capacity, rules, swap, rec,
                                      frame_time, one_way, series_interval)
                          for i in range(n_replicas)]
@@ -165,6 +165,8 @@ class FastLoop:
             new_conn[rid] = is_new
             p = prompt[i]
             s = _Req(rid, p, output[i], c, pooled, prio[i])
+            if self.keys_of is not None:
+                s.keys = self.keys_of(rid)
             t_net = net.send_time(p) + (handshake if is_new else 0.0)
             self.push(now + t_net, NORMAL, _DELIVER, s)
             rid += 1

@@ -14,7 +14,7 @@ from collections import deque
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from .blockmanager import KVStats
+from .blockmanager import KVStats, PrefixKV
 from .fastapply import FastApply, Unsupported
 from .kvcache import blocks_for
 from .replica import MAX_EPOCH_STEPS
@@ -34,7 +34,7 @@ class _Req:
                  "prefilled", "generated",
                  "held", "key", "finish_tick", "ver", "phase",
                  "prefill_len", "join_tick", "last_t", "late_tick", "preempted_at", "decoding",
-                 "swapped_blocks")
+                 "swapped_blocks", "keys")
 
     def __init__(self, rid: int, prompt: int, output: int, client: int, pooled: bool,
                  priority: int) -> None:
@@ -59,6 +59,7 @@ class _Req:
         self.preempted_at = None
         self.decoding = False
         self.swapped_blocks = 0
+        self.keys = None            # prefix-cache keys of its prompt blocks (or None)
 
 class FastReplica(FastApply):
     """One replica: ``Replica``'s fast bookkeeping with the policy inlined."""
@@ -91,7 +92,11 @@ class FastReplica(FastApply):
         self.copy_s = 0.0            # swap copies of the step being planned (s)
         self.copying = None          # an iteration that only copies: its seconds
         self.victim = rules.victim
-        self.stats = KVStats()
+        # With prefix caching the block manager itself (ids, refcounts, the LRU of
+        # cached blocks); without, counts here (``num_free``, ``_Req.held``).
+        self.mgr = (PrefixKV(capacity, rules.block_size)
+                    if rules.prefix_caching and self.paged else None)
+        self.stats = self.mgr.stats if self.mgr is not None else KVStats()
         self.rec = rec
         self.ft = frame_time
         self.one_way = one_way
@@ -142,7 +147,9 @@ class FastReplica(FastApply):
         return r if r is not None else s.prompt + s.output
 
     def adm_blocks(self, s: _Req) -> int:
-        """Blocks admitting ``s`` takes (``KVSpace.admission`` without a prefix cache)."""
+        """Blocks admitting ``s`` takes from the free pool (``KVSpace.admission``)."""
+        if self.mgr is not None:
+            return self.mgr.admission(self.adm_tokens(s), s.keys)[1]
         return -(-self.adm_tokens(s) // self.bs)
 
     def rejects(self, s: _Req) -> bool:
@@ -203,7 +210,10 @@ class FastReplica(FastApply):
                 if due > self.num_free:
                     hold = True
                     due = self._make_room(due, fresh, now)
-                self.num_free -= due
+                if self.mgr is None:
+                    self.num_free -= due
+                elif due:
+                    self._grow_due(fresh)
         # Swapped requests come back before anyone new; a step that preempted, or that
         # left someone swapped out, admits nobody (as in vLLM and the SimPy replica).
         if self.swapped and not hold:
@@ -212,6 +222,7 @@ class FastReplica(FastApply):
         free = 0 if hold else self.num_free - self.watermark
         chunks = []
         admit = []
+        mgr = self.mgr
         if self.fifo:
             nd = 0
             used = 0
@@ -227,12 +238,16 @@ class FastReplica(FastApply):
                 for s in waiting:
                     if running >= self.max_seqs:
                         break
-                    need = self.adm_blocks(s)
-                    n = s.prefill_len - s.prefilled
+                    if mgr is None:
+                        need = self.adm_blocks(s)
+                        n = s.prefill_len - s.prefilled
+                    else:
+                        cached, need = mgr.admission(self.adm_tokens(s), s.keys)
+                        n = s.prefill_len - s.prefilled - cached
                     if (chunks and used + n > budget) or need > free:
                         break
                     chunks.append((s, n))
-                    admit.append(s)
+                    admit.append((s, n))
                     used += n
                     running += 1
                     free -= need
@@ -255,17 +270,25 @@ class FastReplica(FastApply):
                 for s in (waiting.candidates(now) if self.aging else waiting):
                     if left <= 0 or running >= self.max_seqs:
                         break
-                    need = self.adm_blocks(s)
-                    if need > free:
-                        break
-                    n = s.prefill_len - s.prefilled
+                    if mgr is None:
+                        need = self.adm_blocks(s)
+                        if need > free:
+                            break
+                        n = s.prefill_len - s.prefilled
+                    else:
+                        cached, need = mgr.admission(self.adm_tokens(s), s.keys)
+                        if need > free:
+                            break
+                        n = s.prefill_len - s.prefilled - cached
                     n = n if n < cs else cs
                     n = n if n < left else left
                     chunks.append((s, n))
-                    admit.append(s)
+                    admit.append((s, n))
                     left -= n
                     running += 1
                     free -= need
+        if admit:
+            chunks = self._admit(admit, chunks, now)
         if not nd and not chunks:
             if self.copy_s and (decoding or prefilling):
                 # Only swap copies this iteration: charge them, then plan again.
@@ -275,25 +298,6 @@ class FastReplica(FastApply):
                 self.loop.push(now + self.copy_s, NORMAL, _END, self, self.ver)
                 return
             raise Unsupported("an empty plan")
-        if admit:
-            rec_sched = self.rec.scheduled
-            st = self.stats
-            for s in admit:
-                if self.aging:
-                    waiting.remove(s)
-                else:
-                    waiting.popleft()
-                tokens = self.adm_tokens(s)
-                need = -(-tokens // self.bs)
-                self.num_free -= need
-                s.held = need
-                st.admissions += 1
-                st.queried_tokens += tokens
-                if s.preempted_at is None:
-                    rec_sched[s.rid] = now
-                else:
-                    self.rec.preempted_s[s.rid] += now - s.preempted_at
-                prefilling.append(s)
         loop = self.loop
         rec = self.rec
         if (nd and not chunks and not hold and not self.copy_s
@@ -338,6 +342,54 @@ class FastReplica(FastApply):
         self.epoch = None
         self.ver += 1
         loop.push(now + dt, NORMAL, _END, self, self.ver)
+
+    def _admit(self, admit: list, chunks: list, now: float) -> list:
+        """``KVSpace.admit_plan``: allocate the admissions' blocks in order and move
+        them to the prefilling set; returns the step's chunks. With a prefix cache an
+        earlier admission of the step may evict a block a later one counted on: that
+        one prefills from its smaller hit, or, if its blocks no longer fit, waits and
+        its chunk is dropped."""
+        rec = self.rec
+        waiting = self.waiting
+        mgr = self.mgr
+        dropped = None
+        for s, n in admit:
+            tokens = self.adm_tokens(s)
+            cached = 0
+            if mgr is None:
+                need = -(-tokens // self.bs)
+                self.num_free -= need
+                s.held = need
+                st = self.stats
+                st.admissions += 1
+                st.queried_tokens += tokens
+            else:
+                if mgr.admission(tokens, s.keys)[1] > mgr.num_free:
+                    dropped = (dropped or set()) | {id(s)}
+                    continue
+                cached = mgr.allocate(s.rid, tokens, s.keys)
+                self.num_free = mgr.num_free
+                s.prefilled = cached
+                if cached + n > s.prefill_len:
+                    raise Unsupported(f"a plan over-prefills request {s.rid}")
+            if self.aging:
+                waiting.remove(s)
+            elif waiting[0] is s:
+                waiting.popleft()
+            else:
+                waiting.remove(s)
+            if cached:
+                rec.cached_tokens[s.rid] += cached
+                self.kv_tokens += cached
+                self._outstanding -= cached
+            if s.preempted_at is None:
+                rec.scheduled[s.rid] = now
+            else:
+                rec.preempted_s[s.rid] += now - s.preempted_at
+            self.prefilling.append(s)
+        if dropped:
+            chunks = [c for c in chunks if id(c[0]) not in dropped]
+        return chunks
 
     def interrupted(self, now: float) -> None:
         """An admissible arrival during an epoch: the step in progress completes."""

@@ -28,7 +28,7 @@ KV memory (allocation, growth, preemption, swap, cancellation) is in
 ``replica_memory``; the block accounting itself in ``kvspace``/``blockmanager``.
 
 ``fastloop`` replays this model without SimPy for runs of the built-in policies in
-the fast mode without prefix caching or per-request streams (identical results,
+the fast mode without per-request streams (identical results,
 tested bit for bit); a change here must be made there too, and
 ``tests/test_fastloop.py`` fails until it is.
 """

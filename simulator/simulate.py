@@ -149,6 +149,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
             wire.finished(s, delivered_at)
 
     kv_args = replica_kv_args(scenario)
+    keys_of = WorkloadKeys(workload, bs) if kv_args["kv_rules"].prefix_caching else None
     if loop != "simpy":
         costs = [cost_model] if cost_model is not None else [
             build_cost_model(scenario.model.cost, np.random.default_rng(rng_cost.integers(2**63)),
@@ -169,7 +170,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                             one_way=stream.one_way, series_interval=_series_interval(workload),
                             arrival=workload.arrival_s, prompt=workload.prompt_tokens,
                             output=workload.output_tokens, priority=workload.priority,
-                            clients=clients,
+                            clients=clients, keys_of=keys_of,
                             until=scenario.max_sim_time_s)
             rec.arrival[:] = workload.arrival_s
             end = fast.run()
@@ -194,7 +195,6 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                                       workload, eng.chunk_size or eng.max_num_batched_tokens)
         res.meta["loop"] = "fast"
         return res
-    keys_of = WorkloadKeys(workload, bs) if kv_args["kv_rules"].prefix_caching else None
     costs = []
     replicas = []
     for i in range(n_rep):

@@ -6,10 +6,11 @@ must be *identical* (not close) between ``loop="simpy"`` and ``loop="auto"``, on
 random configurations that cover what the fast loop runs: the three policies
 (priority classes with aging among them),
 several replicas and routers, paged and contiguous memory, watermarks, tight and
-loose limits, preemption by recompute and by swap with both victim rules, ties in time (constant
+loose limits, preemption by recompute and by swap with both victim rules, prefix
+caching of per-class system prompts, ties in time (constant
 arrivals, zero network), cost noise, keep-alive pools, and a clock stop.
-Configurations it cannot run (prefix caching, per-request streams, a policy of the
-user's) must run on SimPy and say so.
+Configurations it cannot run (per-request streams, a policy of the user's) must run
+on SimPy and say so.
 """
 from __future__ import annotations
 
@@ -46,14 +47,16 @@ def assert_identical(a, b) -> None:
 
 def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, blocks, max_seqs,
               budget, chunk, arrival, rate, net, noise, until, reuse, prompt_hi, out_hi,
-              aging=1.0, preemption="recompute", victim="priority", swap_gb=4.0):
+              aging=1.0, preemption="recompute", victim="priority", swap_gb=4.0,
+              caching=False, sys_prompt=0):
     arr = ({"kind": "poisson", "rate": rate} if arrival == "poisson" else
            {"kind": "gamma", "rate": rate, "burstiness": 0.3} if arrival == "gamma" else
            {"kind": "constant", "rate": rate})
     wl = {"kind": "synthetic", "num_requests": n, "arrival": arr,
           "prompt_tokens": {"kind": "uniform", "low": 1, "high": prompt_hi},
           "output_tokens": {"kind": "uniform", "low": 1, "high": out_hi},
-          "classes": [{"name": "P0", "share": 1}, {"name": "P1", "share": 2},
+          "classes": [{"name": "P0", "share": 1, "system_prompt_tokens": sys_prompt},
+                      {"name": "P1", "share": 2, "system_prompt_tokens": sys_prompt},
                       {"name": "P2", "share": 1}]}
     network = dict(ZERO_NET) if net == "zero" else {
         "distance_km": 800, "tls": "1.2", "clients": 3, "pool_size": 2, "keepalive_s": 0.5,
@@ -62,7 +65,8 @@ def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, bloc
            "max_num_batched_tokens": budget, "chunk_size": chunk, "aging_s": aging,
            "kv": {"num_blocks": blocks, "allocation": alloc, "watermark": watermark,
                   "max_model_len": max_len, "preemption": preemption, "victim": victim,
-                  "swap_space_gb": swap_gb}}
+                  "swap_space_gb": swap_gb,
+                  "prefix_caching": caching and alloc == "paged"}}
     extra = {"max_sim_time_s": until} if until else {}
     sc = make_scenario(seed=seed, workload=wl, engine=eng, network=network,
                        cluster={"replicas": replicas, "router": router}, **extra)
@@ -85,7 +89,8 @@ def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, bloc
        prompt_hi=st.sampled_from([40, 300]), out_hi=st.sampled_from([2, 60, 200]),
        aging=st.sampled_from([0.05, 1.0, 30.0]),
        preemption=st.sampled_from(["recompute", "swap"]),
-       victim=st.sampled_from(["priority", "latest"]))
+       victim=st.sampled_from(["priority", "latest"]), caching=st.booleans(),
+       sys_prompt=st.sampled_from([0, 40, 100]))
 def test_fast_loop_is_the_simpy_model_bit_for_bit(**cfg):
     sc = _scenario(**cfg)
     ref = simulate(sc, loop="simpy")
@@ -124,8 +129,6 @@ def test_preemption_runs_on_the_fast_loop(victim, preemption):
 
 
 @pytest.mark.parametrize("over, why", [
-    ({"engine": {"policy": "chunked", "kv": {"num_blocks": 4000, "prefix_caching": True}}},
-     "prefix caching"),
     ({"stream": {"every_tokens": 4}}, "per-request stream models"),
     ({"cluster": {"replicas": 2, "router": "nearest_region"}}, "router 'nearest_region'"),
 ])
@@ -135,9 +138,8 @@ def test_what_the_fast_loop_does_not_model_runs_on_simpy(over, why):
 
 
 def test_fast_loop_asked_for_an_unsupported_run_says_why():
-    sc = make_scenario(engine={"policy": "chunked", "kv": {"num_blocks": 4000,
-                                                           "prefix_caching": True}})
-    with pytest.raises(Unsupported, match="prefix caching"):
+    sc = make_scenario(stream={"every_tokens": 4})
+    with pytest.raises(Unsupported, match="per-request stream models"):
         simulate(sc, loop="fast")
 
 
@@ -194,17 +196,35 @@ def test_workload_read_in_windows_gives_the_same_run(monkeypatch):
        out_hi=st.sampled_from([60, 200]), aging=st.sampled_from([0.05, 1.0]),
        victim=st.sampled_from(["priority", "latest"]),
        preemption=st.sampled_from(["recompute", "swap"]),
-       swap_gb=st.sampled_from([0.0, 0.01, 4.0]))
+       swap_gb=st.sampled_from([0.0, 0.01, 4.0]), caching=st.booleans(),
+       sys_prompt=st.sampled_from([0, 40]))
 def test_under_memory_pressure_the_fast_loop_preempts_as_simpy_does(
         n, seed, policy, replicas, router, watermark, blocks, max_seqs, budget, chunk, rate,
-        net, noise, out_hi, aging, victim, preemption, swap_gb):
+        net, noise, out_hi, aging, victim, preemption, swap_gb, caching, sys_prompt):
     """Caches a few prompts large, long outputs: most runs preempt (by recompute or
     swap; a full swap space recomputes), some many times over; each must be SimPy's
     run bit for bit."""
     sc = _scenario(n, seed, policy, replicas, router, "paged", None, watermark, blocks,
                    max_seqs, budget, chunk, "poisson", rate, net, noise, None, True, 120,
                    out_hi, aging=aging, victim=victim, preemption=preemption,
-                   swap_gb=swap_gb)
+                   swap_gb=swap_gb, caching=caching, sys_prompt=sys_prompt)
     res = simulate(sc)
     assert res.meta["loop"] == "fast"
+    assert_identical(simulate(sc, loop="simpy"), res)
+
+
+@pytest.mark.parametrize("policy", ["chunked", "fifo", "priority_aging"])
+@pytest.mark.parametrize("blocks", [600, 3000])
+def test_mooncake_prefix_hashes_give_the_same_run(policy, blocks):
+    """Real prefix sharing (the Mooncake slice's hash ids, ``tests/data``) on a small
+    cache (600 blocks: it evicts, preempts, and rejects the longest prompts) and a
+    larger one: hits, evictions and every timestamp are SimPy's."""
+    from conftest import REPO
+    wl = {"kind": "trace", "path": str(REPO / "tests" / "data" / "mooncake_conv_head30.jsonl"),
+          "speedup": 20.0}
+    sc = make_scenario(workload=wl, engine={
+        "policy": policy, "max_num_seqs": 16, "max_num_batched_tokens": 2048,
+        "kv": {"num_blocks": blocks, "prefix_caching": True}})
+    res = simulate(sc)
+    assert res.meta["loop"] == "fast" and res.meta["kv"]["hit_blocks"] > 0
     assert_identical(simulate(sc, loop="simpy"), res)
