@@ -12,7 +12,6 @@ This module imports ``simulator``; ``simulator`` never imports it.
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path

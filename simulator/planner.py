@@ -33,7 +33,7 @@ from .config import validate_scenario
 from .errors import LatsimError
 from .metrics import BREAKDOWN, PCTS
 from .executors import load_profile_for, make_executor
-from .sweep import Axis, describe, expand, point_scenario, policy_axis, resolve_key
+from .sweep import describe, expand, point_scenario, policy_axis, resolve_key
 
 REPLICAS = "cluster.replicas"
 COMPLETED = "completed"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Iterable
 
 import pandas as pd
 import yaml

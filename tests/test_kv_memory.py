@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_profile, make_scenario, make_scenario_dict, make_workload
+from conftest import make_scenario, make_scenario_dict
 from simulator.blockmanager import CountingKV, PrefixKV
 from simulator.config import validate_scenario
 from simulator.errors import LatsimError

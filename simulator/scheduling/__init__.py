@@ -6,7 +6,7 @@ from .queues import AgingPriorityQueue, FifoQueue
 __all__ = [
     "EMPTY_PLAN", "SchedulerState", "Seq", "StepPlan", "ChunkedPolicy", "FifoPolicy",
     "Limits", "PriorityAgingPolicy", "AgingPriorityQueue", "FifoQueue", "make_policy",
-    "POLICIES", "check_policy_name",
+    "POLICIES", "check_policy_name", "admission_cost",
 ]
 
 POLICIES = ("fifo", "chunked", "priority_aging")

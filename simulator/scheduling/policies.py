@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
-from .plan import EMPTY_PLAN, SchedulerState, Seq, StepPlan, admission_cost
+from .plan import EMPTY_PLAN, SchedulerState, StepPlan, admission_cost
 from .queues import AgingPriorityQueue, FifoQueue
 
 _rid = attrgetter("rid")

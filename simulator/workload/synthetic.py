@@ -8,7 +8,7 @@ request.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import numpy as np
 import pandas as pd
