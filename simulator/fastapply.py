@@ -247,6 +247,7 @@ class FastApply:
         recompute = False
         ft = self.ft
         paged, phase, bs = self.paged, self.phase, self.bs
+        counted = self.mgr is None
         for s in done:
             s.generated = s.output
             s.ver += 1
@@ -254,10 +255,11 @@ class FastApply:
             recompute |= s.key == self.key_max
             s.decoding = False
             if paged:
-                # Its context grew to prompt + output - 1 tokens (the last token is
-                # never fed back), a block at each boundary.
                 phase[s.phase] -= 1
-                s.held = max(s.held, -(-(s.prompt + s.output - 1) // bs))
+                if counted:
+                    # Its context grew to prompt + output - 1 tokens (the last token
+                    # is never fed back), a block at each boundary.
+                    s.held = max(s.held, -(-(s.prompt + s.output - 1) // bs))
             self._finish(s, t, t + ft)
         if recompute:
             self.key_max = max((s.key for s in self.decoding), default=0)

@@ -150,11 +150,33 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
 
     kv_args = replica_kv_args(scenario)
     keys_of = WorkloadKeys(workload, bs) if kv_args["kv_rules"].prefix_caching else None
+    if cost_model is not None:
+        if n_rep > 1:
+            raise ValueError("a given cost_model serves one replica only")
+        costs = [cost_model]
+    else:
+        # Each replica draws its own noise stream so adding replicas does not shift others.
+        costs = [build_cost_model(scenario.model.cost,
+                                  np.random.default_rng(rng_cost.integers(2**63)),
+                                  profile_search_dirs(base_dir), profile=profile)
+                 for _ in range(n_rep)]
+
+    def results(end: float, stats: list, loop_name: str) -> Results:
+        res = Results(
+            scenario=scenario, seed=seed, policy=pname, workload=workload, rec=rec,
+            kv_capacity_blocks=capacity, kv_capacity_tokens=capacity * bs,
+            cost_info=costs[0].describe(),
+            extrapolations=sum(c.extrapolations for c in costs),
+            cost_lookups=sum(c.lookups for c in costs),
+            connections={"new": pools.new_connections, "reused": pools.reused_connections},
+            sim_end=float(end),
+        )
+        res.meta["kv"] = kv_run_stats(stats, costs[0], rec, workload,
+                                      eng.chunk_size or eng.max_num_batched_tokens)
+        res.meta["loop"] = loop_name
+        return res
+
     if loop != "simpy":
-        costs = [cost_model] if cost_model is not None else [
-            build_cost_model(scenario.model.cost, np.random.default_rng(rng_cost.integers(2**63)),
-                             profile_search_dirs(base_dir), profile=profile)
-            for _ in range(n_rep)]
         why = unsupported_reason(pol, kv_args["kv_rules"], rich or topo is not None, mode,
                                  cost_model, stream.frame_time, costs,
                                  scenario.cluster.router)
@@ -182,35 +204,11 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                            profile=profile, mode=mode, cost_model=cost_model, loop="simpy")
             res.meta["loop"] = f"simpy ({e})"
             return res
-        res = Results(
-            scenario=scenario, seed=seed, policy=pname, workload=workload, rec=rec,
-            kv_capacity_blocks=capacity, kv_capacity_tokens=capacity * bs,
-            cost_info=costs[0].describe(),
-            extrapolations=sum(c.extrapolations for c in costs),
-            cost_lookups=sum(c.lookups for c in costs),
-            connections={"new": pools.new_connections, "reused": pools.reused_connections},
-            sim_end=float(end),
-        )
-        res.meta["kv"] = kv_run_stats([r.stats for r in fast.replicas], costs[0], rec,
-                                      workload, eng.chunk_size or eng.max_num_batched_tokens)
-        res.meta["loop"] = "fast"
-        return res
-    costs = []
-    replicas = []
-    for i in range(n_rep):
-        # Each replica draws its own noise stream so adding replicas does not shift others.
-        if cost_model is not None:
-            if n_rep > 1:
-                raise ValueError("a given cost_model serves one replica only")
-            cm = cost_model
-        else:
-            cm = build_cost_model(scenario.model.cost,
-                                  np.random.default_rng(rng_cost.integers(2**63)),
-                                  profile_search_dirs(base_dir), profile=profile)
-        costs.append(cm)
-        replicas.append(Replica(env, i, pol, cm, capacity, rec, stream.frame_time, stream.one_way,
-                                on_finish, series_interval=_series_interval(workload),
-                                mode="slow" if rich else mode, streams=rich, **kv_args))
+        return results(end, [r.stats for r in fast.replicas], "fast")
+    replicas = [Replica(env, i, pol, costs[i], capacity, rec, stream.frame_time, stream.one_way,
+                        on_finish, series_interval=_series_interval(workload),
+                        mode="slow" if rich else mode, streams=rich, **kv_args)
+                for i in range(n_rep)]
     router = make_router(scenario.cluster.router, n_rep, rng_router, topology=topo)
     if rich:
         wire = Wire(scenario, env, rec, replicas, router, pools, topo, net,
@@ -269,19 +267,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
 
     env.process(arrivals())
     env.run(until=scenario.max_sim_time_s)
-    kv_stats = kv_run_stats([r.kv.manager.stats for r in replicas], costs[0], rec, workload,
-                            eng.chunk_size or eng.max_num_batched_tokens)
-    res = Results(
-        scenario=scenario, seed=seed, policy=pname, workload=workload, rec=rec,
-        kv_capacity_blocks=capacity, kv_capacity_tokens=capacity * bs,
-        cost_info=costs[0].describe(),
-        extrapolations=sum(c.extrapolations for c in costs),
-        cost_lookups=sum(c.lookups for c in costs),
-        connections={"new": pools.new_connections, "reused": pools.reused_connections},
-        sim_end=float(env.now),
-    )
-    res.meta["kv"] = kv_stats
-    res.meta["loop"] = "simpy"
+    res = results(env.now, [r.kv.manager.stats for r in replicas], "simpy")
     if wire is not None:
         res.meta.update(wire.summary(float(env.now)))
     return res
