@@ -8,6 +8,7 @@ import heapq
 from typing import TYPE_CHECKING
 
 from .kvspace import select_victim
+from .replica_apply import ReplicaApply
 
 if TYPE_CHECKING:
     from .fastreplica import _Req
@@ -20,19 +21,9 @@ class Unsupported(Exception):
 class FastApply:
     """Mixin of ``FastReplica``: what a step's end changes."""
 
-    def _decode(self, t: float, m: int, first_end: float, later_gaps) -> None:
-        itl = self.rec.itl
-        nd = len(self.decoding)
-        for tl, c in self.last_tok.items():
-            if c:
-                itl.add(first_end - tl, c)
-        if later_gaps is not None:
-            itl.add_many(later_gaps, nd)
-        self.last_tok = {t: nd}
-        self.last_dec_end = t
-        self.ticks += m
-        self.kv_tokens += m * nd
-        self._outstanding -= m * nd
+    # Decode progress by the tick counter is the SimPy replica's own code: the same
+    # state names (``ticks``, ``_last_tok``, ``_last_dec_end``, ``kv_tokens``).
+    _decode = ReplicaApply._decode_fast
 
     def _prefill(self, chunks, t: float) -> None:
         rec = self.rec
@@ -81,7 +72,7 @@ class FastApply:
         self.key_sum += key
         if len(self.decoding) == 1 or key > self.key_max:
             self.key_max = key
-        self.last_tok[last_token_t] = self.last_tok.get(last_token_t, 0) + 1
+        self._last_tok[last_token_t] = self._last_tok.get(last_token_t, 0) + 1
         if self.paged:
             ph = (1 - key) % self.bs
             s.phase = ph
@@ -115,8 +106,8 @@ class FastApply:
             # ``_leave_fast``: what it generated so far, and when its last token left.
             ticks = self.ticks
             s.generated = s.output - (s.finish_tick - ticks)
-            tl = self.last_dec_end if ticks > s.join_tick else s.last_t
-            self.last_tok[tl] -= 1
+            tl = self._last_dec_end if ticks > s.join_tick else s.last_t
+            self._last_tok[tl] -= 1
             s.last_t = tl
             s.ver += 1
             self.key_sum -= s.key
@@ -243,7 +234,7 @@ class FastApply:
             return
         gone = set(map(id, done))
         self.decoding = [s for s in self.decoding if id(s) not in gone]
-        self.last_tok[t] -= len(done)
+        self._last_tok[t] -= len(done)
         recompute = False
         ft = self.ft
         paged, phase, bs = self.paged, self.phase, self.bs

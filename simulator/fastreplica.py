@@ -117,8 +117,8 @@ class FastReplica(FastApply):
         self.late = 0
         self.key_sum = 0
         self.key_max = 0
-        self.last_tok: dict[float, int] = {}
-        self.last_dec_end = -1.0
+        self._last_tok: dict[float, int] = {}
+        self._last_dec_end = -1.0
         self.series = rec.series[index]
         self.interval = series_interval
         self.last_sample = -float("inf")
