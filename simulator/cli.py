@@ -40,16 +40,18 @@ def run(
     policies: Optional[str] = typer.Option(None, "--policies",
                                            help="comma-separated policies to compare"),
     plots: bool = typer.Option(False, "--plots", help="also write PNG plots to --out"),
-    loop: str = typer.Option("auto", "--loop", help="auto: the SimPy-free loop where it "
-                             "applies (same results); simpy: always SimPy"),
+    loop: str = typer.Option("auto", "--loop", help="auto: the fastest loop that applies "
+                             "(compiled, then the SimPy-free one; same results); python: "
+                             "never the compiled one; compiled: insist on it; simpy: SimPy"),
 ) -> None:
     """Simulate a scenario and print P50/P90/P99 latencies and the E2E breakdown."""
     try:
-        if loop not in ("auto", "simpy"):
-            raise LatsimError("must be 'auto' or 'simpy'", source="--loop", value=loop,
-                              has_value=True)
+        if loop not in ("auto", "python", "compiled", "simpy"):
+            raise LatsimError("must be 'auto', 'python', 'compiled' or 'simpy'",
+                              source="--loop", value=loop, has_value=True)
         from .config import load_scenario
         from .costmodel import load_profile, profile_search_dirs, resolve_profile_path
+        from .fastloop import Unsupported
         from .report import print_run, run_outputs, series_table, write_run
         from .simulate import simulate
         from .workload import build_workload
@@ -74,7 +76,11 @@ def run(
                                                         profile_search_dirs(base)))
         outs, tables, series = {}, {}, {}
         for label, psc in runs:
-            res = simulate(psc, s, base_dir=base, workload=wl, profile=profile, loop=loop)
+            try:
+                res = simulate(psc, s, base_dir=base, workload=wl, profile=profile, loop=loop)
+            except Unsupported as e:
+                raise LatsimError(f"the {loop} loop cannot run this scenario: {e}",
+                                  source="--loop", value=loop, has_value=True) from None
             df, o = run_outputs(res)
             outs[label], tables[label] = o, df
             series[label] = series_table(res)

@@ -41,6 +41,7 @@ from .replica import Replica, SimSeq
 from .routers import make_router
 from .scheduling import make_policy
 from .stream import DisconnectDraws, StreamTiming, client_downlinks_bps
+from .compiled import Handback, kernel_reason, run_compiled, worth_compiling
 from .fastloop import FastLoop, Unsupported, unsupported_reason
 from .wire import Wire
 from .workload import Workload, build_workload
@@ -63,6 +64,11 @@ class Results:
     connections: dict
     sim_end: float
     meta: dict = field(default_factory=dict)
+
+
+# Event loops: ``auto`` (compiled, else fastloop, else SimPy), ``python`` (fastloop,
+# else SimPy), ``fast`` (fastloop only), ``compiled`` (compiled only), ``simpy``.
+LOOPS = ("auto", "python", "simpy", "fast", "compiled")
 
 
 def kv_capacity_blocks(scenario: Scenario) -> int:
@@ -104,8 +110,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     configurations ``fastloop`` covers with its event loop (the same model, identical
     results) and the rest with SimPy; ``simpy`` always uses SimPy; ``fast`` insists on
     the fast loop (``fastloop.Unsupported`` if it cannot)."""
-    if loop not in ("auto", "simpy", "fast"):
-        raise ValueError(f"unknown loop {loop!r}; known: auto, simpy, fast")
+    if loop not in LOOPS:
+        raise ValueError(f"unknown loop {loop!r}; known: {', '.join(LOOPS)}")
     seed = scenario.seed if seed is None else seed
     ss = np.random.SeedSequence(seed)
     rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
@@ -183,6 +189,32 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         try:
             if why is not None:
                 raise Unsupported(why)
+            if loop == "compiled" or (loop == "auto" and worth_compiling(n)):
+                kwhy = kernel_reason(pol, kv_args["kv_rules"], pools, costs,
+                                     scenario.cluster.router)
+                if kwhy is None:
+                    rec.arrival[:] = workload.arrival_s
+                    try:
+                        end, stats = run_compiled(
+                            rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
+                            capacity=capacity, rules=kv_args["kv_rules"], pools=pools, net=net,
+                            frame_time=stream.frame_time, one_way=stream.one_way,
+                            series_interval=_series_interval(workload),
+                            arrival=workload.arrival_s, prompt=workload.prompt_tokens,
+                            output=workload.output_tokens, clients=clients,
+                            until=scenario.max_sim_time_s, router=scenario.cluster.router)
+                    except Handback as e:
+                        if loop == "compiled":
+                            raise Unsupported(str(e)) from None
+                        # Rebuilt from the seed: the run is what the Python loops make of it.
+                        res = simulate(scenario, seed, base_dir=base_dir, policy=policy,
+                                       workload=workload, profile=profile, mode=mode,
+                                       cost_model=cost_model, loop="python")
+                        res.meta["loop"] += f" (the compiled loop handed back: {e})"
+                        return res
+                    return results(end, stats, "compiled")
+                if loop == "compiled":
+                    raise Unsupported(kwhy)
             fast = FastLoop(rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
                             capacity=capacity, rules=kv_args["kv_rules"],
                             swap=(kv_args["block_bytes"], kv_args["swap_blocks"],
@@ -197,7 +229,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
             rec.arrival[:] = workload.arrival_s
             end = fast.run()
         except Unsupported as e:
-            if loop == "fast":
+            if loop in ("fast", "compiled"):
                 raise
             # Everything is rebuilt from the seed: the SimPy run is what it would have been.
             res = simulate(scenario, seed, base_dir=base_dir, policy=policy, workload=workload,

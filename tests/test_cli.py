@@ -75,7 +75,7 @@ def test_simpy_loop_gives_the_same_requests_csv(tmp_path):
     assert [r["event_loop"] for r in runs] == ["fast", "simpy"]
     bad = latsim("run", "scenarios/quickstart.yaml", "--loop", "turbo")
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "latsim: error: --loop: must be 'auto' or 'simpy' (got 'turbo')")
+        "latsim: error: --loop: must be 'auto', 'python', 'compiled' or 'simpy' (got 'turbo')")
 
 
 def _bad(tmp_path, data):

@@ -1,4 +1,5 @@
-"""The SimPy-free loop (``simulator.fastloop``) is the SimPy model, bit for bit.
+"""The SimPy-free loop (``simulator.fastloop``) is the SimPy model, bit for bit
+(``loop="python"``: this file tests the Python loop; ``test_compiled`` the compiled one).
 
 Every recorded array, the ITL histogram, the time series, the step tallies, the
 cost-model tallies, the connection counts, the KV tallies and the end of the run
@@ -94,7 +95,7 @@ def _scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, bloc
 def test_fast_loop_is_the_simpy_model_bit_for_bit(**cfg):
     sc = _scenario(**cfg)
     ref = simulate(sc, loop="simpy")
-    res = simulate(sc)
+    res = simulate(sc, loop="python")
     assert ref.meta["loop"] == "simpy"
     assert res.meta["loop"] == "fast" or res.meta["loop"].startswith("simpy (")
     assert_identical(ref, res)
@@ -108,7 +109,7 @@ def test_fast_loop_runs_the_common_configurations():
             for alloc in ("paged", "contiguous"):
                 sc = _scenario(300, 3, policy, 2, router, alloc, None, 0.0, 20000, 16, 256,
                                None, "poisson", 20.0, "wan", False, None, True, 300, 60)
-                res = simulate(sc)
+                res = simulate(sc, loop="python")
                 assert res.meta["loop"] == "fast", (policy, router, alloc)
                 assert_identical(simulate(sc, loop="simpy"), res)
 
@@ -155,7 +156,7 @@ def test_memory_bound_runs_are_identical_whether_or_not_they_fall_back(seed):
     sc = _scenario(60, seed, "chunked", 1 + seed % 2, "least_outstanding", "paged", None,
                    0.05 * (seed % 3 == 0), 60 + 12 * seed, 16, 128, None, "poisson", 30.0,
                    "zero", seed % 2 == 0, None, True, 120, 150)
-    res = simulate(sc)
+    res = simulate(sc, loop="python")
     assert res.meta["loop"] == "fast"
     assert (res.rec.preemptions.sum() > 0) == (seed < 6)
     assert_identical(simulate(sc, loop="simpy"), res)
@@ -167,7 +168,7 @@ def test_watermark_bound_arrivals_do_not_cut_epochs(seed):
     must not end an epoch (the SimPy replica does not interrupt for them)."""
     sc = _scenario(80, seed, "chunked", 1, "round_robin", "paged", None, 0.3, 200, 16, 128,
                    None, "poisson", 20.0, "zero", False, None, True, 300, 100)
-    res = simulate(sc)
+    res = simulate(sc, loop="python")
     assert res.meta["loop"] == "fast"
     assert_identical(simulate(sc, loop="simpy"), res)
 
@@ -180,7 +181,7 @@ def test_workload_read_in_windows_gives_the_same_run(monkeypatch):
                    16, 128, None, "gamma", 40.0, "wan", True, None, True, 300, 60)
     ref = simulate(sc, loop="simpy")
     monkeypatch.setattr(fastloop, "_WINDOW", 7)
-    res = simulate(sc)
+    res = simulate(sc, loop="python")
     assert res.meta["loop"] == "fast"
     assert_identical(ref, res)
 
@@ -208,7 +209,7 @@ def test_under_memory_pressure_the_fast_loop_preempts_as_simpy_does(
                    max_seqs, budget, chunk, "poisson", rate, net, noise, None, True, 120,
                    out_hi, aging=aging, victim=victim, preemption=preemption,
                    swap_gb=swap_gb, caching=caching, sys_prompt=sys_prompt)
-    res = simulate(sc)
+    res = simulate(sc, loop="python")
     assert res.meta["loop"] == "fast"
     assert_identical(simulate(sc, loop="simpy"), res)
 
@@ -225,6 +226,6 @@ def test_mooncake_prefix_hashes_give_the_same_run(policy, blocks):
     sc = make_scenario(workload=wl, engine={
         "policy": policy, "max_num_seqs": 16, "max_num_batched_tokens": 2048,
         "kv": {"num_blocks": blocks, "prefix_caching": True}})
-    res = simulate(sc)
+    res = simulate(sc, loop="python")
     assert res.meta["loop"] == "fast" and res.meta["kv"]["hit_blocks"] > 0
     assert_identical(simulate(sc, loop="simpy"), res)

@@ -1,0 +1,192 @@
+"""The compiled loop (``simulator.compiled``) is the SimPy model, bit for bit.
+
+Every recorded array, the ITL histogram (sums over the same flushes), the time
+series, the step, cost-model, connection and KV tallies and the end of the run must
+be *identical* to ``loop="simpy"`` on random configurations of what it compiles:
+fifo and chunked prefill, several replicas, round-robin and least-outstanding
+routing, paged and contiguous memory, watermarks, tight limits, ties in time,
+keep-alive pools and a clock stop. Runs that need a preemption are handed back, and
+only those. Its cost lookups are checked against ``ProfileCostModel`` directly,
+including ``np.interp``'s own formula for long epochs.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+
+from conftest import REPO, make_profile, make_scenario  # noqa: E402
+from test_fastloop import _scenario, assert_identical  # noqa: E402
+from simulator import compiled  # noqa: E402
+from simulator.costmodel.profile import ProfileCostModel, load_profile  # noqa: E402
+from simulator.fastloop import Unsupported  # noqa: E402
+from simulator.recorder import ItlHistogram  # noqa: E402
+from simulator.simulate import simulate  # noqa: E402
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(n=st.integers(1, 150), seed=st.integers(0, 10_000),
+       policy=st.sampled_from(["chunked", "fifo"]), replicas=st.integers(1, 3),
+       router=st.sampled_from(["round_robin", "least_outstanding"]),
+       alloc=st.sampled_from(["paged", "contiguous"]), max_len=st.sampled_from([None, 400]),
+       watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([40, 200, 4000]),
+       max_seqs=st.sampled_from([1, 4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
+       chunk=st.sampled_from([None, 16, 100]),
+       arrival=st.sampled_from(["poisson", "gamma", "constant"]),
+       rate=st.sampled_from([2.0, 40.0, 400.0]), net=st.sampled_from(["zero", "wan"]),
+       until=st.sampled_from([None, 0.7, 5.0]), reuse=st.booleans(),
+       prompt_hi=st.sampled_from([40, 300]), out_hi=st.sampled_from([2, 60, 200]),
+       flush=st.sampled_from([3, 64, ItlHistogram.FLUSH]), series_cap=st.sampled_from([2, 4096]))
+def test_compiled_loop_is_the_simpy_model_bit_for_bit(flush, series_cap, **cfg):
+    """Tiny ITL and time-series buffers exercise every hand-over to Python (the ITL sum
+    is formed per flush, so SimPy's histogram flushes as often)."""
+    sc = _scenario(noise=False, **cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ItlHistogram, "FLUSH", flush)
+        mp.setattr(compiled, "SERIES_CAP", series_cap)
+        ref = simulate(sc, loop="simpy")
+        try:
+            res = simulate(sc, loop="compiled")
+        except Unsupported as e:
+            # Handed back only when the model needs what the compiled loop leaves out.
+            assert str(e) == "a preemption" and ref.rec.preemptions.sum() > 0
+            return
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+
+
+def test_compiled_loop_runs_the_common_configurations():
+    """Not vacuous: with room to spare every policy, router and allocation compiles."""
+    for policy, router, alloc in itertools.product(("chunked", "fifo"),
+                                                   ("round_robin", "least_outstanding"),
+                                                   ("paged", "contiguous")):
+        sc = _scenario(300, 3, policy, 2, router, alloc, None, 0.0, 20000, 16, 256, None,
+                       "poisson", 20.0, "wan", False, None, True, 300, 60)
+        res = simulate(sc, loop="compiled")
+        assert res.meta["loop"] == "compiled", (policy, router, alloc)
+        assert_identical(simulate(sc, loop="simpy"), res)
+
+
+def test_a_run_that_preempts_is_handed_back_and_rerun_from_the_seed():
+    sc = _scenario(60, 2, "chunked", 1, "least_outstanding", "paged", None, 0.0, 84, 16, 128,
+                   None, "poisson", 30.0, "zero", False, None, True, 120, 150)
+    simulate(make_scenario(), loop="compiled")       # loaded: ``auto`` now compiles
+    res = simulate(sc)
+    assert res.meta["loop"] == "fast (the compiled loop handed back: a preemption)"
+    assert res.rec.preemptions.sum() > 0
+    assert_identical(simulate(sc, loop="simpy"), res)
+
+
+@pytest.mark.parametrize("over, why", [
+    ({"engine": {"policy": "priority_aging", "kv": {"num_blocks": 4096}}},
+     "policy 'priority_aging'"),
+    ({"engine": {"policy": "chunked", "kv": {"num_blocks": 4096, "prefix_caching": True}}},
+     "prefix caching"),
+    ({"cluster": {"replicas": 2, "router": "random"}}, "router 'random'"),
+])
+def test_what_the_compiled_loop_leaves_out_runs_on_the_python_loop(over, why):
+    sc = make_scenario(**over)
+    with pytest.raises(Unsupported, match=why):
+        simulate(sc, loop="compiled")
+    simulate(make_scenario(), loop="compiled")
+    assert simulate(sc).meta["loop"] == "fast"
+
+
+def test_cost_noise_runs_on_the_python_loop():
+    sc = make_scenario()
+    sc.model.cost.noise = True
+    with pytest.raises(Unsupported, match="cost noise"):
+        simulate(sc, loop="compiled")
+
+
+def test_without_numba_auto_uses_the_python_loop(monkeypatch):
+    real = compiled.importlib.util.find_spec
+    monkeypatch.setattr(compiled.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "numba" else real(name, *a))
+    sc = make_scenario(workload={"kind": "synthetic", "num_requests": 20_000,
+                                 "arrival": {"kind": "poisson", "rate": 5.0},
+                                 "prompt_tokens": {"kind": "constant", "value": 20},
+                                 "output_tokens": {"kind": "constant", "value": 2}})
+    with pytest.raises(Unsupported, match=r"numba is not installed \(pip install latsim\[fast\]\)"):
+        simulate(sc, loop="compiled")
+    assert simulate(sc).meta["loop"] == "fast"
+
+
+def test_auto_compiles_large_runs_or_once_loaded():
+    assert compiled.worth_compiling(compiled.COMPILE_MIN_REQUESTS)
+    simulate(make_scenario(), loop="compiled")
+    assert compiled.worth_compiling(1)
+    assert simulate(make_scenario()).meta["loop"] == "compiled"
+
+
+def _cost_models():
+    for p in sorted((REPO / "profiles").glob("*.json")):
+        yield ProfileCostModel(load_profile(p))
+    yield ProfileCostModel(make_profile(
+        prefill=((16, 0, 2.0), (256, 0, 9.0), (256, 1024, 12.0), (64, 2048, 6.0)),
+        decode=((1, 64, 1.5), (8, 64, 2.5), (8, 1024, 4.0), (32, 512, 6.0)),
+        mixed=((8, 512, 128, 0, 10.0),), padded=True), scale=1.3)
+
+
+@pytest.mark.parametrize("cm", list(_cost_models()), ids=lambda c: c.profile["meta"].get(
+    "source", "synthetic")[:20])
+def test_compiled_cost_lookups_are_the_cost_model(cm):
+    """Step times, long and short decode epochs (numpy's interpolation formula), and
+    the lookup and extrapolation counts, below, inside and above the measured range."""
+    from simulator.compiled.cost import decode_ends, pack_cost, step_time
+    rng = np.random.default_rng(7)
+    max_batch = 300
+    CF, PT, DT, ET, G, YB, SL, BEY = pack_cost(cm, max_batch)
+    CL = np.zeros(2, dtype=np.int64)
+    chp = np.zeros(8, dtype=np.int64)
+    chf = np.zeros(8, dtype=np.bool_)
+    chn = np.zeros(8, dtype=np.int64)
+    for _ in range(400):
+        nd = int(rng.integers(0, max_batch + 1))
+        ctx_max = int(rng.integers(1, 40_000))
+        ctx_sum = nd * int(rng.integers(1, ctx_max + 1))
+        nch = int(rng.integers(0 if nd else 1, 5))
+        parts = []
+        for i in range(nch):
+            chn[i], chp[i] = int(rng.integers(1, 9000)), int(rng.integers(0, 30_000))
+            chf[i] = bool(rng.integers(2))
+            parts.append((int(chn[i]), int(chp[i]), bool(chf[i])))
+        before = (cm.lookups, cm.extrapolations)
+        want = cm.step_time(nd, ctx_max, ctx_sum, parts)
+        CL[:] = 0
+        got = step_time(CF, PT, DT, ET, CL, nd, ctx_max, ctx_sum, chn, chp, chf, nch)
+        assert got == want
+        assert (CL[0], CL[1]) == (cm.lookups - before[0], cm.extrapolations - before[1])
+        if nd == 0:
+            continue
+        k = int(rng.choice([2, 31, 32, 33, 500, 4096]))
+        ctx0 = float(rng.integers(1, 40_000)) if cm.padded else ctx_sum / nd
+        now = float(rng.uniform(0, 1000))
+        before = (cm.lookups, cm.extrapolations)
+        want = list(itertools.accumulate(cm.decode_times(nd, ctx0, k), initial=now))[1:]
+        ends = np.zeros(k)
+        CL[:] = 0
+        decode_ends(CF, G, YB, SL, BEY, CL, nd, ctx0, k, now, ends)
+        assert ends.tolist() == want
+        assert (CL[0], CL[1]) == (cm.lookups - before[0], cm.extrapolations - before[1])
+
+
+def test_cli_compiled_loop_gives_the_same_requests_csv(tmp_path):
+    from test_cli import latsim
+    a = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "a",
+               "--set", "workload.num_requests=300", "--loop", "compiled")
+    b = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "b",
+               "--set", "workload.num_requests=300", "--loop", "python")
+    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+    assert "(compiled)" in a.stdout and "(fast)" in b.stdout
+    assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
+    bad = latsim("run", "scenarios/quickstart.yaml", "--loop", "compiled",
+                 "--set", "engine.policy=priority_aging")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "latsim: error: --loop: the compiled loop cannot run this scenario: "
+        "policy 'priority_aging' (got 'compiled')")
