@@ -139,8 +139,8 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, p
     RF[:, S.F_LASTSAMPLE] = -np.inf
     RQ = np.zeros((n, S.Q_NCOLS), dtype=np.int64)
     RQ[:, S.Q_NEXT] = -1
-    RQ[:, S.Q_REPLICA] = -1
-    TS = np.full((S.T_NROWS, n), np.nan)
+    # The kernel writes the recorder's arrays in place (``state.RECORDED``).
+    TS = tuple(getattr(rec, name) for name in S.RECORDED)
     width = max_seqs + 2
     DEC = np.zeros((R, width), dtype=np.int64)
     PRE = np.zeros((R, width), dtype=np.int64)
@@ -194,14 +194,6 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, p
     itl._g = array("d", ITL_G[:k].tobytes())
     itl._w = array("q", ITL_W[:k].tobytes())
     drain_series()
-    for name, row in (("enqueued", S.T_ENQ), ("scheduled", S.T_SCHED),
-                      ("first_token", S.T_FIRST), ("first_delivered", S.T_FIRSTDEL),
-                      ("last_token", S.T_LAST), ("last_delivered", S.T_LASTDEL)):
-        getattr(rec, name)[:] = TS[row]
-    rec.generated[:] = RQ[:, S.Q_RGEN]
-    rec.replica[:] = RQ[:, S.Q_REPLICA]
-    rec.rejected[:] = RQ[:, S.Q_REJ] != 0
-    rec.new_connection[:] = RQ[:, S.Q_NEWC] != 0
     rec.steps += int(GI[S.G_STEPS])
     rec.step_time_total += float(GF[S.H_STEPTOT])
     pools.new_connections += int(GI[S.G_NEWC])

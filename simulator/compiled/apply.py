@@ -23,7 +23,6 @@ from .state import (
     Q_PHASE,
     Q_POOLED,
     Q_PREFILLED,
-    Q_RGEN,
     R_FREE,
     R_GROWN,
     R_KEYMAX,
@@ -40,6 +39,7 @@ from .state import (
     R_WLEN,
     T_FIRST,
     T_FIRSTDEL,
+    T_GEN,
     T_LAST,
     T_LASTDEL,
 )
@@ -48,10 +48,10 @@ from .state import (
 @njit(cache=True)
 def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN):
     """``FastApply._finish``."""
-    TS[T_LAST, rid] = t
+    TS[T_LAST][rid] = t
     arrived = depart + FP[D_ONEWAY]
-    TS[T_LASTDEL, rid] = arrived
-    RQ[rid, Q_RGEN] = RQ[rid, Q_GENERATED]
+    TS[T_LASTDEL][rid] = arrived
+    TS[T_GEN][rid] = RQ[rid, Q_GENERATED]
     RS[r, R_FREE] += RQ[rid, Q_HELD]
     RQ[rid, Q_HELD] = 0
     RS[r, R_KV] -= prompt[rid] + RQ[rid, Q_GENERATED]
@@ -120,8 +120,8 @@ def prefill(r, t, FH, RS, RQ, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT_T, LT_C,
             PRE[r, q] = PRE[r, q + 1]
         RS[r, R_NP] = npre - 1
         RQ[rid, Q_GENERATED] += 1
-        TS[T_FIRST, rid] = t
-        TS[T_FIRSTDEL, rid] = t + ft + FP[D_ONEWAY]
+        TS[T_FIRST][rid] = t
+        TS[T_FIRSTDEL][rid] = t + ft + FP[D_ONEWAY]
         if RQ[rid, Q_GENERATED] >= output[rid]:
             RS[r, R_KV] += tokens
             RS[r, R_OUT] -= tokens

@@ -53,10 +53,7 @@ from .state import (
     P_R,
     P_ROUTER,
     P_SERCAP,
-    Q_NEWC,
     Q_POOLED,
-    Q_REJ,
-    Q_REPLICA,
     R_EPM,
     R_HASENDS,
     R_IDLE,
@@ -73,6 +70,9 @@ from .state import (
     R_WAKE,
     ROUTER_RR,
     T_ENQ,
+    T_NEWC,
+    T_REJ,
+    T_REPLICA,
     URGENT,
     Y_DONE,
     Y_ITL,
@@ -81,7 +81,8 @@ from .state import (
 
 
 @njit(cache=True)
-def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, arrival, clients, send, IDL, ILEN, OPEN):
+def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
+             OPEN):
     """``FastLoop._arrivals``: send every request whose time has come."""
     n = arrival.shape[0]
     rid = GI[G_NEXT]
@@ -94,7 +95,7 @@ def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, arrival, clients, send, IDL
             return
         resumed = False
         is_new, pooled = acquire(clients[rid], now, IP, FP, GI, IDL, ILEN, OPEN)
-        RQ[rid, Q_NEWC] = is_new
+        TS[T_NEWC][rid] = is_new
         RQ[rid, Q_POOLED] = pooled
         t_net = send[rid] + (FP[D_HANDSHAKE] if is_new else 0.0)
         push(heap, GI, now + t_net, NORMAL, EV_DELIVER, rid, 0)
@@ -105,9 +106,9 @@ def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, arrival, clients, send, IDL
 @njit(cache=True)
 def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, prompt, output, clients, IDL, ILEN):
     """``FastLoop._deliver``: reject, or route and enqueue."""
-    TS[T_ENQ, rid] = now
+    TS[T_ENQ][rid] = now
     if rejects(rid, IP, prompt, output):
-        RQ[rid, Q_REJ] = 1
+        TS[T_REJ][rid] = True
         release(clients[rid], now + FP[D_ONEWAY], RQ[rid, Q_POOLED] != 0, IP, IDL, ILEN)
         return
     R = IP[P_R]
@@ -122,7 +123,7 @@ def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, prompt, output, client
             v = outstanding(i, now, RS, ENDS)
             if v < best:
                 k, best = i, v
-    RQ[rid, Q_REPLICA] = k
+    TS[T_REPLICA][rid] = k
     enqueue(k, rid, now, heap, GI, RS, RQ, IP, prompt, output)
 
 
@@ -216,7 +217,7 @@ def run(arrival, prompt, output, clients, send, IP, FP, GI, GF, RS, RF, RQ, TS, 
             deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, prompt, output, clients,
                     IDL, ILEN)
         elif kind == EV_ARRIVE:
-            arrivals(t, resumed, heap, GI, GF, IP, FP, RQ, arrival, clients, send, IDL, ILEN,
+            arrivals(t, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
                      OPEN)
             resumed = True
         elif kind == EV_WAKE:

@@ -295,7 +295,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF,
             RS[r, R_QUERIED] += tokens
             RS[r, R_WHEAD] = RQ[rid, Q_NEXT]
             RS[r, R_WLEN] -= 1
-            TS[T_SCHED, rid] = now
+            TS[T_SCHED][rid] = now
             PRE[r, RS[r, R_NP]] = rid
             RS[r, R_NP] += 1
     if nd == 0 and nch == 0:

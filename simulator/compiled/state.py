@@ -7,9 +7,12 @@ from __future__ import annotations
 
 # Per request.
 (Q_PREFILLED, Q_GENERATED, Q_KEY, Q_PHASE, Q_HELD, Q_POOLED, Q_NEXT, Q_DPOS,
- Q_RGEN, Q_REPLICA, Q_REJ, Q_NEWC, Q_NCOLS) = range(13)
-# Per request, the recorded timestamps (``TS[T_*, rid]``).
-T_ENQ, T_SCHED, T_FIRST, T_FIRSTDEL, T_LAST, T_LASTDEL, T_NROWS = range(7)
+ Q_NCOLS) = range(9)
+# What is recorded per request: the ``Recorder``'s own arrays (``TS[T_*][rid]``).
+(T_ENQ, T_SCHED, T_FIRST, T_FIRSTDEL, T_LAST, T_LASTDEL, T_GEN, T_REPLICA, T_REJ,
+ T_NEWC) = range(10)
+RECORDED = ("enqueued", "scheduled", "first_token", "first_delivered", "last_token",
+            "last_delivered", "generated", "replica", "rejected", "new_connection")
 
 # Per replica, integers.
 (R_TICKS, R_GROWN, R_LATE, R_KEYSUM, R_KEYMAX, R_FREE, R_KV, R_OUT, R_IDLE, R_WAKE,
