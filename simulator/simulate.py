@@ -106,10 +106,11 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     traffic without rebuilding it). ``mode`` selects the replica's bookkeeping
     (``auto``, ``step``, ``slow``; see ``replica``) - for tests, results do not depend on it.
     ``cost_model``: an object to use instead of building one from ``model.cost`` (one
-    replica only; e.g. ``real_engine.validate.ReplayCost``). ``loop``: ``auto`` runs the
-    configurations ``fastloop`` covers with its event loop (the same model, identical
-    results) and the rest with SimPy; ``simpy`` always uses SimPy; ``fast`` insists on
-    the fast loop (``fastloop.Unsupported`` if it cannot)."""
+    replica only; e.g. ``real_engine.validate.ReplayCost``). ``loop`` (results do not depend on it):
+    ``auto`` runs a configuration the compiled loop covers on it (``compiled``, when
+    ``compiled.worth_compiling``), else one ``fastloop`` covers on that, else SimPy;
+    ``python`` never compiles; ``simpy`` always uses SimPy; ``fast`` and ``compiled``
+    insist on theirs (``fastloop.Unsupported`` if they cannot, or on a hand-back)."""
     if loop not in LOOPS:
         raise ValueError(f"unknown loop {loop!r}; known: {', '.join(LOOPS)}")
     seed = scenario.seed if seed is None else seed
