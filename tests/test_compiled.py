@@ -190,3 +190,14 @@ def test_cli_compiled_loop_gives_the_same_requests_csv(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "latsim: error: --loop: the compiled loop cannot run this scenario: "
         "policy 'priority_aging' (got 'compiled')")
+
+
+def test_a_larger_run_samples_on_an_interval_and_runs_long_epochs():
+    """Over 5,000 requests the time series is sampled on an interval, and long outputs
+    make epochs of more than 32 steps (numpy's formula in ``decode_times``)."""
+    sc = _scenario(6000, 11, "chunked", 2, "least_outstanding", "paged", None, 0.0, 4000, 32,
+                   512, None, "poisson", 30.0, "wan", False, None, True, 300, 400)
+    res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert 0 < len(res.rec.series[0][0]) < res.rec.steps / 2
+    assert_identical(simulate(sc, loop="simpy"), res)
