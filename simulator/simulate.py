@@ -192,7 +192,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                 raise Unsupported(why)
             if loop == "compiled" or (loop == "auto" and worth_compiling(n)):
                 kwhy = kernel_reason(pol, kv_args["kv_rules"], pools, costs,
-                                     scenario.cluster.router)
+                                     scenario.cluster.router, workload.priority)
                 if kwhy is None:
                     rec.arrival[:] = workload.arrival_s
                     try:
@@ -202,7 +202,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                             frame_time=stream.frame_time, one_way=stream.one_way,
                             series_interval=_series_interval(workload),
                             arrival=workload.arrival_s, prompt=workload.prompt_tokens,
-                            output=workload.output_tokens, clients=clients,
+                            output=workload.output_tokens, priority=workload.priority,
+                            clients=clients,
                             until=scenario.max_sim_time_s, router=scenario.cluster.router)
                     except Handback as e:
                         if loop == "compiled":

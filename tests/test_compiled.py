@@ -3,8 +3,8 @@
 Every recorded array, the ITL histogram (sums over the same flushes), the time
 series, the step, cost-model, connection and KV tallies and the end of the run must
 be *identical* to ``loop="simpy"`` on random configurations of what it compiles:
-fifo and chunked prefill, several replicas, round-robin and least-outstanding
-routing, paged and contiguous memory, watermarks, tight limits, ties in time,
+fifo, chunked prefill and priority classes with aging, several replicas, round-robin
+and least-outstanding routing, paged and contiguous memory, watermarks, tight limits, ties in time,
 keep-alive pools and a clock stop. Runs that need a preemption are handed back, and
 only those. Its cost lookups are checked against ``ProfileCostModel`` directly,
 including ``np.interp``'s own formula for long epochs.
@@ -31,7 +31,8 @@ from simulator.simulate import simulate  # noqa: E402
 
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(n=st.integers(1, 150), seed=st.integers(0, 10_000),
-       policy=st.sampled_from(["chunked", "fifo"]), replicas=st.integers(1, 3),
+       policy=st.sampled_from(["chunked", "fifo", "priority_aging"]),
+       replicas=st.integers(1, 3), aging=st.sampled_from([0.05, 1.0, 30.0]),
        router=st.sampled_from(["round_robin", "least_outstanding"]),
        alloc=st.sampled_from(["paged", "contiguous"]), max_len=st.sampled_from([None, 400]),
        watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([40, 200, 4000]),
@@ -62,7 +63,7 @@ def test_compiled_loop_is_the_simpy_model_bit_for_bit(flush, series_cap, **cfg):
 
 def test_compiled_loop_runs_the_common_configurations():
     """Not vacuous: with room to spare every policy, router and allocation compiles."""
-    for policy, router, alloc in itertools.product(("chunked", "fifo"),
+    for policy, router, alloc in itertools.product(("chunked", "fifo", "priority_aging"),
                                                    ("round_robin", "least_outstanding"),
                                                    ("paged", "contiguous")):
         sc = _scenario(300, 3, policy, 2, router, alloc, None, 0.0, 20000, 16, 256, None,
@@ -83,8 +84,6 @@ def test_a_run_that_preempts_is_handed_back_and_rerun_from_the_seed():
 
 
 @pytest.mark.parametrize("over, why", [
-    ({"engine": {"policy": "priority_aging", "kv": {"num_blocks": 4096}}},
-     "policy 'priority_aging'"),
     ({"engine": {"policy": "chunked", "kv": {"num_blocks": 4096, "prefix_caching": True}}},
      "prefix caching"),
     ({"cluster": {"replicas": 2, "router": "random"}}, "router 'random'"),
@@ -186,10 +185,10 @@ def test_cli_compiled_loop_gives_the_same_requests_csv(tmp_path):
     assert "(compiled)" in a.stdout and "(fast)" in b.stdout
     assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
     bad = latsim("run", "scenarios/quickstart.yaml", "--loop", "compiled",
-                 "--set", "engine.policy=priority_aging")
+                 "--set", "engine.kv.prefix_caching=true")
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "latsim: error: --loop: the compiled loop cannot run this scenario: "
-        "policy 'priority_aging' (got 'compiled')")
+        "prefix caching (got 'compiled')")
 
 
 def test_a_larger_run_samples_on_an_interval_and_runs_long_epochs():

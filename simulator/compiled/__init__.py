@@ -1,10 +1,11 @@
 """The fast loop, compiled with numba (the optional ``fast`` extra).
 
 ``fastloop`` replays the SimPy model without SimPy; this package is the same replay
-compiled to machine code, for the configurations large runs use: fifo or chunked
-prefill, paged or contiguous memory with watermarks, round-robin or least-outstanding
-routing, keep-alive pools, a measured profile without noise, and a clock stop. It
-runs ``benchmarks/sim_speed.py`` an order of magnitude faster than ``fastloop``.
+compiled to machine code, for the configurations large runs use: the three built-in
+policies (fifo, chunked prefill, priority classes with aging), paged or contiguous
+memory with watermarks, round-robin or least-outstanding routing, keep-alive pools, a
+measured profile without noise, and a clock stop. It runs ``benchmarks/sim_speed.py``
+an order of magnitude faster than ``fastloop``.
 
 It is not an approximation either: every decision and formula is ``fastreplica``'s /
 ``fastapply``'s, events are processed in SimPy's order, the floating-point operations
@@ -12,11 +13,11 @@ are the same in the same order, and the ITL histogram is fed the same entries wi
 the same flushes. ``tests/test_compiled.py`` checks the results against the SimPy
 model bit for bit on random configurations.
 
-What it does not cover is decided before the run (``kernel_reason``): priority with
-aging, prefix caching, the random router, cost noise, or numba not installed; those
-run on ``fastloop``. A run that needs a preemption (growth finds too few free
-blocks), or that hits an empty plan, is handed back mid-run (``Handback``) and
-``simulate`` runs it again, from the seed, on ``fastloop``.
+What it does not cover is decided before the run (``kernel_reason``): prefix caching,
+the random router, cost noise, or numba not installed; those run on ``fastloop``. A
+run that needs a preemption (growth finds too few free blocks), or that hits an empty
+plan, is handed back mid-run (``Handback``) and ``simulate`` runs it again, from the
+seed, on ``fastloop``.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..blockmanager import KVStats
 from ..costmodel.profile import ProfileCostModel
 from ..network import ConnectionPools
 from ..replica import MAX_EPOCH_STEPS
-from ..scheduling.policies import ChunkedPolicy, FifoPolicy
+from ..scheduling.policies import ChunkedPolicy, FifoPolicy, PriorityAgingPolicy
 
 __all__ = ["Handback", "kernel_reason", "run_compiled", "worth_compiling"]
 
@@ -43,6 +44,7 @@ class Handback(Exception):
 # ``auto`` compiles (once per machine: numba caches the machine code on disk, which
 # takes ~45 s on a 2-core box) only for runs the Python loop would take seconds on.
 COMPILE_MIN_REQUESTS = 10_000
+MAX_CLASSES = 1024          # priority values the compiled aging queue takes (0..1023)
 SERIES_CAP = 4096           # time-series samples buffered per replica between hand-overs
 
 
@@ -56,12 +58,12 @@ def worth_compiling(n_requests: int) -> bool:
     return loop is not None and bool(loop.run.signatures)
 
 
-def kernel_reason(policy, rules, pools, costs, router: str) -> Optional[str]:
+def kernel_reason(policy, rules, pools, costs, router: str, priority=None) -> Optional[str]:
     """Why the compiled loop cannot run this configuration (None if it can); asked
     after ``fastloop.unsupported_reason`` found the fast loop can."""
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed (pip install latsim[fast])"
-    if type(policy) not in (ChunkedPolicy, FifoPolicy):
+    if type(policy) not in (ChunkedPolicy, FifoPolicy, PriorityAgingPolicy):
         return f"policy {policy.name!r}"
     if rules.prefix_caching and rules.allocation == "paged":
         return "prefix caching"
@@ -69,6 +71,10 @@ def kernel_reason(policy, rules, pools, costs, router: str) -> Optional[str]:
         return f"router {router!r}"
     if type(pools) is not ConnectionPools:
         return "HTTP/2 connections"
+    if type(policy) is PriorityAgingPolicy and priority is not None and len(priority):
+        lo, hi = int(np.min(priority)), int(np.max(priority))
+        if lo < 0 or hi >= MAX_CLASSES:
+            return f"priority classes outside 0..{MAX_CLASSES - 1}"
     for c in costs:
         if type(c) is not ProfileCostModel:
             return "a cost model other than a profile"
@@ -79,7 +85,7 @@ def kernel_reason(policy, rules, pools, costs, router: str) -> Optional[str]:
 
 def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, pools, net,
                  frame_time: float, one_way: float, series_interval: float, arrival, prompt,
-                 output, clients, until: Optional[float],
+                 output, priority, clients, until: Optional[float],
                  router: str) -> tuple[float, list]:
     """Run the model compiled; fills ``rec``, the pools' and cost models' tallies.
     Returns (end of the run, each replica's ``KVStats``); raises ``Handback``."""
@@ -112,6 +118,8 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, p
     IP[S.P_FLUSH] = flush
     series_cap = SERIES_CAP
     IP[S.P_SERCAP] = series_cap
+    aging = type(policy) is PriorityAgingPolicy
+    IP[S.P_AGING] = aging
     FP = np.zeros(S.D_NCOLS)
     FP[S.D_HANDSHAKE] = net.handshake
     FP[S.D_ONEWAY] = one_way
@@ -119,11 +127,22 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, p
     FP[S.D_INTERVAL] = series_interval
     FP[S.D_UNTIL] = float(until) if until is not None else 0.0
     FP[S.D_KEEPALIVE] = pools.keepalive
+    FP[S.D_AGING] = policy.aging_s if aging else 1.0
 
     arrival = np.ascontiguousarray(arrival, dtype=np.float64)
     prompt = np.ascontiguousarray(prompt, dtype=np.int64)
     output = np.ascontiguousarray(output, dtype=np.int64)
     clients = np.ascontiguousarray(clients, dtype=np.int64)
+    prio = np.ascontiguousarray(priority, dtype=np.int64)
+    # The queue class of each request: its priority with aging, else one FIFO.
+    cls = prio if aging else np.zeros(n, dtype=np.int64)
+    n_cls = int(prio.max()) + 1 if aging and n else 1
+    WQ = (np.full((R, n_cls), -1, dtype=np.int64),      # W_HEAD
+          np.full((R, n_cls), -2, dtype=np.int64),      # W_TAIL (-2: class never seen)
+          np.zeros((R, n_cls), dtype=np.int64),         # W_LEN
+          np.zeros((R, n_cls), dtype=np.int64),         # W_ORDER
+          np.zeros(n_cls, dtype=np.int64),              # W_CUR
+          np.zeros(max_seqs + 2, dtype=np.int64))       # W_ADM
     # ``NetworkTiming.send_time`` of each request, by the method itself (once per length).
     lengths, inverse = np.unique(prompt, return_inverse=True)
     send = np.array([net.send_time(int(p)) for p in lengths], dtype=np.float64)[inverse]
@@ -172,9 +191,9 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, p
             RS[r, S.R_NSER] = 0
 
     status = S.Y_DONE
-    for status in run(arrival, prompt, output, clients, send, IP, FP, GI, GF, RS, RF, RQ, TS,
-                      DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER, IDL, ILEN,
-                      OPEN, ITL_G, ITL_W, CF, PT, DT, ET, G, YB, SL, BEY, CL):
+    for status in run(arrival, prompt, output, clients, prio, cls, send, IP, FP, GI, GF, RS, RF,
+                      RQ, TS, WQ, DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER,
+                      IDL, ILEN, OPEN, ITL_G, ITL_W, CF, PT, DT, ET, G, YB, SL, BEY, CL):
         if status == S.Y_ITL:
             k = int(GI[S.G_ITL])
             itl._g = array("d", ITL_G[:k].tobytes())

@@ -104,7 +104,8 @@ def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send,
 
 
 @njit(cache=True)
-def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, prompt, output, clients, IDL, ILEN):
+def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, prompt, output, clients, IDL,
+            ILEN):
     """``FastLoop._deliver``: reject, or route and enqueue."""
     TS[T_ENQ][rid] = now
     if rejects(rid, IP, prompt, output):
@@ -124,12 +125,12 @@ def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, prompt, output, client
             if v < best:
                 k, best = i, v
     TS[T_REPLICA][rid] = k
-    enqueue(k, rid, now, heap, GI, RS, RQ, IP, prompt, output)
+    enqueue(k, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output)
 
 
 @njit(cache=True)
-def run(arrival, prompt, output, clients, send, IP, FP, GI, GF, RS, RF, RQ, TS, DEC, PRE,
-        CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER, IDL, ILEN, OPEN, ITL_G, ITL_W,
+def run(arrival, prompt, output, clients, prio, cls, send, IP, FP, GI, GF, RS, RF, RQ, TS, WQ,
+        DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER, IDL, ILEN, OPEN, ITL_G, ITL_W,
         CF, PT, DT, ET, G, YB, SL, BEY, CL):
     """The run, to the end or the clock stop (see module doc for what it yields)."""
     R = IP[P_R]
@@ -208,13 +209,14 @@ def run(arrival, prompt, output, clients, send, IP, FP, GI, GF, RS, RF, RQ, TS, 
                 sample(r, t, RS, RF, IP, SER)
                 if RS[r, R_NSER] >= sercap:
                     yield Y_SERIES
-            status = plan(r, t, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF,
-                          PHASE, ENDS, TS, prompt, output, CF, PT, DT, ET, G, YB, SL, BEY, CL)
+            status = plan(r, t, heap, FH, GI, GF, RS, RF, RQ, IP, FP, WQ, cls, prio, DEC, PRE, CHR,
+                          CHN, CHP, CHF, PHASE, ENDS, TS, prompt, output, CF, PT, DT, ET, G, YB,
+                          SL, BEY, CL)
             if status:
                 yield status
                 return
         elif kind == EV_DELIVER:
-            deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, prompt, output, clients,
+            deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, prompt, output, clients,
                     IDL, ILEN)
         elif kind == EV_ARRIVE:
             arrivals(t, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
@@ -224,8 +226,9 @@ def run(arrival, prompt, output, clients, send, IP, FP, GI, GF, RS, RF, RQ, TS, 
             r = obj
             RS[r, R_IDLE] = 0
             RS[r, R_WAKE] = 0
-            status = plan(r, t, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF,
-                          PHASE, ENDS, TS, prompt, output, CF, PT, DT, ET, G, YB, SL, BEY, CL)
+            status = plan(r, t, heap, FH, GI, GF, RS, RF, RQ, IP, FP, WQ, cls, prio, DEC, PRE, CHR,
+                          CHN, CHP, CHF, PHASE, ENDS, TS, prompt, output, CF, PT, DT, ET, G, YB,
+                          SL, BEY, CL)
             if status:
                 yield status
                 return

@@ -1,10 +1,10 @@
 """One replica's operations, compiled: ``fastreplica.FastReplica`` and
 ``fastapply.FastApply`` on arrays (state layout in ``state``), for the configurations
-``compiled`` runs (no prefix cache, no priority queue, no preemption: a growth that
+``compiled`` runs (no prefix cache, no preemption: a growth that
 finds too few free blocks makes ``plan`` return ``Y_PREEMPT`` and the run is handed
 back). Each function names the method it is; the comments there say why.
 
-Orders that matter are kept: the waiting queue (a linked list through ``Q_NEXT``),
+Orders that matter are kept: the waiting queues (per class, linked through ``Q_NEXT``),
 the prefilling list (``PRE``, shifted on removal), the finish heap ``(tick, rid)`` and
 the ``_last_tok`` entries (``LT_T``/``LT_C`` in insertion order). The decoders
 (``DEC``) are a set: without preemption nothing reads their order."""
@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 from numba import njit
 
 from .cost import bisect_left, bisect_right, decode_ends, step_time
 from .state import (
+    D_AGING,
     D_KEEPALIVE,
     EV_END,
     EV_INTERRUPT,
@@ -41,6 +43,7 @@ from .state import (
     P_POOLSIZE,
     P_REUSE,
     P_WATERMARK,
+    P_AGING,
     Q_HELD,
     Q_NEXT,
     Q_PREFILLED,
@@ -66,11 +69,17 @@ from .state import (
     R_TICKS,
     R_VER,
     R_WAKE,
-    R_WHEAD,
+    R_NCLS,
     R_WLEN,
-    R_WTAIL,
+    T_ENQ,
     T_SCHED,
     URGENT,
+    W_ADM,
+    W_CUR,
+    W_HEAD,
+    W_LEN,
+    W_ORDER,
+    W_TAIL,
 )
 
 
@@ -156,24 +165,32 @@ def outstanding(r, now, RS, ENDS):
 
 
 @njit(cache=True)
-def enqueue(r, rid, now, heap, GI, RS, RQ, IP, prompt, output):
-    """``FastReplica.enqueue``."""
+def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
+    """``FastReplica.enqueue`` (``AgingPriorityQueue.push``: a class new to this replica
+    goes last in its class order)."""
     was_empty = RS[r, R_WLEN] == 0
+    c = cls[rid]
+    head, tail, length, order = WQ[W_HEAD], WQ[W_TAIL], WQ[W_LEN], WQ[W_ORDER]
     RQ[rid, Q_NEXT] = -1
-    if was_empty:
-        RS[r, R_WHEAD] = rid
+    if length[r, c] == 0:
+        if tail[r, c] == -2:
+            order[r, RS[r, R_NCLS]] = c
+            RS[r, R_NCLS] += 1
+        head[r, c] = rid
     else:
-        RQ[RS[r, R_WTAIL], Q_NEXT] = rid
-    RS[r, R_WTAIL] = rid
+        RQ[tail[r, c], Q_NEXT] = rid
+    tail[r, c] = rid
+    length[r, c] += 1
     RS[r, R_WLEN] += 1
     RS[r, R_OUT] += prompt[rid] + output[rid]
     if RS[r, R_IDLE]:
         if not RS[r, R_WAKE]:
             RS[r, R_WAKE] = 1
             push(heap, GI, now, NORMAL, EV_WAKE, r, 0)
-    elif RS[r, R_INEP] and (
+    elif RS[r, R_INEP] and (IP[P_AGING] or (
             was_empty and RS[r, R_ND] + RS[r, R_NP] < IP[P_MAXSEQS]
-            and adm_blocks(rid, IP, prompt, output)[1] <= RS[r, R_FREE] - IP[P_WATERMARK]):
+            and adm_blocks(rid, IP, prompt, output)[1] <= RS[r, R_FREE] - IP[P_WATERMARK])):
+        # With aging the queue's order changes with time alone: any arrival ends it.
         RS[r, R_INEP] = 0
         push(heap, GI, now, URGENT, EV_INTERRUPT, r, 0)
 
@@ -191,8 +208,35 @@ def interrupted(r, now, heap, GI, RS, ENDS):
 
 
 @njit(cache=True)
-def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS,
-         TS, prompt, output, CF, PT, DT, ET, G, YB, SL, BEY, CL):
+def _candidate(r, now, RS, RQ, FP, WQ, TS, prio, aging):
+    """``AgingPriorityQueue.candidates``' next one: the class whose next request has the
+    lowest (priority - floor(wait / aging_s), enqueued), ties to the earlier class in
+    the order; -1 when none is left. Without aging: the one queue's next."""
+    order, cur = WQ[W_ORDER], WQ[W_CUR]
+    if not aging:
+        return 0 if cur[0] >= 0 else -1
+    best = -1
+    best_k = 0.0
+    best_e = 0.0
+    a = FP[D_AGING]
+    for i in range(RS[r, R_NCLS]):
+        c = order[r, i]
+        rid = cur[c]
+        if rid < 0:
+            continue
+        e = TS[T_ENQ][rid]
+        wait = now - e
+        if not wait > 0.0:
+            wait = 0.0
+        k = prio[rid] - np.floor(wait / a)
+        if best < 0 or k < best_k or (k == best_k and e < best_e):
+            best, best_k, best_e = c, k, e
+    return best
+
+
+@njit(cache=True)
+def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, IP, FP, WQ, cls, prio, DEC, PRE, CHR, CHN, CHP,
+         CHF, PHASE, ENDS, TS, prompt, output, CF, PT, DT, ET, G, YB, SL, BEY, CL):
     """``FastReplica.iterate``: growth, the plan, admissions, then an epoch or a step.
     Returns 0, or ``Y_PREEMPT``/``Y_EMPTY`` (3/4) when the run must be handed back."""
     nd0 = RS[r, R_ND]
@@ -218,6 +262,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF,
     maxseqs = IP[P_MAXSEQS]
     nch = 0
     nadm = 0
+    adm = WQ[W_ADM]
     if IP[P_FIFO]:
         nd = 0
         used = 0
@@ -231,7 +276,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF,
             nch += 1
             used += n
         running = nd0 + npre
-        rid = RS[r, R_WHEAD] if RS[r, R_WLEN] else -1
+        rid = WQ[W_HEAD][r, 0] if RS[r, R_WLEN] else -1
         while rid >= 0:
             if running >= maxseqs:
                 break
@@ -241,6 +286,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF,
                 break
             CHR[r, nch] = rid
             CHN[r, nch] = n
+            adm[nadm] = rid
             nch += 1
             nadm += 1
             used += n
@@ -266,8 +312,16 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF,
             left -= n
         if left > 0 and RS[r, R_WLEN]:
             running = nd + npre
-            rid = RS[r, R_WHEAD]
-            while rid >= 0:
+            aging = IP[P_AGING] != 0
+            cur = WQ[W_CUR]
+            for i in range(RS[r, R_NCLS] if aging else 1):
+                c = WQ[W_ORDER][r, i] if aging else 0
+                cur[c] = WQ[W_HEAD][r, c] if WQ[W_LEN][r, c] else -1
+            while True:
+                c = _candidate(r, now, RS, RQ, FP, WQ, TS, prio, aging)
+                if c < 0:
+                    break
+                rid = cur[c]
                 if left <= 0 or running >= maxseqs:
                     break
                 need = adm_blocks(rid, IP, prompt, output)[1]
@@ -278,29 +332,34 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, IP, DEC, PRE, CHR, CHN, CHP, CHF,
                 n = n if n < left else left
                 CHR[r, nch] = rid
                 CHN[r, nch] = n
+                adm[nadm] = rid
                 nch += 1
                 nadm += 1
                 left -= n
                 running += 1
                 free -= need
-                rid = RQ[rid, Q_NEXT]
+                cur[c] = RQ[rid, Q_NEXT]
     if nadm:
-        # ``_admit``: the admissions are the queue's head, in order.
-        for _ in range(nadm):
-            rid = RS[r, R_WHEAD]
+        # ``_admit``: each admission is its class's head when it leaves (a class's
+        # candidates come in its FIFO order).
+        for i in range(nadm):
+            rid = adm[i]
+            c = cls[rid]
+            WQ[W_HEAD][r, c] = RQ[rid, Q_NEXT]
+            WQ[W_LEN][r, c] -= 1
             tokens, need = adm_blocks(rid, IP, prompt, output)
             RS[r, R_FREE] -= need
             RQ[rid, Q_HELD] = need
             RS[r, R_ADMISSIONS] += 1
             RS[r, R_QUERIED] += tokens
-            RS[r, R_WHEAD] = RQ[rid, Q_NEXT]
             RS[r, R_WLEN] -= 1
             TS[T_SCHED][rid] = now
             PRE[r, RS[r, R_NP]] = rid
             RS[r, R_NP] += 1
     if nd == 0 and nch == 0:
         return 4
-    if nd and nch == 0:
+    if nd and nch == 0 and not (IP[P_AGING] and RS[r, R_WLEN]):
+        # Aging reorders the queue as time passes: epochs only while nobody waits.
         fh = FH[r]
         k = (fh[0] >> 32) - ticks
         if k > IP[P_MAXEPOCH]:

@@ -16,7 +16,7 @@ RECORDED = ("enqueued", "scheduled", "first_token", "first_delivered", "last_tok
 
 # Per replica, integers.
 (R_TICKS, R_GROWN, R_LATE, R_KEYSUM, R_KEYMAX, R_FREE, R_KV, R_OUT, R_IDLE, R_WAKE,
- R_VER, R_INEP, R_MODE, R_EPND, R_EPK, R_EPM, R_HASENDS, R_WHEAD, R_WTAIL, R_WLEN,
+ R_VER, R_INEP, R_MODE, R_EPND, R_EPK, R_EPM, R_HASENDS, R_NCLS, R_UNUSED, R_WLEN,
  R_ND, R_NP, R_NCH, R_STEPND, R_NLT, R_ADMISSIONS, R_QUERIED, R_NSER,
  R_NCOLS) = range(29)
 MODE_NONE, MODE_STEP, MODE_EPOCH = 0, 1, 2
@@ -31,11 +31,17 @@ H_STEPTOT, H_T, H_NOW, H_NCOLS = range(4)
 # Integer parameters.
 (P_R, P_BUDGET, P_MAXSEQS, P_CHUNK, P_FIFO, P_CAPACITY, P_WATERMARK, P_PAGED, P_BS,
  P_MAXLEN, P_ROUTER, P_REUSE, P_POOLSIZE, P_HASUNTIL, P_MAXEPOCH, P_FLUSH, P_SERCAP,
- P_NCOLS) = range(18)
+ P_AGING, P_NCOLS) = range(19)
 ROUTER_RR, ROUTER_LEAST = 0, 1
 
 # Float parameters.
-D_HANDSHAKE, D_ONEWAY, D_FT, D_INTERVAL, D_UNTIL, D_KEEPALIVE, D_NCOLS = range(7)
+D_HANDSHAKE, D_ONEWAY, D_FT, D_INTERVAL, D_UNTIL, D_KEEPALIVE, D_AGING, D_NCOLS = range(8)
+
+# The waiting queues (``WQ[W_*]``): per replica and class a FIFO linked through
+# ``Q_NEXT`` (head, tail, length), the classes in the order each replica first saw them
+# (``AgingPriorityQueue``'s dict order; ``R_NCLS`` of them), and scratch rows: each
+# class's next candidate and the step's admissions. Without aging there is one class.
+W_HEAD, W_TAIL, W_LEN, W_ORDER, W_CUR, W_ADM = range(6)
 
 # Events (as ``fastreplica``: kinds, SimPy's priorities) and what the loop yields.
 URGENT, NORMAL = 0, 1
