@@ -199,6 +199,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                         end, stats = run_compiled(
                             rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
                             capacity=capacity, rules=kv_args["kv_rules"], pools=pools, net=net,
+                            swap=(kv_args["block_bytes"], kv_args["swap_blocks"],
+                                  kv_args["swap_bps"]),
                             frame_time=stream.frame_time, one_way=stream.one_way,
                             series_interval=_series_interval(workload),
                             arrival=workload.arrival_s, prompt=workload.prompt_tokens,

@@ -4,10 +4,10 @@ Every recorded array, the ITL histogram (sums over the same flushes), the time
 series, the step, cost-model, connection and KV tallies and the end of the run must
 be *identical* to ``loop="simpy"`` on random configurations of what it compiles:
 fifo, chunked prefill and priority classes with aging, several replicas, round-robin
-and least-outstanding routing, paged and contiguous memory, watermarks, tight limits, ties in time,
-keep-alive pools and a clock stop. Runs that need a preemption are handed back, and
-only those. Its cost lookups are checked against ``ProfileCostModel`` directly,
-including ``np.interp``'s own formula for long epochs.
+and least-outstanding routing, paged and contiguous memory, watermarks, tight limits,
+ties in time, keep-alive pools, a clock stop, and memory pressure (preemption by
+recompute and by swap, both victim rules). Its cost lookups are checked against
+``ProfileCostModel`` directly, including ``np.interp``'s own formula for long epochs.
 """
 from __future__ import annotations
 
@@ -51,12 +51,37 @@ def test_compiled_loop_is_the_simpy_model_bit_for_bit(flush, series_cap, **cfg):
         mp.setattr(ItlHistogram, "FLUSH", flush)
         mp.setattr(compiled, "SERIES_CAP", series_cap)
         ref = simulate(sc, loop="simpy")
-        try:
-            res = simulate(sc, loop="compiled")
-        except Unsupported as e:
-            # Handed back only when the model needs what the compiled loop leaves out.
-            assert str(e) == "a preemption" and ref.rec.preemptions.sum() > 0
-            return
+        res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(n=st.integers(5, 90), seed=st.integers(0, 10_000),
+       policy=st.sampled_from(["chunked", "fifo", "priority_aging"]), replicas=st.integers(1, 2),
+       router=st.sampled_from(["round_robin", "least_outstanding"]),
+       watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([24, 40, 64]),
+       max_seqs=st.sampled_from([4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
+       chunk=st.sampled_from([None, 16]), rate=st.sampled_from([30.0, 400.0]),
+       net=st.sampled_from(["zero", "wan"]), out_hi=st.sampled_from([60, 200]),
+       aging=st.sampled_from([0.05, 1.0]), victim=st.sampled_from(["priority", "latest"]),
+       preemption=st.sampled_from(["recompute", "swap"]),
+       swap_gb=st.sampled_from([0.0, 0.01, 4.0]), flush=st.sampled_from([3, 1 << 16]))
+def test_under_memory_pressure_the_compiled_loop_preempts_as_simpy_does(flush, **cfg):
+    """Few blocks, long outputs: most runs preempt (by recompute or swap; a full swap
+    space recomputes), some many times over; each must be SimPy's run bit for bit."""
+    n, seed, policy, replicas, router = (cfg.pop(k) for k in
+                                         ("n", "seed", "policy", "replicas", "router"))
+    watermark, blocks, max_seqs, budget, chunk, rate, net, out_hi = (
+        cfg.pop(k) for k in ("watermark", "blocks", "max_seqs", "budget", "chunk", "rate",
+                             "net", "out_hi"))
+    sc = _scenario(n, seed, policy, replicas, router, "paged", None, watermark, blocks,
+                   max_seqs, budget, chunk, "poisson", rate, net, False, None, True, 120,
+                   out_hi, **cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ItlHistogram, "FLUSH", flush)
+        ref = simulate(sc, loop="simpy")
+        res = simulate(sc, loop="compiled")
     assert res.meta["loop"] == "compiled"
     assert_identical(ref, res)
 
@@ -73,13 +98,18 @@ def test_compiled_loop_runs_the_common_configurations():
         assert_identical(simulate(sc, loop="simpy"), res)
 
 
-def test_a_run_that_preempts_is_handed_back_and_rerun_from_the_seed():
-    sc = _scenario(60, 2, "chunked", 1, "least_outstanding", "paged", None, 0.0, 84, 16, 128,
-                   None, "poisson", 30.0, "zero", False, None, True, 120, 150)
-    simulate(make_scenario(), loop="compiled")       # loaded: ``auto`` now compiles
-    res = simulate(sc)
-    assert res.meta["loop"] == "fast (the compiled loop handed back: a preemption)"
-    assert res.rec.preemptions.sum() > 0
+@pytest.mark.parametrize("victim", ["priority", "latest"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_runs_compiled(victim, preemption):
+    sc = _scenario(80, 1, "chunked", 1, "round_robin", "paged", None, 0.0, 40, 64, 512,
+                   None, "poisson", 400.0, "zero", False, None, True, 300, 200,
+                   victim=victim, preemption=preemption)
+    res = simulate(sc, loop="compiled")
+    assert res.rec.preemptions.sum() > 0 and res.rec.preempted_s.sum() > 0
+    if preemption == "swap":
+        assert res.rec.swapped_bytes.sum() > 0 and res.meta["kv"]["swap_copy_s"] > 0
+    else:
+        assert res.rec.recomputed_tokens.sum() > 0
     assert_identical(simulate(sc, loop="simpy"), res)
 
 

@@ -3,9 +3,10 @@
 ``fastloop`` replays the SimPy model without SimPy; this package is the same replay
 compiled to machine code, for the configurations large runs use: the three built-in
 policies (fifo, chunked prefill, priority classes with aging), paged or contiguous
-memory with watermarks, round-robin or least-outstanding routing, keep-alive pools, a
-measured profile without noise, and a clock stop. It runs ``benchmarks/sim_speed.py``
-an order of magnitude faster than ``fastloop``.
+memory with watermarks and preemption (by recompute or swap, either victim rule),
+round-robin or least-outstanding routing, keep-alive pools, a measured profile
+without noise, and a clock stop. It runs ``benchmarks/sim_speed.py`` an order of
+magnitude faster than ``fastloop``.
 
 It is not an approximation either: every decision and formula is ``fastreplica``'s /
 ``fastapply``'s, events are processed in SimPy's order, the floating-point operations
@@ -15,9 +16,8 @@ model bit for bit on random configurations.
 
 What it does not cover is decided before the run (``kernel_reason``): prefix caching,
 the random router, cost noise, or numba not installed; those run on ``fastloop``. A
-run that needs a preemption (growth finds too few free blocks), or that hits an empty
-plan, is handed back mid-run (``Handback``) and ``simulate`` runs it again, from the
-seed, on ``fastloop``.
+run that hits an empty plan (an error the SimPy model reports) is handed back mid-run
+(``Handback``) and ``simulate`` runs it again, from the seed, on ``fastloop``.
 """
 from __future__ import annotations
 
@@ -83,11 +83,12 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None) -> Op
     return None
 
 
-def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, pools, net,
-                 frame_time: float, one_way: float, series_interval: float, arrival, prompt,
-                 output, priority, clients, until: Optional[float],
+def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, swap: tuple,
+                 pools, net, frame_time: float, one_way: float, series_interval: float,
+                 arrival, prompt, output, priority, clients, until: Optional[float],
                  router: str) -> tuple[float, list]:
     """Run the model compiled; fills ``rec``, the pools' and cost models' tallies.
+    ``swap``: bytes per block, CPU swap space (blocks), copy bandwidth (bytes/s).
     Returns (end of the run, each replica's ``KVStats``); raises ``Handback``."""
     from . import state as S
     from .cost import pack_cost
@@ -98,44 +99,44 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, p
     max_seqs = lim.max_num_seqs
     n = len(arrival)
     bs = rules.block_size
-    IP = np.zeros(S.P_NCOLS, dtype=np.int64)
-    IP[S.P_R] = R
-    IP[S.P_BUDGET] = lim.max_num_batched_tokens
-    IP[S.P_MAXSEQS] = max_seqs
-    IP[S.P_CHUNK] = getattr(policy, "chunk_size", 0) or 0
-    IP[S.P_FIFO] = type(policy) is FifoPolicy
-    IP[S.P_CAPACITY] = capacity
-    IP[S.P_WATERMARK] = int(rules.watermark * capacity)
-    IP[S.P_PAGED] = rules.allocation == "paged"
-    IP[S.P_BS] = bs
-    IP[S.P_MAXLEN] = -1 if rules.max_model_len is None else rules.max_model_len
-    IP[S.P_ROUTER] = S.ROUTER_RR if router == "round_robin" else S.ROUTER_LEAST
-    IP[S.P_REUSE] = bool(pools.reuse)
-    IP[S.P_POOLSIZE] = pools.size
-    IP[S.P_HASUNTIL] = until is not None
-    IP[S.P_MAXEPOCH] = MAX_EPOCH_STEPS
-    flush = rec.itl.FLUSH
-    IP[S.P_FLUSH] = flush
-    series_cap = SERIES_CAP
-    IP[S.P_SERCAP] = series_cap
     aging = type(policy) is PriorityAgingPolicy
-    IP[S.P_AGING] = aging
+    flush = rec.itl.FLUSH
+    series_cap = SERIES_CAP
+    IP = np.zeros(S.P_NCOLS, dtype=np.int64)
+    for col, v in ((S.P_R, R), (S.P_BUDGET, lim.max_num_batched_tokens),
+                   (S.P_MAXSEQS, max_seqs), (S.P_CHUNK, getattr(policy, "chunk_size", 0) or 0),
+                   (S.P_FIFO, type(policy) is FifoPolicy), (S.P_CAPACITY, capacity),
+                   (S.P_WATERMARK, int(rules.watermark * capacity)),
+                   (S.P_PAGED, rules.allocation == "paged"), (S.P_BS, bs),
+                   (S.P_MAXLEN, -1 if rules.max_model_len is None else rules.max_model_len),
+                   (S.P_ROUTER, S.ROUTER_RR if router == "round_robin" else S.ROUTER_LEAST),
+                   (S.P_REUSE, bool(pools.reuse)), (S.P_POOLSIZE, pools.size),
+                   (S.P_HASUNTIL, until is not None), (S.P_MAXEPOCH, MAX_EPOCH_STEPS),
+                   (S.P_FLUSH, flush), (S.P_SERCAP, series_cap), (S.P_AGING, aging),
+                   (S.P_SWAP, rules.preemption == "swap"),
+                   (S.P_VICTIM, S.VICTIM_PRIORITY if rules.victim == "priority"
+                    else S.VICTIM_LATEST),
+                   (S.P_CPUBLOCKS, swap[1])):
+        IP[col] = v
     FP = np.zeros(S.D_NCOLS)
-    FP[S.D_HANDSHAKE] = net.handshake
-    FP[S.D_ONEWAY] = one_way
-    FP[S.D_FT] = frame_time
-    FP[S.D_INTERVAL] = series_interval
-    FP[S.D_UNTIL] = float(until) if until is not None else 0.0
-    FP[S.D_KEEPALIVE] = pools.keepalive
-    FP[S.D_AGING] = policy.aging_s if aging else 1.0
+    for col, v in ((S.D_HANDSHAKE, net.handshake), (S.D_ONEWAY, one_way),
+                   (S.D_FT, frame_time), (S.D_INTERVAL, series_interval),
+                   (S.D_UNTIL, float(until) if until is not None else 0.0),
+                   (S.D_KEEPALIVE, pools.keepalive),
+                   (S.D_AGING, policy.aging_s if aging else 1.0),
+                   (S.D_BLOCKBYTES, swap[0]), (S.D_SWAPBPS, swap[2])):
+        FP[col] = v
 
-    arrival = np.ascontiguousarray(arrival, dtype=np.float64)
     prompt = np.ascontiguousarray(prompt, dtype=np.int64)
-    output = np.ascontiguousarray(output, dtype=np.int64)
-    clients = np.ascontiguousarray(clients, dtype=np.int64)
     prio = np.ascontiguousarray(priority, dtype=np.int64)
+    # ``NetworkTiming.send_time`` of each request, by the method itself (once per length).
+    lengths, inverse = np.unique(prompt, return_inverse=True)
+    send = np.array([net.send_time(int(p)) for p in lengths], dtype=np.float64)[inverse]
     # The queue class of each request: its priority with aging, else one FIFO.
     cls = prio if aging else np.zeros(n, dtype=np.int64)
+    W = (np.ascontiguousarray(arrival, dtype=np.float64), prompt,
+         np.ascontiguousarray(output, dtype=np.int64),
+         np.ascontiguousarray(clients, dtype=np.int64), prio, cls, send)
     n_cls = int(prio.max()) + 1 if aging and n else 1
     WQ = (np.full((R, n_cls), -1, dtype=np.int64),      # W_HEAD
           np.full((R, n_cls), -2, dtype=np.int64),      # W_TAIL (-2: class never seen)
@@ -143,9 +144,6 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, p
           np.zeros((R, n_cls), dtype=np.int64),         # W_ORDER
           np.zeros(n_cls, dtype=np.int64),              # W_CUR
           np.zeros(max_seqs + 2, dtype=np.int64))       # W_ADM
-    # ``NetworkTiming.send_time`` of each request, by the method itself (once per length).
-    lengths, inverse = np.unique(prompt, return_inverse=True)
-    send = np.array([net.send_time(int(p)) for p in lengths], dtype=np.float64)[inverse]
 
     GI = np.zeros(S.G_NCOLS, dtype=np.int64)
     GI[S.G_RR] = -1
@@ -158,65 +156,84 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, p
     RF[:, S.F_LASTSAMPLE] = -np.inf
     RQ = np.zeros((n, S.Q_NCOLS), dtype=np.int64)
     RQ[:, S.Q_NEXT] = -1
+    RQ[:, S.Q_PLEN] = prompt
+    RQ[:, S.Q_LATE] = -1
+    RQ[:, S.Q_FKEY] = -1
+    RQF = np.zeros((n, S.QF_NCOLS))
+    RQF[:, S.QF_PREEMPTED_AT] = np.nan          # never preempted
     # The kernel writes the recorder's arrays in place (``state.RECORDED``).
     TS = tuple(getattr(rec, name) for name in S.RECORDED)
     width = max_seqs + 2
-    DEC = np.zeros((R, width), dtype=np.int64)
-    PRE = np.zeros((R, width), dtype=np.int64)
-    CHR = np.zeros((R, width), dtype=np.int64)
-    CHN = np.zeros((R, width), dtype=np.int64)
-    CHP = np.zeros(width, dtype=np.int64)
-    CHF = np.zeros(width, dtype=np.bool_)
-    PHASE = np.zeros((R, bs), dtype=np.int64)
-    ENDS = np.zeros((R, MAX_EPOCH_STEPS))
-    LT_T = np.zeros((R, width))
-    LT_C = np.zeros((R, width), dtype=np.int64)
-    SER = np.zeros((R, 6, series_cap))
+    BUF = (np.zeros((R, width), dtype=np.int64),        # DEC: the decoders (a set)
+           np.zeros((R, width), dtype=np.int64),        # PRE: prefilling, in order
+           np.zeros((R, width), dtype=np.int64),        # CHR: the step's chunks: request,
+           np.zeros((R, width), dtype=np.int64),        # CHN: tokens,
+           np.zeros(width, dtype=np.int64),             # CHP: prior tokens (scratch),
+           np.zeros(width, dtype=np.bool_),             # CHF: completes its prefill
+           np.zeros((R, bs), dtype=np.int64),           # PHASE: decoders by growth phase
+           np.zeros((R, MAX_EPOCH_STEPS)),              # ENDS: the epoch's step ends
+           np.zeros((R, width)),                        # LT_T, LT_C: ``_last_tok``
+           np.zeros((R, width), dtype=np.int64),
+           np.zeros((R, 6, series_cap)))                # SER: time-series buffer
     n_clients = len(pools._open)
-    IDL = np.zeros((n_clients, max(pools.size, 1)))
-    ILEN = np.zeros(n_clients, dtype=np.int64)
-    OPEN = np.zeros(n_clients, dtype=np.int64)
-    ITL_G = np.zeros(flush + MAX_EPOCH_STEPS + 1)
-    ITL_W = np.zeros(flush + MAX_EPOCH_STEPS + 1, dtype=np.int64)
-    CF, PT, DT, ET, G, YB, SL, BEY = pack_cost(costs[0], max_seqs)
-    CL = np.zeros((R, 2), dtype=np.int64)
+    POOL = (np.zeros((n_clients, max(pools.size, 1))),   # idle since, per pooled connection
+            np.zeros(n_clients, dtype=np.int64),         # idle connections
+            np.zeros(n_clients, dtype=np.int64))         # open (pooled) connections
+    # ITL entries of one event: gaps since each group's last token (up to a batch), an
+    # epoch's gaps, and recomputed prefills' gaps; plus what waits for a flush.
+    cap = flush + MAX_EPOCH_STEPS + 2 * width + 16
+    ITL = (np.zeros(cap), np.zeros(cap, dtype=np.int64), np.zeros(2 * width + 16, dtype=np.int64))
+    COST = pack_cost(costs[0], max_seqs) + (np.zeros((R, 2), dtype=np.int64),)
 
     itl = rec.itl
 
+    def drain_itl(final: bool) -> None:
+        # Each flush the histogram would have made, over the same entries; the rest
+        # stays buffered (at the end: in the histogram's buffer, as it would be).
+        g, w, marks = ITL
+        start = 0
+        for end in marks[:int(GI[S.G_NFL])].tolist():
+            itl._g = array("d", g[start:end].tobytes())
+            itl._w = array("q", w[start:end].tobytes())
+            itl._flush()
+            start = end
+        k = int(GI[S.G_ITL]) - start
+        if final:
+            itl._g = array("d", g[start:start + k].tobytes())
+            itl._w = array("q", w[start:start + k].tobytes())
+            return
+        g[:k] = g[start:start + k].copy()
+        w[:k] = w[start:start + k].copy()
+        GI[S.G_ITL] = k
+        GI[S.G_ITLSEG] = 0
+        GI[S.G_NFL] = 0
+
     def drain_series() -> None:
+        ser = BUF[-1]
         for r in range(R):
             k = int(RS[r, S.R_NSER])
             for f in range(6):
-                rec.series[r][f].frombytes(SER[r, f, :k].tobytes())
+                rec.series[r][f].frombytes(ser[r, f, :k].tobytes())
             RS[r, S.R_NSER] = 0
 
     status = S.Y_DONE
-    for status in run(arrival, prompt, output, clients, prio, cls, send, IP, FP, GI, GF, RS, RF,
-                      RQ, TS, WQ, DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER,
-                      IDL, ILEN, OPEN, ITL_G, ITL_W, CF, PT, DT, ET, G, YB, SL, BEY, CL):
+    for status in run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
         if status == S.Y_ITL:
-            k = int(GI[S.G_ITL])
-            itl._g = array("d", ITL_G[:k].tobytes())
-            itl._w = array("q", ITL_W[:k].tobytes())
-            itl._flush()
-            GI[S.G_ITL] = 0
+            drain_itl(False)
         elif status == S.Y_SERIES:
             drain_series()
         else:
             break
-    if status == S.Y_PREEMPT:
-        raise Handback("a preemption")
     if status == S.Y_EMPTY:
         raise Handback("an empty plan")
-    # What is left in the ITL buffer stays buffered, as it would in ``ItlHistogram``.
-    k = int(GI[S.G_ITL])
-    itl._g = array("d", ITL_G[:k].tobytes())
-    itl._w = array("q", ITL_W[:k].tobytes())
+    drain_itl(True)
     drain_series()
     rec.steps += int(GI[S.G_STEPS])
     rec.step_time_total += float(GF[S.H_STEPTOT])
+    rec.swap_copy_s += float(GF[S.H_SWAPCOPY])
     pools.new_connections += int(GI[S.G_NEWC])
     pools.reused_connections += int(GI[S.G_REUSEDC])
+    CL = COST[-1]
     stats = []
     for r in range(R):
         costs[r].lookups += int(CL[r, 0])

@@ -5,37 +5,44 @@ floats), run-wide (``GI[G_*]``, ``GF[H_*]``) and the integer parameters (``IP[P_
 and float parameters (``FP[D_*]``). The names are those of ``fastreplica``'s fields."""
 from __future__ import annotations
 
-# Per request.
-(Q_PREFILLED, Q_GENERATED, Q_KEY, Q_PHASE, Q_HELD, Q_POOLED, Q_NEXT, Q_DPOS,
- Q_NCOLS) = range(9)
+# Per request, integers (``Q_NEXT`` links the waiting or the swapped queue it is in;
+# ``Q_FKEY`` is its live finish-heap entry, ``tick << 32 | rid``) and floats.
+(Q_PREFILLED, Q_GENERATED, Q_KEY, Q_PHASE, Q_HELD, Q_POOLED, Q_NEXT, Q_DPOS, Q_PLEN,
+ Q_JOIN, Q_LATE, Q_DECODING, Q_SWAPBLK, Q_FKEY, Q_NCOLS) = range(15)
+QF_LAST_T, QF_PREEMPTED_AT, QF_NCOLS = range(3)
 # What is recorded per request: the ``Recorder``'s own arrays (``TS[T_*][rid]``).
 (T_ENQ, T_SCHED, T_FIRST, T_FIRSTDEL, T_LAST, T_LASTDEL, T_GEN, T_REPLICA, T_REJ,
- T_NEWC) = range(10)
+ T_NEWC, T_PREEMPTIONS, T_RECOMPUTED, T_PREEMPTED_S, T_SWAPPED) = range(14)
 RECORDED = ("enqueued", "scheduled", "first_token", "first_delivered", "last_token",
-            "last_delivered", "generated", "replica", "rejected", "new_connection")
+            "last_delivered", "generated", "replica", "rejected", "new_connection",
+            "preemptions", "recomputed_tokens", "preempted_s", "swapped_bytes")
 
 # Per replica, integers.
 (R_TICKS, R_GROWN, R_LATE, R_KEYSUM, R_KEYMAX, R_FREE, R_KV, R_OUT, R_IDLE, R_WAKE,
- R_VER, R_INEP, R_MODE, R_EPND, R_EPK, R_EPM, R_HASENDS, R_NCLS, R_UNUSED, R_WLEN,
- R_ND, R_NP, R_NCH, R_STEPND, R_NLT, R_ADMISSIONS, R_QUERIED, R_NSER,
- R_NCOLS) = range(29)
-MODE_NONE, MODE_STEP, MODE_EPOCH = 0, 1, 2
+ R_VER, R_INEP, R_MODE, R_EPND, R_EPK, R_EPM, R_HASENDS, R_NCLS, R_CPU, R_WLEN,
+ R_ND, R_NP, R_NCH, R_STEPND, R_NLT, R_ADMISSIONS, R_QUERIED, R_NSER, R_SHEAD, R_STAIL,
+ R_SLEN, R_NCOLS) = range(32)
+MODE_NONE, MODE_STEP, MODE_EPOCH, MODE_COPY = 0, 1, 2, 3
 
 # Per replica, floats.
-F_EPSTART, F_LASTSAMPLE, F_NCOLS = range(3)
+F_EPSTART, F_LASTSAMPLE, F_LASTDEC, F_COPY, F_COPYING, F_NCOLS = range(6)
 
 # Run-wide integers and floats.
-G_EID, G_STEPS, G_NEWC, G_REUSEDC, G_NEXT, G_RR, G_ITL, G_NCOLS = range(8)
-H_STEPTOT, H_T, H_NOW, H_NCOLS = range(4)
+# ``G_ITL`` entries buffered, the current flush segment's start, and how many flushes
+# (``ItlHistogram``'s, at the ends of ``ITL[2][:G_NFL]``) wait for Python.
+G_EID, G_STEPS, G_NEWC, G_REUSEDC, G_NEXT, G_RR, G_ITL, G_ITLSEG, G_NFL, G_NCOLS = range(10)
+H_STEPTOT, H_T, H_NOW, H_SWAPCOPY, H_NCOLS = range(5)
 
 # Integer parameters.
 (P_R, P_BUDGET, P_MAXSEQS, P_CHUNK, P_FIFO, P_CAPACITY, P_WATERMARK, P_PAGED, P_BS,
  P_MAXLEN, P_ROUTER, P_REUSE, P_POOLSIZE, P_HASUNTIL, P_MAXEPOCH, P_FLUSH, P_SERCAP,
- P_AGING, P_NCOLS) = range(19)
+ P_AGING, P_SWAP, P_VICTIM, P_CPUBLOCKS, P_NCOLS) = range(22)
+VICTIM_PRIORITY, VICTIM_LATEST = 0, 1
 ROUTER_RR, ROUTER_LEAST = 0, 1
 
 # Float parameters.
-D_HANDSHAKE, D_ONEWAY, D_FT, D_INTERVAL, D_UNTIL, D_KEEPALIVE, D_AGING, D_NCOLS = range(8)
+(D_HANDSHAKE, D_ONEWAY, D_FT, D_INTERVAL, D_UNTIL, D_KEEPALIVE, D_AGING, D_BLOCKBYTES,
+ D_SWAPBPS, D_NCOLS) = range(10)
 
 # The waiting queues (``WQ[W_*]``): per replica and class a FIFO linked through
 # ``Q_NEXT`` (head, tail, length), the classes in the order each replica first saw them
@@ -46,4 +53,4 @@ W_HEAD, W_TAIL, W_LEN, W_ORDER, W_CUR, W_ADM = range(6)
 # Events (as ``fastreplica``: kinds, SimPy's priorities) and what the loop yields.
 URGENT, NORMAL = 0, 1
 EV_ARRIVE, EV_DELIVER, EV_END, EV_WAKE, EV_INTERRUPT, EV_STOP = range(6)
-Y_DONE, Y_ITL, Y_SERIES, Y_PREEMPT, Y_EMPTY = range(5)
+Y_DONE, Y_ITL, Y_SERIES, Y_EMPTY = range(4)
