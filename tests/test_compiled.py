@@ -230,3 +230,22 @@ def test_a_larger_run_samples_on_an_interval_and_runs_long_epochs():
     assert res.meta["loop"] == "compiled"
     assert 0 < len(res.rec.series[0][0]) < res.rec.steps / 2
     assert_identical(simulate(sc, loop="simpy"), res)
+
+
+def test_the_compiled_cache_is_named_by_every_source(tmp_path, monkeypatch):
+    """numba keys a cache on the function's own file only; a change to any file of the
+    package (a callee's, say) must lead to another cache folder, or a caller would keep
+    the callee's old machine code."""
+    import shutil
+
+    from simulator.compiled import _jit
+    from simulator.compiled.loop import run
+    assert _jit.CACHE_DIR is not None
+    assert run._cache._cache_path.startswith(_jit.CACHE_DIR)
+    monkeypatch.setenv("LATSIM_CACHE_DIR", str(tmp_path / "cache"))
+    pkg = tmp_path / "pkg"
+    shutil.copytree(_jit._HERE, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    same = _jit.cache_dir(pkg)
+    assert same == _jit.cache_dir(_jit._HERE)
+    (pkg / "apply.py").write_text((pkg / "apply.py").read_text() + "\n# changed\n")
+    assert _jit.cache_dir(pkg) != same

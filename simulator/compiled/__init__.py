@@ -41,8 +41,9 @@ class Handback(Exception):
     """The compiled loop stopped a run it does not model (the message says why)."""
 
 
-# ``auto`` compiles (once per machine: numba caches the machine code on disk, which
-# takes ~45 s on a 2-core box) only for runs the Python loop would take seconds on.
+# ``auto`` compiles (once per machine and version of the sources: ``_jit`` caches the
+# machine code on disk; ~45 s on a 2-core box) only for runs the Python loop would
+# take seconds on.
 COMPILE_MIN_REQUESTS = 10_000
 MAX_CLASSES = 1024          # priority values the compiled aging queue takes (0..1023)
 SERIES_CAP = 4096           # time-series samples buffered per replica between hand-overs

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import heapq
 
-from numba import njit
-
 from . import state as S
+from ._jit import jit
 from .replica import release
 
 
-@njit(cache=True)
+@jit
 def itl_add(GI, ITL, gap, weight, flush):
     """``ItlHistogram.add``."""
     j = GI[S.G_ITL]
@@ -28,7 +27,7 @@ def itl_add(GI, ITL, gap, weight, flush):
         GI[S.G_ITLSEG] = j + 1
 
 
-@njit(cache=True)
+@jit
 def itl_add_gaps(GI, ITL, ends, m, weight, flush):
     """``ItlHistogram.add_many`` of the gaps between ``ends[:m]``, each ``weight`` times."""
     j = GI[S.G_ITL]
@@ -43,7 +42,7 @@ def itl_add_gaps(GI, ITL, ends, m, weight, flush):
         GI[S.G_ITLSEG] = j
 
 
-@njit(cache=True)
+@jit
 def lt_add(r, t, delta, RS, LT_T, LT_C):
     """``_last_tok[t] += delta`` (entries in insertion order, as a dict's)."""
     n = RS[r, S.R_NLT]
@@ -56,7 +55,7 @@ def lt_add(r, t, delta, RS, LT_T, LT_C):
     RS[r, S.R_NLT] = n + 1
 
 
-@njit(cache=True)
+@jit
 def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN):
     """``FastApply._finish``."""
     TS[S.T_LAST][rid] = t
@@ -69,7 +68,7 @@ def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN):
     release(clients[rid], arrived, RQ[rid, S.Q_POOLED] != 0, IP, IDL, ILEN)
 
 
-@njit(cache=True)
+@jit
 def join(r, rid, t, swapped_in, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C, prompt, output):
     """``FastApply._join``: ``rid`` decodes from now on, its last token left at ``t``."""
     ticks = RS[r, S.R_TICKS]
@@ -101,7 +100,7 @@ def join(r, rid, t, swapped_in, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C, pro
             RQ[rid, S.Q_LATE] = ticks
 
 
-@njit(cache=True)
+@jit
 def dec_remove(r, rid, RS, RQ, DEC):
     """Take ``rid`` out of the decoder set."""
     pos = RQ[rid, S.Q_DPOS]
@@ -113,7 +112,7 @@ def dec_remove(r, rid, RS, RQ, DEC):
     RQ[rid, S.Q_DECODING] = 0
 
 
-@njit(cache=True)
+@jit
 def pre_remove(r, rid, RS, PRE):
     """``prefilling.remove``: order kept."""
     npre = RS[r, S.R_NP]
@@ -125,7 +124,7 @@ def pre_remove(r, rid, RS, PRE):
     RS[r, S.R_NP] = npre - 1
 
 
-@njit(cache=True)
+@jit
 def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT_T, LT_C, ITL,
             prompt, output, clients, IDL, ILEN):
     """``FastApply._prefill``: the step's chunks; a completed prefill yields a token
@@ -160,7 +159,7 @@ def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT
     RS[r, S.R_OUT] -= tokens
 
 
-@njit(cache=True)
+@jit
 def catch_up_growth(r, start, RS, IP, PHASE):
     """``FastApply._catch_up_growth``: the blocks an epoch's later steps took."""
     last = RS[r, S.R_TICKS] - 1
@@ -175,14 +174,14 @@ def catch_up_growth(r, start, RS, IP, PHASE):
     RS[r, S.R_GROWN] = last
 
 
-@njit(cache=True)
+@jit
 def clean_top(heap, RQ):
     """Drop finish-heap entries a preemption made stale (not the request's live one)."""
     while len(heap) and RQ[heap[0] & 0xFFFFFFFF, S.Q_FKEY] != heap[0]:
         heapq.heappop(heap)
 
 
-@njit(cache=True)
+@jit
 def finish_due(r, t, FH, RS, RQ, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output,
                clients, IDL, ILEN):
     """``FastApply._finish_due``: decoders whose last token came at ``t``, in the
@@ -225,7 +224,7 @@ def finish_due(r, t, FH, RS, RQ, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, out
         key_max(r, -1, RS, RQ, DEC)
 
 
-@njit(cache=True)
+@jit
 def key_max(r, skip, RS, RQ, DEC):
     """The largest key among the decoders but ``skip`` (0 when none)."""
     m = 0
@@ -241,7 +240,7 @@ def key_max(r, skip, RS, RQ, DEC):
     RS[r, S.R_KEYMAX] = m
 
 
-@njit(cache=True)
+@jit
 def sample(r, t, RS, RF, IP, SER):
     """``FastApply._sample`` into the replica's buffer (``R_NSER`` rows so far)."""
     i = RS[r, S.R_NSER]

@@ -11,13 +11,14 @@ the grid ``SL[batch]`` and whether the batch lies beyond the measured ones
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from ._jit import jit
 
 # CF: the cost model's constants.
 C_BK, C_LMHEAD, C_ALPHA, C_FLOOR, C_MIN, C_SCALE, C_PADDED = range(7)
 
 
-@njit(cache=True)
+@jit
 def bisect_right(x, n, q):
     """First index of ``x[:n]`` holding a value above ``q`` (``bisect.bisect_right``)."""
     lo, hi = 0, n
@@ -30,7 +31,7 @@ def bisect_right(x, n, q):
     return lo
 
 
-@njit(cache=True)
+@jit
 def bisect_left(x, n, q):
     """First index of ``x[:n]`` holding a value not below ``q`` (``bisect.bisect_left``)."""
     lo, hi = 0, n
@@ -43,7 +44,7 @@ def bisect_left(x, n, q):
     return lo
 
 
-@njit(cache=True)
+@jit
 def curve(X, Y, n, q):
     """``_Curve.__call__``: (value, above the measured range)."""
     if q <= X[0]:
@@ -60,7 +61,7 @@ def curve(X, Y, n, q):
     return y0 + (y1 - y0) * (q - x0) / (x1 - x0), out
 
 
-@njit(cache=True)
+@jit
 def table(A, X, Y, N, qa, qb):
     """``_Table2D.__call__``: (value, above the measured range)."""
     L = A.shape[0]
@@ -81,7 +82,7 @@ def table(A, X, Y, N, qa, qb):
     return y0 + (y1 - y0) * (qa - a0) / (a1 - a0), out or o0 or o1
 
 
-@njit(cache=True)
+@jit
 def step_time(CF, PT, DT, ET, CL, nd, ctx_max, ctx_sum, chunk_n, chunk_prior, chunk_final, nch):
     """``ProfileCostModel.step_time`` (no noise): seconds of a step of ``nd`` decodes
     and ``nch`` prefill chunks; counts lookups and extrapolations into ``CL``
@@ -117,7 +118,7 @@ def step_time(CF, PT, DT, ET, CL, nd, ctx_max, ctx_sum, chunk_n, chunk_prior, ch
     return ms / 1000.0
 
 
-@njit(cache=True)
+@jit
 def decode_ends(CF, G, YB, SL, BEY, CL, batch, ctx0, k, now, ends):
     """``ProfileCostModel.decode_times`` (no noise) for ``k`` decode-only steps, summed
     from ``now`` into ``ends[:k]`` as ``itertools.accumulate`` does."""

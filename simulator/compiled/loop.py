@@ -10,15 +10,15 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-from numba import njit
 
 from . import state as S
+from ._jit import jit
 from .apply import catch_up_growth, finish_due, itl_add, itl_add_gaps, prefill, sample
 from .plan import plan
 from .replica import acquire, enqueue, interrupted, outstanding, push, rejects, release
 
 
-@njit(cache=True)
+@jit
 def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
              OPEN):
     """``FastLoop._arrivals``: send every request whose time has come."""
@@ -41,7 +41,7 @@ def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send,
     GI[S.G_NEXT] = n
 
 
-@njit(cache=True)
+@jit
 def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, prompt, output, clients, IDL,
             ILEN):
     """``FastLoop._deliver``: reject, or route and enqueue."""
@@ -66,7 +66,7 @@ def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, prompt, outpu
     enqueue(k, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output)
 
 
-@njit(cache=True)
+@jit
 def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
     """The run, to the end or the clock stop (see module doc for what it yields).
     ``W``: the workload's columns; ``BUF``, ``POOL``, ``ITL``, ``COST``: see ``__init__``."""

@@ -5,14 +5,13 @@ or, for a decoder when the CPU swap space has room, by swap, and swapped request
 coming back oldest first while their blocks fit."""
 from __future__ import annotations
 
-from numba import njit
-
 from . import state as S
+from ._jit import jit
 from .apply import dec_remove, join, key_max, lt_add, pre_remove
 from .replica import swapped_append, waiting_requeue
 
 
-@njit(cache=True)
+@jit
 def _later(a, b, IP, TS, prio):
     """True when ``a`` is a later victim than ``b`` (``select_victim``'s keys: the
     priority class, if the rule says so, then arrival, then request id)."""
@@ -24,7 +23,7 @@ def _later(a, b, IP, TS, prio):
     return a > b
 
 
-@njit(cache=True)
+@jit
 def victim(r, RS, IP, DEC, PRE, TS, prio):
     """``select_victim`` over the running requests."""
     best = -1
@@ -39,7 +38,7 @@ def victim(r, RS, IP, DEC, PRE, TS, prio):
     return best
 
 
-@njit(cache=True)
+@jit
 def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, LT_T, LT_C,
             prompt, output):
     """``FastApply._preempt``: ``rid`` loses its blocks; a decoder whose context fits
@@ -90,7 +89,7 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
     waiting_requeue(r, rid, RS, RQ, WQ, TS, cls, IP[S.P_AGING] != 0)
 
 
-@njit(cache=True)
+@jit
 def make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio, DEC, PRE, PHASE,
               LT_T, LT_C, prompt, output):
     """``FastApply._make_room``: ``due`` decoders need a block and fewer are free:
@@ -106,7 +105,7 @@ def make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio, DE
     return due
 
 
-@njit(cache=True)
+@jit
 def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output):
     """``FastApply._swap_in``: swapped requests back, oldest first, while they fit."""
     bs = IP[S.P_BS]

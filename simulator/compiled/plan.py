@@ -6,16 +6,16 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from . import state as S
+from ._jit import jit
 from .apply import clean_top
 from .cost import decode_ends, step_time
 from .memory import make_room, swap_in
 from .replica import adm_blocks, push
 
 
-@njit(cache=True)
+@jit
 def _candidate(r, now, RS, FP, WQ, TS, prio, aging):
     """``AgingPriorityQueue.candidates``' next one: the class whose next request has the
     lowest (priority - floor(wait / aging_s), enqueued), ties to the earlier class in
@@ -42,7 +42,7 @@ def _candidate(r, now, RS, FP, WQ, TS, prio, aging):
     return best
 
 
-@njit(cache=True)
+@jit
 def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, PRE, CHR, CHN,
          CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output, COST):
     """``FastReplica.iterate``: plan the next step at ``now`` (or go idle). Returns 0,

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import heapq
 
-from numba import njit
-
 from . import state as S
+from ._jit import jit
 from .cost import bisect_left, bisect_right
 
 
-@njit(cache=True)
+@jit
 def push(heap, GI, t, prio, kind, obj, ver):
     """``FastLoop.push``: SimPy's order is (time, priority, insertion)."""
     heapq.heappush(heap, (t, prio, GI[S.G_EID], kind, obj, ver))
     GI[S.G_EID] += 1
 
 
-@njit(cache=True)
+@jit
 def acquire(c, now, IP, FP, GI, IDL, ILEN, OPEN):
     """``ConnectionPools.acquire``: (is_new, pooled)."""
     if IP[S.P_REUSE] == 0:
@@ -60,7 +59,7 @@ def acquire(c, now, IP, FP, GI, IDL, ILEN, OPEN):
     return True, False
 
 
-@njit(cache=True)
+@jit
 def release(c, free_at, pooled, IP, IDL, ILEN):
     """``ConnectionPools.release``."""
     if pooled and IP[S.P_REUSE] != 0:
@@ -68,7 +67,7 @@ def release(c, free_at, pooled, IP, IDL, ILEN):
         ILEN[c] += 1
 
 
-@njit(cache=True)
+@jit
 def adm_blocks(rid, IP, RQ, prompt, output):
     """``FastReplica.adm_tokens`` and ``adm_blocks`` (no prefix cache): (tokens, blocks)."""
     if IP[S.P_PAGED]:
@@ -80,7 +79,7 @@ def adm_blocks(rid, IP, RQ, prompt, output):
     return tokens, -(-tokens // IP[S.P_BS])
 
 
-@njit(cache=True)
+@jit
 def rejects(rid, IP, RQ, prompt, output):
     """``FastReplica.rejects``: True when ``rid`` can never run here."""
     total = prompt[rid] + output[rid]
@@ -93,7 +92,7 @@ def rejects(rid, IP, RQ, prompt, output):
     return need > IP[S.P_CAPACITY] - IP[S.P_WATERMARK]
 
 
-@njit(cache=True)
+@jit
 def outstanding(r, now, RS, ENDS):
     """``FastReplica.outstanding_tokens``."""
     if RS[r, S.R_HASENDS] == 0:
@@ -101,7 +100,7 @@ def outstanding(r, now, RS, ENDS):
     return RS[r, S.R_OUT] - bisect_right(ENDS[r], RS[r, S.R_EPK], now) * RS[r, S.R_ND]
 
 
-@njit(cache=True)
+@jit
 def _seen(r, c, RS, WQ):
     """A class this replica's queue has not held before goes last in its order."""
     if WQ[S.W_TAIL][r, c] == -2:
@@ -110,7 +109,7 @@ def _seen(r, c, RS, WQ):
         WQ[S.W_TAIL][r, c] = -1
 
 
-@njit(cache=True)
+@jit
 def waiting_append(r, rid, c, RS, RQ, WQ):
     """``deque.append`` / ``AgingPriorityQueue.push``."""
     _seen(r, c, RS, WQ)
@@ -124,7 +123,7 @@ def waiting_append(r, rid, c, RS, RQ, WQ):
     RS[r, S.R_WLEN] += 1
 
 
-@njit(cache=True)
+@jit
 def waiting_requeue(r, rid, RS, RQ, WQ, TS, cls, aging):
     """A request preempted by recompute waits again: at the queue's front
     (``deque.appendleft``), or, with aging, in its class after every request that
@@ -149,7 +148,7 @@ def waiting_requeue(r, rid, RS, RQ, WQ, TS, cls, aging):
     RS[r, S.R_WLEN] += 1
 
 
-@njit(cache=True)
+@jit
 def swapped_append(r, rid, RS, RQ):
     """The swapped queue: ``deque.append``."""
     RQ[rid, S.Q_NEXT] = -1
@@ -161,7 +160,7 @@ def swapped_append(r, rid, RS, RQ):
     RS[r, S.R_SLEN] += 1
 
 
-@njit(cache=True)
+@jit
 def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
     """``FastReplica.enqueue``: join the queue; wake an idle engine, or end an epoch
     when the arrival could be admitted at its next step (with aging: any arrival, the
@@ -181,7 +180,7 @@ def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
         push(heap, GI, now, S.URGENT, S.EV_INTERRUPT, r, 0)
 
 
-@njit(cache=True)
+@jit
 def interrupted(r, now, heap, GI, RS, ENDS):
     """``FastReplica.interrupted``: the step in progress completes."""
     k = RS[r, S.R_EPK]
