@@ -45,7 +45,7 @@ def main(sizes: list[int], loop: str = "auto") -> None:
         try:
             simulate(scenario(200), loop="compiled")
             print(f"compiled loop ready in {time.perf_counter() - t0:.1f} s (compiling takes "
-                  f"~45 s once per machine; later runs load numba's cache)")
+                  f"~45 s once per machine and version; later runs load the cache)")
         except Unsupported as e:
             print(f"compiled loop unavailable: {e}")
     print(f"{'requests':>10} {'wall s':>8} {'req/s':>9} {'steps':>10} {'steps/s':>9} "
