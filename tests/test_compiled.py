@@ -3,9 +3,9 @@
 Every recorded array, the ITL histogram (sums over the same flushes), the time
 series, the step, cost-model, connection and KV tallies and the end of the run must
 be *identical* to ``loop="simpy"`` on random configurations of what it compiles:
-fifo, chunked prefill and priority classes with aging, several replicas, round-robin
-and least-outstanding routing, paged and contiguous memory, watermarks, tight limits,
-ties in time, keep-alive pools, a clock stop, and memory pressure (preemption by
+fifo, chunked prefill and priority classes with aging, several replicas, round-robin,
+random and least-outstanding routing, paged and contiguous memory, watermarks, tight
+limits, ties in time, keep-alive pools, a clock stop, and memory pressure (preemption by
 recompute and by swap, both victim rules). Its cost lookups are checked against
 ``ProfileCostModel`` directly, including ``np.interp``'s own formula for long epochs.
 """
@@ -33,7 +33,7 @@ from simulator.simulate import simulate  # noqa: E402
 @given(n=st.integers(1, 150), seed=st.integers(0, 10_000),
        policy=st.sampled_from(["chunked", "fifo", "priority_aging"]),
        replicas=st.integers(1, 3), aging=st.sampled_from([0.05, 1.0, 30.0]),
-       router=st.sampled_from(["round_robin", "least_outstanding"]),
+       router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
        alloc=st.sampled_from(["paged", "contiguous"]), max_len=st.sampled_from([None, 400]),
        watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([40, 200, 4000]),
        max_seqs=st.sampled_from([1, 4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
@@ -59,7 +59,7 @@ def test_compiled_loop_is_the_simpy_model_bit_for_bit(flush, series_cap, **cfg):
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(n=st.integers(5, 90), seed=st.integers(0, 10_000),
        policy=st.sampled_from(["chunked", "fifo", "priority_aging"]), replicas=st.integers(1, 2),
-       router=st.sampled_from(["round_robin", "least_outstanding"]),
+       router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
        watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([24, 40, 64]),
        max_seqs=st.sampled_from([4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
        chunk=st.sampled_from([None, 16]), rate=st.sampled_from([30.0, 400.0]),
@@ -89,7 +89,8 @@ def test_under_memory_pressure_the_compiled_loop_preempts_as_simpy_does(flush, *
 def test_compiled_loop_runs_the_common_configurations():
     """Not vacuous: with room to spare every policy, router and allocation compiles."""
     for policy, router, alloc in itertools.product(("chunked", "fifo", "priority_aging"),
-                                                   ("round_robin", "least_outstanding"),
+                                                   ("round_robin", "least_outstanding",
+                                                    "random"),
                                                    ("paged", "contiguous")):
         sc = _scenario(300, 3, policy, 2, router, alloc, None, 0.0, 20000, 16, 256, None,
                        "poisson", 20.0, "wan", False, None, True, 300, 60)
@@ -116,7 +117,6 @@ def test_preemption_runs_compiled(victim, preemption):
 @pytest.mark.parametrize("over, why", [
     ({"engine": {"policy": "chunked", "kv": {"num_blocks": 4096, "prefix_caching": True}}},
      "prefix caching"),
-    ({"cluster": {"replicas": 2, "router": "random"}}, "router 'random'"),
 ])
 def test_what_the_compiled_loop_leaves_out_runs_on_the_python_loop(over, why):
     sc = make_scenario(**over)

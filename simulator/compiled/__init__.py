@@ -4,7 +4,7 @@
 compiled to machine code, for the configurations large runs use: the three built-in
 policies (fifo, chunked prefill, priority classes with aging), paged or contiguous
 memory with watermarks and preemption (by recompute or swap, either victim rule),
-round-robin or least-outstanding routing, keep-alive pools, a measured profile
+round-robin, random or least-outstanding routing, keep-alive pools, a measured profile
 without noise, and a clock stop. It runs ``benchmarks/sim_speed.py`` an order of
 magnitude faster than ``fastloop``.
 
@@ -15,7 +15,7 @@ the same flushes. ``tests/test_compiled.py`` checks the results against the SimP
 model bit for bit on random configurations.
 
 What it does not cover is decided before the run (``kernel_reason``): prefix caching,
-the random router, cost noise, or numba not installed; those run on ``fastloop``. A
+cost noise, or numba not installed; those run on ``fastloop``. A
 run that hits an empty plan (an error the SimPy model reports) is handed back mid-run
 (``Handback``) and ``simulate`` runs it again, from the seed, on ``fastloop``.
 """
@@ -68,7 +68,7 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None) -> Op
         return f"policy {policy.name!r}"
     if rules.prefix_caching and rules.allocation == "paged":
         return "prefix caching"
-    if router not in ("round_robin", "least_outstanding"):
+    if router not in ("round_robin", "least_outstanding", "random"):
         return f"router {router!r}"
     if type(pools) is not ConnectionPools:
         return "HTTP/2 connections"
@@ -87,9 +87,10 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None) -> Op
 def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, swap: tuple,
                  pools, net, frame_time: float, one_way: float, series_interval: float,
                  arrival, prompt, output, priority, clients, until: Optional[float],
-                 router: str) -> tuple[float, list]:
+                 router: str, router_rng=None) -> tuple[float, list]:
     """Run the model compiled; fills ``rec``, the pools' and cost models' tallies.
-    ``swap``: bytes per block, CPU swap space (blocks), copy bandwidth (bytes/s).
+    ``swap``: bytes per block, CPU swap space (blocks), copy bandwidth (bytes/s);
+    ``router_rng``: the random router's generator.
     Returns (end of the run, each replica's ``KVStats``); raises ``Handback``."""
     from . import state as S
     from .cost import pack_cost
@@ -110,7 +111,8 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                    (S.P_WATERMARK, int(rules.watermark * capacity)),
                    (S.P_PAGED, rules.allocation == "paged"), (S.P_BS, bs),
                    (S.P_MAXLEN, -1 if rules.max_model_len is None else rules.max_model_len),
-                   (S.P_ROUTER, S.ROUTER_RR if router == "round_robin" else S.ROUTER_LEAST),
+                   (S.P_ROUTER, {"round_robin": S.ROUTER_RR, "random": S.ROUTER_RANDOM,
+                                 "least_outstanding": S.ROUTER_LEAST}[router]),
                    (S.P_REUSE, bool(pools.reuse)), (S.P_POOLSIZE, pools.size),
                    (S.P_HASUNTIL, until is not None), (S.P_MAXEPOCH, MAX_EPOCH_STEPS),
                    (S.P_FLUSH, flush), (S.P_SERCAP, series_cap), (S.P_AGING, aging),
@@ -137,7 +139,10 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     cls = prio if aging else np.zeros(n, dtype=np.int64)
     W = (np.ascontiguousarray(arrival, dtype=np.float64), prompt,
          np.ascontiguousarray(output, dtype=np.int64),
-         np.ascontiguousarray(clients, dtype=np.int64), prio, cls, send)
+         np.ascontiguousarray(clients, dtype=np.int64), prio, cls, send,
+         # ``RandomRouter.pick`` draws ``integers(replicas)`` once per routed request; a
+         # generator gives the same numbers drawn one at a time or all at once.
+         router_rng.integers(R, size=n) if router == "random" else np.zeros(0, np.int64))
     n_cls = int(prio.max()) + 1 if aging and n else 1
     WQ = (np.full((R, n_cls), -1, dtype=np.int64),      # W_HEAD
           np.full((R, n_cls), -2, dtype=np.int64),      # W_TAIL (-2: class never seen)

@@ -42,8 +42,8 @@ def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send,
 
 
 @jit
-def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, prompt, output, clients, IDL,
-            ILEN):
+def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, picks, prompt, output,
+            clients, IDL, ILEN):
     """``FastLoop._deliver``: reject, or route and enqueue."""
     TS[S.T_ENQ][rid] = now
     if rejects(rid, IP, RQ, prompt, output):
@@ -54,6 +54,10 @@ def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, prompt, outpu
     if IP[S.P_ROUTER] == S.ROUTER_RR:
         GI[S.G_RR] = (GI[S.G_RR] + 1) % R
         k = GI[S.G_RR]
+    elif IP[S.P_ROUTER] == S.ROUTER_RANDOM:
+        # ``RandomRouter``: the router's generator drawn ahead, one pick per routing.
+        k = picks[GI[S.G_RANDOM]]
+        GI[S.G_RANDOM] += 1
     else:
         # ``LeastOutstanding``: fewest outstanding tokens, ties to the lowest index.
         k = 0
@@ -70,7 +74,7 @@ def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, prompt, outpu
 def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
     """The run, to the end or the clock stop (see module doc for what it yields).
     ``W``: the workload's columns; ``BUF``, ``POOL``, ``ITL``, ``COST``: see ``__init__``."""
-    arrival, prompt, output, clients, prio, cls, send = W
+    arrival, prompt, output, clients, prio, cls, send, picks = W
     DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER = BUF
     IDL, ILEN, OPEN = POOL
     R = IP[S.P_R]
@@ -151,8 +155,8 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
                 yield status
                 return
         elif kind == S.EV_DELIVER:
-            deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, prompt, output, clients,
-                    IDL, ILEN)
+            deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, picks, prompt, output,
+                    clients, IDL, ILEN)
         elif kind == S.EV_ARRIVE:
             arrivals(t, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
                      OPEN)

@@ -30,7 +30,8 @@ F_EPSTART, F_LASTSAMPLE, F_LASTDEC, F_COPY, F_COPYING, F_NCOLS = range(6)
 # Run-wide integers and floats.
 # ``G_ITL`` entries buffered, the current flush segment's start, and how many flushes
 # (``ItlHistogram``'s, at the ends of ``ITL[2][:G_NFL]``) wait for Python.
-G_EID, G_STEPS, G_NEWC, G_REUSEDC, G_NEXT, G_RR, G_ITL, G_ITLSEG, G_NFL, G_NCOLS = range(10)
+(G_EID, G_STEPS, G_NEWC, G_REUSEDC, G_NEXT, G_RR, G_ITL, G_ITLSEG, G_NFL, G_RANDOM,
+ G_NCOLS) = range(11)
 H_STEPTOT, H_T, H_NOW, H_SWAPCOPY, H_NCOLS = range(5)
 
 # Integer parameters.
@@ -38,7 +39,7 @@ H_STEPTOT, H_T, H_NOW, H_SWAPCOPY, H_NCOLS = range(5)
  P_MAXLEN, P_ROUTER, P_REUSE, P_POOLSIZE, P_HASUNTIL, P_MAXEPOCH, P_FLUSH, P_SERCAP,
  P_AGING, P_SWAP, P_VICTIM, P_CPUBLOCKS, P_NCOLS) = range(22)
 VICTIM_PRIORITY, VICTIM_LATEST = 0, 1
-ROUTER_RR, ROUTER_LEAST = 0, 1
+ROUTER_RR, ROUTER_LEAST, ROUTER_RANDOM = 0, 1, 2
 
 # Float parameters.
 (D_HANDSHAKE, D_ONEWAY, D_FT, D_INTERVAL, D_UNTIL, D_KEEPALIVE, D_AGING, D_BLOCKBYTES,
