@@ -249,3 +249,16 @@ def test_the_compiled_cache_is_named_by_every_source(tmp_path, monkeypatch):
     assert same == _jit.cache_dir(_jit._HERE)
     (pkg / "apply.py").write_text((pkg / "apply.py").read_text() + "\n# changed\n")
     assert _jit.cache_dir(pkg) != same
+
+
+def test_outputs_longer_than_an_epoch_cap():
+    """Outputs of thousands of tokens: epochs stop at ``MAX_EPOCH_STEPS`` (4096) and
+    the next one takes over, exactly where SimPy's do."""
+    sc = make_scenario(workload={"kind": "synthetic", "num_requests": 6,
+                                 "arrival": {"kind": "poisson", "rate": 0.05},
+                                 "prompt_tokens": {"kind": "constant", "value": 100},
+                                 "output_tokens": {"kind": "uniform", "low": 4000,
+                                                   "high": 9000}})
+    res = simulate(sc, loop="compiled")
+    assert res.rec.generated.max() > 4096
+    assert_identical(simulate(sc, loop="simpy"), res)
