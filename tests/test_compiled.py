@@ -266,3 +266,25 @@ def test_outputs_longer_than_an_epoch_cap():
     res = simulate(sc, loop="compiled")
     assert res.rec.generated.max() > 4096
     assert_identical(simulate(sc, loop="simpy"), res)
+
+
+@pytest.mark.parametrize("victim", ["priority", "latest"])
+@pytest.mark.parametrize("policy", ["chunked", "priority_aging"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_tied_arrivals_under_memory_pressure(tmp_path, victim, policy, preemption):
+    """Requests arriving together (a trace's tied timestamps, no network): victims and
+    requeued requests are ordered by arrival, then by request id, as in SimPy."""
+    rng = np.random.default_rng(3)
+    rows = ["arrival_s,prompt_tokens,output_tokens,priority"]
+    for i in range(90):
+        rows.append(f"{i // 4 * 0.05:.2f},{rng.integers(20, 120)},{rng.integers(20, 160)},"
+                    f"P{rng.integers(0, 3)}")
+    trace = tmp_path / "tied.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    sc = make_scenario(workload={"kind": "trace", "path": str(trace)}, engine={
+        "policy": policy, "max_num_seqs": 16, "max_num_batched_tokens": 128, "aging_s": 0.2,
+        "kv": {"num_blocks": 48, "victim": victim, "preemption": preemption,
+               "swap_space_gb": 0.02}})
+    res = simulate(sc, loop="compiled")
+    assert res.rec.preemptions.sum() > 0
+    assert_identical(simulate(sc, loop="simpy"), res)
