@@ -269,7 +269,7 @@ def test_outputs_longer_than_an_epoch_cap():
 
 
 @pytest.mark.parametrize("victim", ["priority", "latest"])
-@pytest.mark.parametrize("policy", ["chunked", "priority_aging"])
+@pytest.mark.parametrize("policy", ["chunked", "fifo", "priority_aging"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_tied_arrivals_under_memory_pressure(tmp_path, victim, policy, preemption):
     """Requests arriving together (a trace's tied timestamps, no network): victims and
