@@ -22,7 +22,6 @@ run that hits an empty plan (an error the SimPy model reports) is handed back mi
 from __future__ import annotations
 
 import importlib.util
-import sys
 from array import array
 from typing import Optional
 
@@ -43,20 +42,19 @@ class Handback(Exception):
 
 # ``auto`` compiles (once per machine and version of the sources: ``_jit`` caches the
 # machine code on disk; ~45 s on a 2-core box) only for runs the Python loop would
-# take seconds on.
+# take seconds on: loading the cached code takes ~1.2 s, the Python loop ~150 us per
+# request.
 COMPILE_MIN_REQUESTS = 10_000
 MAX_CLASSES = 1024          # priority values the compiled aging queue takes (0..1023)
 SERIES_CAP = 4096           # time-series samples buffered per replica between hand-overs
 
 
 def worth_compiling(n_requests: int) -> bool:
-    """Whether ``loop="auto"`` should use the compiled loop for a run this size: a
-    large run, or any run once this process has the compiled code loaded (a sweep's
-    later points). Results do not depend on it, only the speed does."""
-    if n_requests >= COMPILE_MIN_REQUESTS:
-        return True
-    loop = sys.modules.get(__name__ + ".loop")
-    return loop is not None and bool(loop.run.signatures)
+    """Whether ``loop="auto"`` should use the compiled loop for a run this size. The
+    results do not depend on it, only the speed does; it depends on the size alone (not
+    on what this process ran before), so that which loop ran, which a summary and a
+    sweep's table record, is the same on every run of a scenario."""
+    return n_requests >= COMPILE_MIN_REQUESTS
 
 
 def kernel_reason(policy, rules, pools, costs, router: str, priority=None) -> Optional[str]:
