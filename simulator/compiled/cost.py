@@ -153,25 +153,23 @@ def decode_ends(CF, G, YB, SL, BEY, CL, batch, ctx0, k, now, ends):
     # The numpy path: ``np.interp`` (its own formula: slope times offset plus value),
     # then the linear extrapolation above the grid, the floor, the scale.
     last = G[ng - 1]
-    above_any = ctx0 + (k - 1) > last
     sc = CF[C_SCALE]
     for j in range(k):
         q = ctx0 + j
-        if ng == 1 or q <= G[0]:
-            v = y[0]
-        elif q > last:
-            v = y[ng - 1]
-        else:
-            i = bisect_right(G, ng, q) - 1
-            if i == ng - 1 or G[i] == q:
-                v = y[i]
-            else:
-                s = (y[i + 1] - y[i]) / (G[i + 1] - G[i])
-                v = s * (q - G[i]) + y[i]
-        v = v + bk
-        if above_any and q > last:
+        if q > last:
             v = y[ng - 1] + slope * (q - last) + bk
             n_out += 1
+        else:
+            if ng == 1 or q <= G[0]:
+                v = y[0]
+            else:
+                i = bisect_right(G, ng, q) - 1
+                if i == ng - 1 or G[i] == q:
+                    v = y[i]
+                else:
+                    s = (y[i + 1] - y[i]) / (G[i + 1] - G[i])
+                    v = s * (q - G[i]) + y[i]
+            v = v + bk
         v = (v if v > mn else mn) * sc
         acc += v / 1000.0
         ends[j] = acc

@@ -19,9 +19,9 @@ RECORDED = ("enqueued", "scheduled", "first_token", "first_delivered", "last_tok
 
 # Per replica, integers.
 (R_TICKS, R_GROWN, R_LATE, R_KEYSUM, R_KEYMAX, R_FREE, R_KV, R_OUT, R_IDLE, R_WAKE,
- R_VER, R_INEP, R_MODE, R_EPND, R_EPK, R_EPM, R_HASENDS, R_NCLS, R_CPU, R_WLEN,
+ R_VER, R_INEP, R_MODE, R_EPK, R_EPM, R_HASENDS, R_NCLS, R_CPU, R_WLEN,
  R_ND, R_NP, R_NCH, R_STEPND, R_NLT, R_ADMISSIONS, R_QUERIED, R_NSER, R_SHEAD, R_STAIL,
- R_SLEN, R_NCOLS) = range(32)
+ R_SLEN, R_NCOLS) = range(31)
 MODE_NONE, MODE_STEP, MODE_EPOCH, MODE_COPY = 0, 1, 2, 3
 
 # Per replica, floats.
