@@ -99,21 +99,6 @@ def test_compiled_loop_runs_the_common_configurations():
         assert_identical(simulate(sc, loop="simpy"), res)
 
 
-@pytest.mark.parametrize("victim", ["priority", "latest"])
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_preemption_runs_compiled(victim, preemption):
-    sc = _scenario(80, 1, "chunked", 1, "round_robin", "paged", None, 0.0, 40, 64, 512,
-                   None, "poisson", 400.0, "zero", False, None, True, 300, 200,
-                   victim=victim, preemption=preemption)
-    res = simulate(sc, loop="compiled")
-    assert res.rec.preemptions.sum() > 0 and res.rec.preempted_s.sum() > 0
-    if preemption == "swap":
-        assert res.rec.swapped_bytes.sum() > 0 and res.meta["kv"]["swap_copy_s"] > 0
-    else:
-        assert res.rec.recomputed_tokens.sum() > 0
-    assert_identical(simulate(sc, loop="simpy"), res)
-
-
 @pytest.mark.parametrize("over, why", [
     ({"engine": {"policy": "chunked", "kv": {"num_blocks": 4096, "prefix_caching": True}}},
      "prefix caching"),

@@ -15,6 +15,8 @@ on SimPy and say so.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -114,13 +116,20 @@ def test_fast_loop_runs_the_common_configurations():
                 assert_identical(simulate(sc, loop="simpy"), res)
 
 
+_NUMBA = pytest.mark.skipif(importlib.util.find_spec("numba") is None,
+                            reason="the compiled loop needs numba")
+
+
+@pytest.mark.parametrize("loop", ["fast", pytest.param("compiled", marks=_NUMBA)])
 @pytest.mark.parametrize("victim", ["priority", "latest"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_preemption_runs_on_the_fast_loop(victim, preemption):
+def test_preemption_runs_on_the_fast_loops(victim, preemption, loop):
+    """Preemption by recompute and swap, both victim rules, on the Python loop and on
+    the compiled one (``test_compiled``)."""
     sc = _scenario(80, 1, "chunked", 1, "round_robin", "paged", None, 0.0, 40, 64, 512,
                    None, "poisson", 400.0, "zero", False, None, True, 300, 200,
                    victim=victim, preemption=preemption)
-    res = simulate(sc, loop="fast")
+    res = simulate(sc, loop=loop)
     assert res.rec.preemptions.sum() > 0 and res.rec.preempted_s.sum() > 0
     if preemption == "swap":
         assert res.rec.swapped_bytes.sum() > 0 and res.meta["kv"]["swap_copy_s"] > 0

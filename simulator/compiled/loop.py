@@ -148,31 +148,28 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
                         yield S.Y_SERIES
             if GI[S.G_NFL]:
                 yield S.Y_ITL
-            status = plan(r, t, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC,
-                          PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output,
-                          COST)
-            if status:
-                yield status
-                return
-        elif kind == S.EV_DELIVER:
-            deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, picks, prompt, output,
-                    clients, IDL, ILEN)
-        elif kind == S.EV_ARRIVE:
-            arrivals(t, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
-                     OPEN)
-            resumed = True
         elif kind == S.EV_WAKE:
             r = obj
             RS[r, S.R_IDLE] = 0
             RS[r, S.R_WAKE] = 0
-            status = plan(r, t, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC,
-                          PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output,
-                          COST)
-            if status:
-                yield status
-                return
+        elif kind == S.EV_DELIVER:
+            deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, picks, prompt, output,
+                    clients, IDL, ILEN)
+            continue
+        elif kind == S.EV_ARRIVE:
+            arrivals(t, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
+                     OPEN)
+            resumed = True
+            continue
         elif kind == S.EV_INTERRUPT:
             interrupted(obj, t, heap, GI, RS, ENDS)
+            continue
         else:
             break
+        # After a step's end or a wake-up: plan the replica's next step.
+        status = plan(r, t, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, PRE,
+                      CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output, COST)
+        if status:
+            yield status
+            return
     yield S.Y_DONE
