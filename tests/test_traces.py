@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -297,10 +296,8 @@ README["vidur/processed_traces/splitwise_conv.csv"] = README["azure_llm_2023/Azu
 @needs_shared
 @pytest.mark.parametrize("rel", list(README))
 def test_real_trace_matches_readme(rel):
-    t0 = time.perf_counter()
+    # How long reading takes is measured by benchmarks/trace_read.py, not asserted here.
     wl = build_trace(TraceWorkload(path=rel), np.random.default_rng(0), SHARED)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 1.0, f"reading took {elapsed:.2f} s"
     s = summarize_workload(wl)
     for key, want in README[rel].items():
         # The README prints 3-4 significant figures: half a unit of its last digit, at most 0.5%.
