@@ -152,6 +152,18 @@ def test_padded_decode_equals_eager(model):
             assert g.bucket(B, B * -(-ctx // 64)) in keys
 
 
+def _enqueued_by_the_next_step(res):
+    """A request is added at the first step boundary after its arrival: no step that
+    began after its arrival was followed by another that began before it was enqueued
+    (the one allowed step is the one its arrival may have raced). Wall-time free, so it
+    holds on a loaded machine too."""
+    starts = [s["start"] for s in res["steps"]]
+    for r in res["requests"]:
+        later = [t for t in starts if t > r["arrival"]]
+        if len(later) >= 2:
+            assert r["enqueued"] < later[1], r
+
+
 def test_run_trace_timestamps(model):
     e = engine(model, "priority_aging", num_blocks=256)
     n = 10
@@ -165,8 +177,8 @@ def test_run_trace_timestamps(model):
         assert r["completed"] and len(r["token_times"]) == r["output_tokens"]
         assert r["arrival"] <= r["enqueued"] <= r["scheduled"] < r["first_token"] <= r["last_token"]
         assert r["token_times"][0] == r["first_token"] and r["token_times"][-1] == r["last_token"]
-        assert r["enqueued"] - r["arrival"] < 0.1
     st = res["steps"]
+    _enqueued_by_the_next_step(res)
     assert all(a["end"] <= b["start"] for a, b in zip(st, st[1:]))
     assert sum(s["n_decode"] for s in st) == int(O.sum()) - n
     assert sum(s["prefill_tokens"] for s in st) == int(P.sum())
@@ -176,5 +188,6 @@ def test_run_trace_timestamps(model):
     arr2 = np.array([0.0, 0.05, 0.1, 0.25])
     res2 = run_trace(e, arr2, [20, 5, 40, 3], [3, 1, 4, 2], realtime=True)
     assert res2["wall_s"] >= 0.25 and res2["idle_skipped_s"] == 0
+    _enqueued_by_the_next_step(res2)
     for r in res2["requests"]:
-        assert r["arrival"] <= r["enqueued"] < r["arrival"] + 0.05 and r["completed"]
+        assert r["arrival"] <= r["enqueued"] and r["completed"]
