@@ -141,6 +141,7 @@ class FastApply:
             self.swapped.append(s)
             return
         rec.recomputed_tokens[rid] += lost
+        s.dropped = lost
         self._outstanding += lost
         s.prefill_len = s.prompt + s.generated
         s.prefilled = 0

@@ -34,7 +34,7 @@ class _Req:
                  "prefilled", "generated",
                  "held", "key", "finish_tick", "ver", "phase",
                  "prefill_len", "join_tick", "last_t", "late_tick", "preempted_at", "decoding",
-                 "swapped_blocks", "keys")
+                 "swapped_blocks", "dropped", "keys")
 
     def __init__(self, rid: int, prompt: int, output: int, client: int, pooled: bool,
                  priority: int) -> None:
@@ -59,6 +59,7 @@ class _Req:
         self.preempted_at = None
         self.decoding = False
         self.swapped_blocks = 0
+        self.dropped = 0            # KV tokens dropped at its last preemption by recompute
         self.keys = None            # prefix-cache keys of its prompt blocks (or None)
 
 class FastReplica(FastApply):
@@ -386,6 +387,8 @@ class FastReplica(FastApply):
                 rec.scheduled[s.rid] = now
             else:
                 rec.preempted_s[s.rid] += now - s.preempted_at
+                # Dropped KV that a re-admission's prefix hit recovers is not recomputed.
+                rec.recomputed_tokens[s.rid] -= min(cached, s.dropped)
             self.prefilling.append(s)
         if dropped:
             chunks = [c for c in chunks if id(c[0]) not in dropped]

@@ -55,7 +55,7 @@ class SimSeq(Seq):
 
     __slots__ = ("client", "pooled", "depart", "context", "key", "finish_tick", "keys",
                  "where", "ver", "grow_tick", "join_tick", "last_t", "preempted_at",
-                 "swapped_blocks", "stream")
+                 "swapped_blocks", "dropped", "stream")
 
     def __init__(self, rid: int, enqueued: float, prompt_tokens: int, output_tokens: int,
                  priority: int, blocks_needed: int, client: int, pooled: bool) -> None:
@@ -74,6 +74,7 @@ class SimSeq(Seq):
         self.last_t = 0.0      # fast mode: when its last token left the engine
         self.preempted_at = 0.0
         self.swapped_blocks = 0
+        self.dropped = 0       # KV tokens dropped at its last preemption by recompute
         self.stream = None     # optional per-request stream model (``clientstream``)
 
 
@@ -304,6 +305,8 @@ class Replica(ReplicaMemory, ReplicaApply):
                 rec.scheduled[rid] = now
             else:
                 rec.preempted_s[rid] += now - seq.preempted_at
+                # Dropped KV that a re-admission's prefix hit recovers is not recomputed.
+                rec.recomputed_tokens[rid] -= min(cached, seq.dropped)
             seq.where = "p"
             self.prefilling.append(seq)
 

@@ -161,6 +161,7 @@ class ReplicaMemory:
         # Recompute: the KV is gone; prefill again whatever it had computed.
         lost = held_tokens if decoding else s.prefilled
         rec.recomputed_tokens[rid] += lost
+        s.dropped = lost
         self._outstanding += lost
         if decoding:
             s.prefill_len = s.prompt_tokens + s.generated

@@ -196,6 +196,48 @@ def test_preemption_loses_no_request_and_modes_agree(policy, preemption, caching
         assert abs(res[m].rec.itl.total - res["auto"].rec.itl.total) < 1e-6
 
 
+@pytest.mark.parametrize("policy", ["fifo", "chunked"])
+@pytest.mark.parametrize("loop,mode", [("python", "auto"), ("simpy", "auto"), ("simpy", "slow")])
+def test_recomputed_tokens_exclude_a_readmission_prefix_hit(monkeypatch, loop, mode, policy):
+    """``recomputed_tokens`` is the KV dropped by recompute preemptions that had to be
+    prefilled again: the part a re-admission's prefix hit recovers is not counted.
+    Checked against the prefill tokens the engine ran (every step's chunks summed) and
+    each admission's hit (recorded at the block manager): the run prefills the prompts,
+    less their first admission's hit, plus the recomputed tokens, less any hit beyond
+    what a re-admission had dropped (a request preempted mid-prefill may come back to
+    a cache that has since grown). fifo never preempts mid-prefill (its prefills end
+    within their step), so there the identity is exact."""
+    from simulator.costmodel.profile import ProfileCostModel
+    ran = [0]
+    hits: dict = {}
+    step_time, allocate = ProfileCostModel.step_time, PrefixKV.allocate
+
+    def counting_step_time(self, nd, ctx_max, ctx_sum, chunks):
+        ran[0] += sum(c[0] for c in chunks)
+        return step_time(self, nd, ctx_max, ctx_sum, chunks)
+
+    def recording_allocate(self, rid, tokens, keys=None):
+        cached = allocate(self, rid, tokens, keys)
+        hits.setdefault(rid, []).append(cached)
+        return cached
+
+    monkeypatch.setattr(ProfileCostModel, "step_time", counting_step_time)
+    monkeypatch.setattr(PrefixKV, "allocate", recording_allocate)
+    sc = _pressure("recompute", policy=policy, sys_prompt=64, prefix_caching=True)
+    df = requests_table(simulate(sc, loop=loop, mode=mode))
+    assert df["finished"].all() and (df["recomputed_tokens"] >= 0).all()
+    readmit = sum(h for hs in hits.values() for h in hs[1:])
+    # A re-admission can hit beyond what it dropped by at most its hit's growth.
+    growth = sum(max(0, b - a) for hs in hits.values() for a, b in zip(hs, hs[1:]))
+    assert readmit > growth                 # re-admissions that hit what they dropped
+    first = sum(hs[0] for hs in hits.values())
+    gap = df["prompt_tokens"].sum() - first + df["recomputed_tokens"].sum() - ran[0]
+    if policy == "fifo":
+        assert gap == 0
+    else:
+        assert 0 <= gap <= growth
+
+
 def test_victims_are_the_lowest_priority_class_first():
     df = requests_table(simulate(_pressure(victim="priority")))
     by_class = df.groupby("class")["preemptions"].sum()
