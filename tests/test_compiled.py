@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 pytest.importorskip("numba")
 
 from conftest import REPO, make_profile, make_scenario  # noqa: E402
-from test_fastloop import _scenario, assert_identical  # noqa: E402
+from test_fastloop import PRESSURE, _scenario, assert_identical, pressure_scenario  # noqa: E402
 from simulator import compiled  # noqa: E402
 from simulator.costmodel.profile import ProfileCostModel, load_profile  # noqa: E402
 from simulator.fastloop import Unsupported  # noqa: E402
@@ -57,27 +57,12 @@ def test_compiled_loop_is_the_simpy_model_bit_for_bit(flush, series_cap, **cfg):
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(n=st.integers(5, 90), seed=st.integers(0, 10_000),
-       policy=st.sampled_from(["chunked", "fifo", "priority_aging"]), replicas=st.integers(1, 2),
-       router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
-       watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([24, 40, 64]),
-       max_seqs=st.sampled_from([4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
-       chunk=st.sampled_from([None, 16]), rate=st.sampled_from([30.0, 400.0]),
-       net=st.sampled_from(["zero", "wan"]), out_hi=st.sampled_from([60, 200]),
-       aging=st.sampled_from([0.05, 1.0]), victim=st.sampled_from(["priority", "latest"]),
-       preemption=st.sampled_from(["recompute", "swap"]),
-       swap_gb=st.sampled_from([0.0, 0.01, 4.0]), flush=st.sampled_from([3, 1 << 16]))
+@given(**PRESSURE, router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
+       flush=st.sampled_from([3, 1 << 16]))
 def test_under_memory_pressure_the_compiled_loop_preempts_as_simpy_does(flush, **cfg):
     """Few blocks, long outputs: most runs preempt (by recompute or swap; a full swap
     space recomputes), some many times over; each must be SimPy's run bit for bit."""
-    n, seed, policy, replicas, router = (cfg.pop(k) for k in
-                                         ("n", "seed", "policy", "replicas", "router"))
-    watermark, blocks, max_seqs, budget, chunk, rate, net, out_hi = (
-        cfg.pop(k) for k in ("watermark", "blocks", "max_seqs", "budget", "chunk", "rate",
-                             "net", "out_hi"))
-    sc = _scenario(n, seed, policy, replicas, router, "paged", None, watermark, blocks,
-                   max_seqs, budget, chunk, "poisson", rate, net, False, None, True, 120,
-                   out_hi, **cfg)
+    sc = pressure_scenario(**cfg)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ItlHistogram, "FLUSH", flush)
         ref = simulate(sc, loop="simpy")

@@ -195,29 +195,34 @@ def test_workload_read_in_windows_gives_the_same_run(monkeypatch):
     assert_identical(ref, res)
 
 
+# Memory-pressure configurations (few blocks, long outputs), shared with test_compiled.
+PRESSURE = dict(
+    n=st.integers(5, 90), seed=st.integers(0, 10_000),
+    policy=st.sampled_from(["chunked", "fifo", "priority_aging"]), replicas=st.integers(1, 2),
+    watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([24, 40, 64]),
+    max_seqs=st.sampled_from([4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
+    chunk=st.sampled_from([None, 16]), rate=st.sampled_from([30.0, 400.0]),
+    net=st.sampled_from(["zero", "wan"]), out_hi=st.sampled_from([60, 200]),
+    aging=st.sampled_from([0.05, 1.0]), victim=st.sampled_from(["priority", "latest"]),
+    preemption=st.sampled_from(["recompute", "swap"]), swap_gb=st.sampled_from([0.0, 0.01, 4.0]))
+
+
+def pressure_scenario(n, seed, policy, replicas, router, watermark, blocks, max_seqs, budget,
+                      chunk, rate, net, out_hi, noise=False, **kw):
+    """A ``PRESSURE`` draw as a scenario: paged KV, Poisson arrivals, prompts up to 120."""
+    return _scenario(n, seed, policy, replicas, router, "paged", None, watermark, blocks,
+                     max_seqs, budget, chunk, "poisson", rate, net, noise, None, True, 120,
+                     out_hi, **kw)
+
+
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(n=st.integers(5, 90), seed=st.integers(0, 10_000),
-       policy=st.sampled_from(["chunked", "fifo", "priority_aging"]), replicas=st.integers(1, 2),
-       router=st.sampled_from(["round_robin", "least_outstanding"]),
-       watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([24, 40, 64]),
-       max_seqs=st.sampled_from([4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
-       chunk=st.sampled_from([None, 16]), rate=st.sampled_from([30.0, 400.0]),
-       net=st.sampled_from(["zero", "wan"]), noise=st.booleans(),
-       out_hi=st.sampled_from([60, 200]), aging=st.sampled_from([0.05, 1.0]),
-       victim=st.sampled_from(["priority", "latest"]),
-       preemption=st.sampled_from(["recompute", "swap"]),
-       swap_gb=st.sampled_from([0.0, 0.01, 4.0]), caching=st.booleans(),
-       sys_prompt=st.sampled_from([0, 40]))
-def test_under_memory_pressure_the_fast_loop_preempts_as_simpy_does(
-        n, seed, policy, replicas, router, watermark, blocks, max_seqs, budget, chunk, rate,
-        net, noise, out_hi, aging, victim, preemption, swap_gb, caching, sys_prompt):
+@given(**PRESSURE, router=st.sampled_from(["round_robin", "least_outstanding"]),
+       noise=st.booleans(), caching=st.booleans(), sys_prompt=st.sampled_from([0, 40]))
+def test_under_memory_pressure_the_fast_loop_preempts_as_simpy_does(**cfg):
     """Caches a few prompts large, long outputs: most runs preempt (by recompute or
     swap; a full swap space recomputes), some many times over; each must be SimPy's
     run bit for bit."""
-    sc = _scenario(n, seed, policy, replicas, router, "paged", None, watermark, blocks,
-                   max_seqs, budget, chunk, "poisson", rate, net, noise, None, True, 120,
-                   out_hi, aging=aging, victim=victim, preemption=preemption,
-                   swap_gb=swap_gb, caching=caching, sys_prompt=sys_prompt)
+    sc = pressure_scenario(**cfg)
     res = simulate(sc, loop="python")
     assert res.meta["loop"] == "fast"
     assert_identical(simulate(sc, loop="simpy"), res)

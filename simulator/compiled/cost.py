@@ -45,18 +45,22 @@ def bisect_left(x, n, q):
 
 
 @jit
+def bracket(x, n, q):
+    """For ``q > x[0]``: (i, above) with ``x[i-1] <= q < x[i]`` inside ``x[:n]``, or the
+    last segment (``i = n - 1``) at or above the top, flagged when strictly above."""
+    if q >= x[n - 1]:
+        return n - 1, q > x[n - 1]
+    return bisect_right(x, n, q), False
+
+
+@jit
 def curve(X, Y, n, q):
     """``_Curve.__call__``: (value, above the measured range)."""
     if q <= X[0]:
         return Y[0], False
     if n == 1:
         return Y[0], q != X[0]
-    if q >= X[n - 1]:
-        i = n - 1
-        out = q > X[n - 1]
-    else:
-        i = bisect_right(X, n, q)
-        out = False
+    i, out = bracket(X, n, q)
     x0, x1, y0, y1 = X[i - 1], X[i], Y[i - 1], Y[i]
     return y0 + (y1 - y0) * (q - x0) / (x1 - x0), out
 
@@ -70,12 +74,7 @@ def table(A, X, Y, N, qa, qb):
     j = bisect_left(A, L, qa)
     if j < L and A[j] == qa:
         return curve(X[j], Y[j], N[j], qb)
-    if qa >= A[L - 1]:
-        i = L - 1
-        out = qa > A[L - 1]
-    else:
-        i = bisect_right(A, L, qa)
-        out = False
+    i, out = bracket(A, L, qa)
     y0, o0 = curve(X[i - 1], Y[i - 1], N[i - 1], qb)
     y1, o1 = curve(X[i], Y[i], N[i], qb)
     a0, a1 = A[i - 1], A[i]
