@@ -241,7 +241,7 @@ def main(argv=None) -> int:
                 eng.clear()
                 for r, c in enumerate((100, 517, 1024, 33, 2000)):
                     eng.install_running(r, c - 1, 2, prefilled=c - 1, generated=1)
-                from simulator.scheduling import StepPlan
+                from simulator.model.scheduling import StepPlan
                 h = eng.host_step(StepPlan(decode=tuple(range(5))))
                 ids = eng.graphs.run(h).cpu()
                 g_logits = eng.graphs.logits(*eng.graphs.bucket(5, h.num_pages))[:5].float()

@@ -7,7 +7,7 @@ sizes as arguments to change). A benchmark, not a test: it prints its figures.
 
     python benchmarks/sim_speed.py [--loop auto|python|simpy] [10000 100000 1000000]
 
-The default runs this configuration on the compiled loop (``simulator.compiled``, the
+The default runs this configuration on the compiled loop (``simulator.loops.compiled``, the
 ``fast`` extra: numba) when numba is installed; ``--loop python`` on ``fastloop`` (the
 same model without SimPy), ``--loop simpy`` on SimPy. All three give identical results.
 The compiled loop is compiled once per machine and then loaded from numba's cache:
@@ -19,8 +19,8 @@ import resource
 import sys
 import time
 
-from simulator.config import validate_scenario
-from simulator.simulate import simulate
+from simulator.config.scenario import validate_scenario
+from simulator.loops.simulate import simulate
 
 REPLICAS = 4
 
@@ -40,7 +40,7 @@ def scenario(n: int):
 
 def main(sizes: list[int], loop: str = "auto") -> None:
     if loop in ("auto", "compiled"):
-        from simulator.fastloop import Unsupported
+        from simulator.loops.fast.loop import Unsupported
         t0 = time.perf_counter()
         try:
             simulate(scenario(200), loop="compiled")

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from simulator.sweep import parse_axis, run_sweep
+from simulator.planning.sweep import parse_axis, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = ["workload.arrival.rate=10:14.5:0.5", "engine.policy=chunked,priority_aging",

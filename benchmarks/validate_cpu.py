@@ -26,7 +26,7 @@ from real_engine.runner import run_trace
 from real_engine.validate import (at_load, compare, diagnosis_lines, engine_settings, error_table,
                                   real_table,
                                   saturation_throughput, validate, write_validation)
-from simulator.metrics import summarize
+from simulator.report.metrics import summarize
 from simulator.workload import Workload
 
 TARGETS = {"median": 0.10, "p99": 0.15}

@@ -20,7 +20,7 @@
 # (`latsim profile`). It writes per-request tables `real-<policy>.csv` and
 # `sim-<policy>.csv` (the columns of `requests.csv`) and `validation.json`.
 #
-# This notebook plots those tables with `simulator.plots.plot_fidelity`: the CDFs of
+# This notebook plots those tables with `simulator.report.plots.plot_fidelity`: the CDFs of
 # TTFT, TPOT and E2E overlaid, and the relative error of P50 and P99.
 #
 # Where the tables come from, in order:
@@ -37,7 +37,7 @@
 import os
 from pathlib import Path
 
-from simulator.nbutil import out_dir, repo_root, show
+from simulator.report.notebook import out_dir, repo_root, show
 
 REPO = repo_root()
 OUT = out_dir("fidelity")
@@ -79,7 +79,7 @@ else:
     if rv is not None:
         import numpy as np
 
-        from simulator.costmodel import load_profile
+        from simulator.cost import load_profile
         from simulator.workload.traces import TraceWorkload, build_trace
 
         OUT.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ if VALIDATE_DIR is None and has_tables(REPO / "results" / "validate"):
 # %%
 import json
 
-from simulator import plots
+from simulator.report import plots
 
 if VALIDATE_DIR is None or not has_tables(VALIDATE_DIR):
     print("SKIPPED: no validation tables. Install the engine extra (torch) to run a fresh "

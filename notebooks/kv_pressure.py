@@ -31,7 +31,7 @@
 # Paged allocation everywhere (blocks of 16 tokens taken as the context grows).
 
 # %%
-from simulator.nbutil import out_dir, repo_root, show
+from simulator.report.notebook import out_dir, repo_root, show
 
 REPO = repo_root()
 OUT = out_dir("kv_pressure")
@@ -44,10 +44,10 @@ import time
 
 import numpy as np
 
-from simulator.config import load_scenario
-from simulator.kvreport import kv_capacity_line
-from simulator.report import run_outputs, series_table, write_run
-from simulator.simulate import kv_capacity_blocks, simulate
+from simulator.config.scenario import load_scenario
+from simulator.report.kv import kv_capacity_line
+from simulator.report.output import run_outputs, series_table, write_run
+from simulator.loops.simulate import kv_capacity_blocks, simulate
 from simulator.workload import build_workload
 
 sc, base = load_scenario(REPO / "scenarios" / "kv-pressure.yaml")
@@ -70,7 +70,7 @@ write_run(OUT, sc, outs, tables, series)
 # %%
 import pandas as pd
 
-from simulator.plots import load_results
+from simulator.report.plots import load_results
 
 results = load_results(OUT)
 rows = {}
@@ -118,7 +118,7 @@ print("\nP99 TTFT, best to worst:", " < ".join(order))
 # recovers only a small part of what more memory does.
 
 # %%
-from simulator import plots
+from simulator.report import plots
 
 fig = plots.plot_latency_cdfs(results, OUT / "latency_cdfs.png")
 show(OUT / "latency_cdfs.png")

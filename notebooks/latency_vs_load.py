@@ -17,9 +17,9 @@
 # Capacity planning asks: *how much traffic can this deployment take before the tail
 # blows up?* This notebook sweeps the arrival rate of the synthetic
 # `policies-compare` scenario (Llama-3-8B on one H200, ShareGPT-like lengths, three
-# priority classes) under each scheduling policy with `simulator.sweep.run_sweep`
+# priority classes) under each scheduling policy with `simulator.planning.sweep.run_sweep`
 # (what `latsim sweep` runs), then plots P50/P99 TTFT and TPOT against load with
-# `simulator.plots.plot_load_curve`.
+# `simulator.report.plots.plot_load_curve`.
 #
 # **The knee** is the lowest swept load at which P99 TTFT exceeds `KNEE_FACTOR` (3x)
 # its value at the lowest load swept: past it, queueing rather than compute sets the
@@ -29,7 +29,7 @@
 # %%
 import os
 
-from simulator.nbutil import out_dir, repo_root, show
+from simulator.report.notebook import out_dir, repo_root, show
 
 REPO = repo_root()
 OUT = out_dir("latency_vs_load")
@@ -55,8 +55,8 @@ WORKERS = min(2, os.cpu_count() or 1)
 # %%
 import time
 
-from simulator.config import apply_overrides, read_yaml
-from simulator.sweep import parse_axis, run_sweep
+from simulator.config.scenario import apply_overrides, read_yaml
+from simulator.planning.sweep import parse_axis, run_sweep
 
 base = apply_overrides(read_yaml(SCENARIO), OVERRIDES)
 t0 = time.perf_counter()
@@ -71,7 +71,7 @@ print(df[["rate", "engine.policy", "seed", "offered_rate", "median_ttft_ms", "p9
 # ## Latency vs load, knee marked
 
 # %%
-from simulator import plots
+from simulator.report import plots
 
 x, group, _ = plots.sweep_axes(df)
 fig = plots.plot_load_curve(df, x, group, OUT / "load_curve.png", knee_factor=KNEE_FACTOR)
@@ -85,7 +85,7 @@ for policy, knee in knees.items():
 # %% [markdown]
 # ## The same picture from the result folder
 #
-# `latsim report` (and `simulator.plots.plot_run`) finds the sweep table in the folder
+# `latsim report` (and `simulator.report.plots.plot_run`) finds the sweep table in the folder
 # and writes the same plot; this is what a CI job or a script would call.
 
 # %%

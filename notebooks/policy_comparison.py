@@ -26,10 +26,10 @@
 # Every policy sees identical traffic (arrival times and token counts from the trace,
 # priority classes drawn by share). The notebook uses the project's Python API
 # (`load_scenario`, `simulate`, `run_outputs`, `write_run`) and plots with
-# `simulator.plots`, reading back the result files a `latsim run --out` would write.
+# `simulator.report.plots`, reading back the result files a `latsim run --out` would write.
 
 # %%
-from simulator.nbutil import out_dir, repo_root, show
+from simulator.report.notebook import out_dir, repo_root, show
 
 REPO = repo_root()
 OUT = out_dir("policy_comparison")
@@ -49,7 +49,7 @@ SEED = None  # None: the scenario's own seed
 scenario_file = REPO / "scenarios" / "azure-conv.yaml"
 overrides = [f"workload.window=[{WINDOW[0]}, {WINDOW[1]}]"]
 
-from simulator.config import load_scenario
+from simulator.config.scenario import load_scenario
 
 sc, base = load_scenario(scenario_file, overrides)
 if not (base / sc.workload.path).exists():
@@ -66,8 +66,8 @@ print(f"{sc.name}: policies {', '.join(policies)}")
 # %%
 import time
 
-from simulator.report import run_outputs, series_table, write_run
-from simulator.simulate import simulate
+from simulator.report.output import run_outputs, series_table, write_run
+from simulator.loops.simulate import simulate
 
 t0 = time.perf_counter()
 outs, tables, series = {}, {}, {}
@@ -84,12 +84,12 @@ print(f"results in {OUT}")
 # %% [markdown]
 # ## P50 / P99 at a glance
 #
-# Read back from the result folder with `simulator.plots.load_results`.
+# Read back from the result folder with `simulator.report.plots.load_results`.
 
 # %%
 import pandas as pd
 
-from simulator.plots import load_results
+from simulator.report.plots import load_results
 
 results = load_results(OUT)
 rows = {}
@@ -116,7 +116,7 @@ if all(v is not None for v in p0.values()):
 # Logit y axis: the P99 tail is as legible as the median. Circles mark P50, triangles P99.
 
 # %%
-from simulator import plots
+from simulator.report import plots
 
 fig = plots.plot_latency_cdfs(results, OUT / "latency_cdfs.png")
 show(OUT / "latency_cdfs.png")

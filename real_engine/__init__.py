@@ -11,10 +11,10 @@ Entry points:
     run_profile(model, device, out=None, quick=False, ...) -> dict
     run_trace(engine, arrivals_s, prompt_tokens, output_tokens, priority, realtime=True) -> dict
 """
-from .engine import EngineCore, StepResult
-from .model import PRESETS, ModelConfig, Transformer, build_model
-from .profile import build_engine, run_profile, time_step_components
-from .runner import run_trace
+from real_engine.engine import EngineCore, StepResult
+from real_engine.model import PRESETS, ModelConfig, Transformer, build_model
+from real_engine.profile import build_engine, run_profile, time_step_components
+from real_engine.runner import run_trace
 
 
 __all__ = ["EngineCore", "StepResult", "PRESETS", "ModelConfig", "Transformer", "build_model",

@@ -34,14 +34,14 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from simulator.benchclient import _WORDS, bench_outputs, run_bench
-from simulator.config import validate_scenario
+from simulator.wire.benchclient import _WORDS, bench_outputs, run_bench
+from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
-from simulator.metrics import BREAKDOWN, requests_table, summarize
-from simulator.simulate import simulate
+from simulator.report.metrics import BREAKDOWN, requests_table, summarize
+from simulator.loops.simulate import simulate
 from simulator.workload import Workload
 
-from .validate import compare, policy_kwargs, write_results
+from real_engine.validate import compare, policy_kwargs, write_results
 
 STAGES = BREAKDOWN   # the E2E stages, all measured over the wire
 LOOPBACK_MBPS = 10_000.0     # nominal: on loopback a frame's transmit time is negligible
@@ -176,9 +176,9 @@ def run_local(engine, profile: dict, wl: Workload, policies: Sequence[str], *,
               **kw) -> dict:
     """One in-process ``latsim serve`` of ``engine`` per policy, on a free loopback
     port, benched and simulated; the results per policy."""
-    from simulator.scheduling import make_policy
+    from simulator.model.scheduling import make_policy
 
-    from .server import BackgroundServer, make_app
+    from real_engine.server import BackgroundServer, make_app
     out = {}
     for name in policies:
         pol = make_policy(name, **policy_kwargs(settings))
@@ -218,7 +218,7 @@ def run_endpoint_validation(endpoint: str, profile: dict, wl: Workload,
     to compare (local), or None / the server's own (URL). ``load`` rescales the
     arrivals to that fraction of the simulated saturation throughput (as
     ``validate --load``). Returns ``(results, meta)`` for ``write_endpoint``."""
-    from .validate import at_load, saturation_throughput
+    from real_engine.validate import at_load, saturation_throughput
     url = parse_endpoint(endpoint)
     meta = {"endpoint": endpoint, "requests": len(wl), "seed": seed}
 
@@ -232,7 +232,7 @@ def run_endpoint_validation(endpoint: str, profile: dict, wl: Workload,
         return at_load(wl, load * cap)
 
     if url is None:
-        from .profile import build_engine
+        from real_engine.profile import build_engine
         pols = list(policies or ["chunked"])
         engine = build_engine(model, device, seed=seed, policy=pols[0],
                               max_num_seqs=settings["max_num_seqs"],
@@ -254,7 +254,7 @@ def run_endpoint_validation(endpoint: str, profile: dict, wl: Workload,
 
 def error_table(results: dict, title: str = "Simulated vs real, over the wire"):
     """``validate.error_table`` with every E2E stage too (the wire's are measured here)."""
-    from .validate import error_table as table
+    from real_engine.validate import error_table as table
     return table(results, title, stages=STAGES, digits=3)
 
 

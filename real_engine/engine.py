@@ -1,14 +1,14 @@
 """Continuous batching over the simulator's scheduling policies, on a real model.
 
 ``EngineCore`` is the real executor of DESIGN.md §2: it holds the requests
-(``simulator.scheduling.Seq``), a waiting queue made by ``policy.new_queue()``
+(``simulator.model.scheduling.Seq``), a waiting queue made by ``policy.new_queue()``
 and the running lists ``decoding``/``prefilling``; each ``step()`` snapshots a
 ``SchedulerState``, asks the policy for a ``StepPlan`` -- the very objects the
 SimPy replica uses -- and executes that plan as one token-packed forward.
 
-KV memory is a ``simulator.kvspace.KVSpace`` over the simulator's block manager
+KV memory is a ``simulator.model.kv.space.KVSpace`` over the simulator's block manager
 (``kv_rules``: allocation, preemption, victim order, watermark, prefix caching),
-so the engine's memory decisions are the simulator's (``simulator.replica`` and
+so the engine's memory decisions are the simulator's (``simulator.loops.simpy.replica`` and
 ``replica_memory`` are the reference). Semantics (the simulator assumes exactly
 these):
 
@@ -55,15 +55,15 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from simulator.kvcache import request_blocks
-from simulator.kvspace import KVRules, KVSpace
-from simulator.prefixkeys import keys_from_tokens
-from simulator.scheduling import SchedulerState, Seq, StepPlan
+from simulator.model.kv.blocks import request_blocks
+from simulator.model.kv.space import KVRules, KVSpace
+from simulator.model.kv.prefixkeys import keys_from_tokens
+from simulator.model.scheduling import SchedulerState, Seq, StepPlan
 
-from .engine_memory import EngineMemory
-from .graphs import DecodeGraphs
-from .kv import HostStep, PagedKVCache, build_host_step, to_device
-from .model import Transformer
+from real_engine.engine_memory import EngineMemory
+from real_engine.graphs import DecodeGraphs
+from real_engine.kv import HostStep, PagedKVCache, build_host_step, to_device
+from real_engine.model import Transformer
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Request:
 
     def keys(self, block_size: int) -> list:
         """Prefix-cache keys of the prompt's full blocks. Only the prompt is named, as
-        the simulator names it (``simulator.prefixkeys``): a request recomputing after
+        the simulator names it (``simulator.model.kv.prefixkeys``): a request recomputing after
         a preemption can hit its own prompt blocks, never its generated ones (naming
         those too would change which cached blocks are evicted first, so the two
         executors' hits would drift apart)."""
@@ -147,7 +147,7 @@ class StepResult:
 class EngineCore(EngineMemory):
     """A continuous-batching engine: requests in, one packed forward per ``step()``.
 
-    ``kv_rules`` (``simulator.kvspace.KVRules``): paged or contiguous allocation,
+    ``kv_rules`` (``simulator.model.kv.space.KVRules``): paged or contiguous allocation,
     preemption by recompute or swap, victim order, watermark, prefix caching;
     ``block_size``, when given, overrides ``kv_rules.block_size``. ``swap_blocks``:
     host swap space in blocks (None: unlimited)."""

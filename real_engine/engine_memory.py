@@ -1,11 +1,11 @@
 """KV memory inside ``EngineCore``: growth, preemption (recompute or swap),
 swap-in and admission. A mixin; the rules themselves (what admission costs, whom to
-preempt, ``make_room``, ``admit_plan``) are ``simulator.kvspace``'s, shared with the
-simulator's replica (``simulator.replica_memory`` is its counterpart)."""
+preempt, ``make_room``, ``admit_plan``) are ``simulator.model.kv.space``'s, shared with the
+simulator's replica (``simulator.loops.simpy.memory`` is its counterpart)."""
 from __future__ import annotations
 
-from simulator.kvcache import blocks_for
-from simulator.scheduling import Seq, StepPlan
+from simulator.model.kv.blocks import blocks_for
+from simulator.model.scheduling import Seq, StepPlan
 
 
 class EngineMemory:

@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Optional
 
-from .engine import EngineCore
-from .openai_api import ApiError
+from real_engine.engine import EngineCore
+from real_engine.openai_api import ApiError
 
 _DONE = object()    # end-of-stream marker put on a request's queue
 _ABORT = object()   # the engine stopped (shutdown or a crash): the request cannot finish

@@ -29,8 +29,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .kv import HostStep, PagedKVCache, StepMeta, empty_host_step
-from .model import Transformer
+from real_engine.kv import HostStep, PagedKVCache, StepMeta, empty_host_step
+from real_engine.model import Transformer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224,
                  256, 320, 384, 448, 512)

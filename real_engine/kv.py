@@ -2,7 +2,7 @@
 
 Layout. Per layer, K and V are tensors of shape
 ``[n_kv_heads, num_blocks + 1, block_size, head_dim]``: head-major, then
-block-major (a block is the unit of KV memory, see ``simulator.blockmanager``).
+block-major (a block is the unit of KV memory, see ``simulator.model.kv.manager``).
 Gathering a list of blocks along dim 1 gives, for every head, the blocks'
 tokens back to back (``[Hkv, n_blocks * block_size, head_dim]``) with no further
 copy, which is what both the decode and the prefill attention read. The extra
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from simulator.kvcache import DEFAULT_BLOCK_SIZE, blocks_for
-from simulator.kvspace import KVRules, KVSpace
+from simulator.model.kv.blocks import DEFAULT_BLOCK_SIZE, blocks_for
+from simulator.model.kv.space import KVRules, KVSpace
 
 # index_reduce_ is stable in practice but still flagged beta; one warning per run is noise.
 warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
@@ -51,7 +51,7 @@ PAGE_BLOCKS = 4
 class PagedKVCache:
     """K/V tensors of every layer, addressed by the block tables of a ``KVSpace``.
 
-    Block ids come from ``kv.manager`` (a ``simulator.blockmanager.PrefixKV``:
+    Block ids come from ``kv.manager`` (a ``simulator.model.kv.manager.PrefixKV``:
     ``KVSpace(..., track_ids=True)``), the very block manager the simulator uses,
     so admission, growth, preemption and prefix hits are decided by one
     implementation. A shared (prefix-hit) block appears in several tables.

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kv import PagedKVCache, StepMeta, decode_attention, prefill_attention, write_kv
+from real_engine.kv import PagedKVCache, StepMeta, decode_attention, prefill_attention, write_kv
 
 
 @dataclass(frozen=True)

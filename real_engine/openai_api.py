@@ -10,7 +10,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from simulator.kvcache import request_blocks
+from simulator.model.kv.blocks import request_blocks
 
 
 class ApiError(Exception):

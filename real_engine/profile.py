@@ -29,12 +29,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from simulator.kvcache import request_blocks
-from simulator.kvspace import KVRules
-from simulator.scheduling import StepPlan, make_policy
+from simulator.model.kv.blocks import request_blocks
+from simulator.model.kv.space import KVRules
+from simulator.model.scheduling import StepPlan, make_policy
 
-from .engine import EngineCore
-from .model import ModelConfig, Transformer, build_model, resolve_config
+from real_engine.engine import EngineCore
+from real_engine.model import ModelConfig, Transformer, build_model, resolve_config
 
 FORMAT = "latsim-profile/1"
 DECODE_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .engine import EngineCore
+from real_engine.engine import EngineCore
 
 
 def _sleep_until(clock, t: float) -> None:

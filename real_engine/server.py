@@ -72,11 +72,11 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from simulator.benchclient import TIMING_COMMENT, TIMING_HEADER
+from simulator.wire.benchclient import TIMING_COMMENT, TIMING_HEADER
 
-from .engine import EngineCore
-from .engineloop import _ABORT, _DONE, EngineLoop, _Stream
-from .openai_api import ApiError, Parsed, chunk, completion, detokenize, error_body, parse_request
+from real_engine.engine import EngineCore
+from real_engine.engineloop import _ABORT, _DONE, EngineLoop, _Stream
+from real_engine.openai_api import ApiError, Parsed, chunk, completion, detokenize, error_body, parse_request
 
 def _error(message: str, status: int = 400, param: Optional[str] = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
@@ -353,7 +353,7 @@ def serve(model: str = "tiny", device: str = "cpu", host: str = "127.0.0.1", por
     """
     import uvicorn
 
-    from .profile import build_engine
+    from real_engine.profile import build_engine
     # Bound first: a taken port fails at once, not after building the model.
     sock = listen_socket(host, port, send_buffer_bytes)
     try:

@@ -6,7 +6,7 @@ The real side replays the trace against ``EngineCore`` in wall-clock time
 scheduling policy object type and limits, the profile the engine produced as its
 cost model, and no wire (network and stream set to zero), since the engine
 serves in-process. Both sides produce the simulator's per-request table, so the
-metrics are computed by one function (``simulator.metrics.summarize``).
+metrics are computed by one function (``simulator.report.metrics.summarize``).
 
 This module imports ``simulator``; ``simulator`` never imports it.
 """
@@ -20,11 +20,11 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from simulator.config import validate_scenario
-from simulator.metrics import add_derived, requests_table, summarize
-from simulator.recorder import ItlHistogram
-from simulator.report import json_safe
-from simulator.simulate import simulate
+from simulator.config.scenario import validate_scenario
+from simulator.report.metrics import add_derived, requests_table, summarize
+from simulator.report.recorder import ItlHistogram
+from simulator.report.output import json_safe
+from simulator.loops.simulate import simulate
 from simulator.workload import Workload
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -154,7 +154,7 @@ def step_fit(steps: list, profile: dict) -> dict:
     only, prefill only, mixed); ``gap_ms``: mean idle-free time between the end of one
     step and the start of the next while work was queued (loop overhead the profile
     cannot see)."""
-    from simulator.costmodel.profile import ProfileCostModel
+    from simulator.cost.profile import ProfileCostModel
     cm = ProfileCostModel(profile)
     kinds: dict[str, list] = {"decode": [], "prefill": [], "mixed": []}
     for st in steps:
@@ -217,8 +217,8 @@ def validate(engine, profile: dict, wl: Workload, policies: Sequence[str], setti
     "real_table": df, "sim_table": df}}``. The engine's model and KV cache are
     reused across policies; the policy object is swapped while the engine is idle.
     """
-    from simulator.scheduling import make_policy
-    from .runner import run_trace
+    from simulator.model.scheduling import make_policy
+    from real_engine.runner import run_trace
 
     num_blocks = engine.cache.num_blocks
     out = {}
@@ -262,7 +262,7 @@ def run_validation(profile: dict, wl: Workload, policies: Sequence[str], *, mode
     engine for ``model`` on ``device``, optionally rescale ``wl`` to ``load`` x the
     simulated saturation throughput, and validate each policy. Returns
     ``(results, meta)`` for ``write_validation``."""
-    from .profile import build_engine
+    from real_engine.profile import build_engine
     settings = settings or engine_settings()
     engine = build_engine(model, device, seed=seed, max_num_seqs=settings["max_num_seqs"],
                           max_num_batched_tokens=settings["max_num_batched_tokens"])

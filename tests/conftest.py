@@ -53,7 +53,7 @@ def make_scenario_dict(**over) -> dict:
 
 
 def make_scenario(**over):
-    from simulator.config import validate_scenario
+    from simulator.config.scenario import validate_scenario
     return validate_scenario(make_scenario_dict(**over))
 
 

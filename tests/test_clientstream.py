@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import make_scenario_dict
-from simulator.clientstream import ClientStream, Link, StreamParams, StreamStats
-from simulator.config import StreamConfig, validate_scenario
+from simulator.wire.clientstream import ClientStream, Link, StreamParams, StreamStats
+from simulator.config.scenario import StreamConfig, validate_scenario
 from simulator.errors import LatsimError
-from simulator.stream import DisconnectDraws, client_downlinks_bps, stream_params
+from simulator.wire.stream import DisconnectDraws, client_downlinks_bps, stream_params
 
 F = 100.0          # frame bytes: 96 B envelope + 4 B token
 BPS = 800_000.0    # 1 ms per 100 B frame
@@ -279,8 +279,8 @@ def test_disconnect_draws():
 # -- in whole runs (the replica drives the streams) -------------------------------------
 
 from conftest import ZERO_NET, ZERO_STREAM, make_scenario, make_workload  # noqa: E402
-from simulator.metrics import requests_table  # noqa: E402
-from simulator.simulate import simulate  # noqa: E402
+from simulator.report.metrics import requests_table  # noqa: E402
+from simulator.loops.simulate import simulate  # noqa: E402
 
 
 def test_rich_model_with_neutral_settings_reproduces_the_default_model():
@@ -402,7 +402,7 @@ def test_silent_disconnect_of_a_request_that_ends_first_wastes_its_remaining_dec
 
 
 def test_shipped_slow_clients_scenario_runs_under_each_policy():
-    from simulator.config import load_scenario
+    from simulator.config.scenario import load_scenario
     from conftest import REPO
     peaks = {}
     for policy in ("block", "buffer", "degrade"):
@@ -422,7 +422,7 @@ def test_shipped_slow_clients_scenario_runs_under_each_policy():
 
 
 def test_batch_share_seconds_integrates_one_over_the_batch():
-    from simulator.metrics import batch_share_seconds
+    from simulator.report.metrics import batch_share_seconds
     ts, running = [0.0, 1.0, 2.0, 3.0], [1, 2, 4, 0]
     # 0.5 s alone, 1 s in a batch of 2, 0.5 s in a batch of 4.
     assert batch_share_seconds(ts, running, 0.5, 2.5) == pytest.approx(0.5 + 0.5 + 0.125)

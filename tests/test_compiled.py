@@ -1,4 +1,4 @@
-"""The compiled loop (``simulator.compiled``) is the SimPy model, bit for bit.
+"""The compiled loop (``simulator.loops.compiled``) is the SimPy model, bit for bit.
 
 Every recorded array, the ITL histogram (sums over the same flushes), the time
 series, the step, cost-model, connection and KV tallies and the end of the run must
@@ -22,11 +22,11 @@ pytest.importorskip("numba")
 
 from conftest import REPO, make_profile, make_scenario  # noqa: E402
 from test_fastloop import PRESSURE, _scenario, assert_identical, pressure_scenario  # noqa: E402
-from simulator import compiled  # noqa: E402
-from simulator.costmodel.profile import ProfileCostModel, load_profile  # noqa: E402
-from simulator.fastloop import Unsupported  # noqa: E402
-from simulator.recorder import ItlHistogram  # noqa: E402
-from simulator.simulate import simulate  # noqa: E402
+from simulator.loops import compiled
+from simulator.cost.profile import ProfileCostModel, load_profile  # noqa: E402
+from simulator.loops.fast.loop import Unsupported  # noqa: E402
+from simulator.report.recorder import ItlHistogram  # noqa: E402
+from simulator.loops.simulate import simulate  # noqa: E402
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
@@ -139,7 +139,7 @@ def _cost_models():
 def test_compiled_cost_lookups_are_the_cost_model(cm):
     """Step times, long and short decode epochs (numpy's interpolation formula), and
     the lookup and extrapolation counts, below, inside and above the measured range."""
-    from simulator.compiled.cost import decode_ends, pack_cost, step_time
+    from simulator.loops.compiled.cost import decode_ends, pack_cost, step_time
     rng = np.random.default_rng(7)
     max_batch = 300
     CF, PT, DT, ET, G, YB, SL, BEY = pack_cost(cm, max_batch)
@@ -214,8 +214,8 @@ def test_the_compiled_cache_is_named_by_every_source(tmp_path, monkeypatch):
     the callee's old machine code."""
     import shutil
 
-    from simulator.compiled import _jit
-    from simulator.compiled.loop import run
+    from simulator.loops.compiled import _jit
+    from simulator.loops.compiled.loop import run
     assert _jit.CACHE_DIR is not None
     assert run._cache._cache_path.startswith(_jit.CACHE_DIR)
     monkeypatch.setenv("LATSIM_CACHE_DIR", str(tmp_path / "cache"))

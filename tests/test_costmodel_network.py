@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO, make_profile, make_scenario, make_workload
-from simulator.costmodel import load_profile
-from simulator.costmodel.profile import ProfileCostModel
-from simulator.metrics import requests_table
-from simulator.network import ConnectionPools, NetworkTiming
-from simulator.simulate import simulate
+from simulator.cost import load_profile
+from simulator.cost.profile import ProfileCostModel
+from simulator.report.metrics import requests_table
+from simulator.wire.network import ConnectionPools, NetworkTiming
+from simulator.loops.simulate import simulate
 
 REFBENCH = REPO / "profiles" / "h200-llama3-8b-refbench.json"
 
@@ -68,7 +68,7 @@ def test_padded_vs_paged_decode_context():
 
 
 def test_refbench_conversion_matches_committed_profile(shared_data):
-    from simulator.costmodel.convert import refbench_to_profile
+    from simulator.cost.convert import refbench_to_profile
     conv = refbench_to_profile(shared_data / "h200-refbench" / "profile.csv")
     assert conv == json.loads(REFBENCH.read_text())
 

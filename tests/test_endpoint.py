@@ -39,7 +39,7 @@ def profile_file(tmp_path_factory):
 def _cli(args):
     from typer.testing import CliRunner
 
-    from simulator.cli import app
+    from simulator.cli.main import app
     return CliRunner().invoke(app, args, env={"COLUMNS": "200"})
 
 

@@ -15,9 +15,9 @@ from real_engine.graphs import DecodeGraphs, page_buckets  # noqa: E402
 from real_engine.kv import to_device  # noqa: E402
 from real_engine.model import build_model  # noqa: E402
 from real_engine.runner import run_trace  # noqa: E402
-from simulator.kvcache import blocks_for, request_blocks  # noqa: E402
-from simulator.kvspace import KVRules  # noqa: E402
-from simulator.scheduling import POLICIES, StepPlan, make_policy  # noqa: E402
+from simulator.model.kv.blocks import blocks_for, request_blocks  # noqa: E402
+from simulator.model.kv.space import KVRules  # noqa: E402
+from simulator.model.scheduling import POLICIES, StepPlan, make_policy  # noqa: E402
 
 torch.set_num_threads(1)   # 2 shared cores: one thread is faster and steadier
 

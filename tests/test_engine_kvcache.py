@@ -19,10 +19,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from real_engine.engine import EngineCore  # noqa: E402
 from real_engine.model import build_model  # noqa: E402
-from simulator.kvcache import request_blocks  # noqa: E402
-from simulator.kvspace import KVRules  # noqa: E402
-from simulator.prefixkeys import keys_from_tokens  # noqa: E402
-from simulator.scheduling import POLICIES, Seq, make_policy  # noqa: E402
+from simulator.model.kv.blocks import request_blocks  # noqa: E402
+from simulator.model.kv.space import KVRules  # noqa: E402
+from simulator.model.kv.prefixkeys import keys_from_tokens  # noqa: E402
+from simulator.model.scheduling import POLICIES, Seq, make_policy  # noqa: E402
 
 torch.set_num_threads(1)   # 2 shared cores: one thread is faster and steadier
 
@@ -558,8 +558,8 @@ def _engine_run(model, reqs, rules, policy, nb, swap_blocks):
 
 def _sim_run(reqs, rules, policy, nb, swap_blocks, mode):
     simpy = pytest.importorskip("simpy")
-    from simulator.recorder import Recorder
-    from simulator.replica import Replica, SimSeq
+    from simulator.report.recorder import Recorder
+    from simulator.loops.simpy.replica import Replica, SimSeq
     pol = _policy(policy)
     env = simpy.Environment()
     rec = Recorder(len(reqs), 1)

@@ -53,7 +53,7 @@ def test_profile_format(tiny_profile):
 
 
 def test_simulator_reads_the_profile(tiny_profile):
-    cm = pytest.importorskip("simulator.costmodel.profile")
+    cm = pytest.importorskip("simulator.cost.profile")
     prof, path = tiny_profile
     data = cm.load_profile(path)
     model = cm.ProfileCostModel(data)

@@ -1,4 +1,4 @@
-"""The SimPy-free loop (``simulator.fastloop``) is the SimPy model, bit for bit
+"""The SimPy-free loop (``simulator.loops.fast.loop``) is the SimPy model, bit for bit
 (``loop="python"``: this file tests the Python loop; ``test_compiled`` the compiled one).
 
 Every recorded array, the ITL histogram, the time series, the step tallies, the
@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ZERO_NET, make_scenario
-from simulator.fastloop import Unsupported
-from simulator.recorder import TIMESTAMPS
-from simulator.simulate import simulate
+from simulator.loops.fast.loop import Unsupported
+from simulator.report.recorder import TIMESTAMPS
+from simulator.loops.simulate import simulate
 
 ARRAYS = TIMESTAMPS + ("replica", "new_connection", "rejected", "generated", "preemptions",
                        "recomputed_tokens", "preempted_s", "cached_tokens", "swapped_bytes")
@@ -185,7 +185,7 @@ def test_watermark_bound_arrivals_do_not_cut_epochs(seed):
 def test_workload_read_in_windows_gives_the_same_run(monkeypatch):
     """The loop reads the workload's columns a window at a time; tiny windows (every
     few arrivals a refill) change nothing."""
-    import simulator.fastloop as fastloop
+    import simulator.loops.fast.loop as fastloop
     sc = _scenario(120, 5, "priority_aging", 2, "least_outstanding", "paged", None, 0.0, 4000,
                    16, 128, None, "gamma", 40.0, "wan", True, None, True, 300, 60)
     ref = simulate(sc, loop="simpy")

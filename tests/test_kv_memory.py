@@ -16,15 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import make_scenario, make_scenario_dict
-from simulator.blockmanager import CountingKV, PrefixKV
-from simulator.config import validate_scenario
+from simulator.model.kv.manager import CountingKV, PrefixKV
+from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
-from simulator.kvcache import blocks_for
-from simulator.metrics import requests_table
-from simulator.prefixkeys import keys_from_hash_ids
-from simulator.replica import Replica
-from simulator.report import run_outputs
-from simulator.simulate import simulate
+from simulator.model.kv.blocks import blocks_for
+from simulator.report.metrics import requests_table
+from simulator.model.kv.prefixkeys import keys_from_hash_ids
+from simulator.loops.simpy.replica import Replica
+from simulator.report.output import run_outputs
+from simulator.loops.simulate import simulate
 
 BS = 16
 
@@ -207,7 +207,7 @@ def test_recomputed_tokens_exclude_a_readmission_prefix_hit(monkeypatch, loop, m
     what a re-admission had dropped (a request preempted mid-prefill may come back to
     a cache that has since grown). fifo never preempts mid-prefill (its prefills end
     within their step), so there the identity is exact."""
-    from simulator.costmodel.profile import ProfileCostModel
+    from simulator.cost.profile import ProfileCostModel
     ran = [0]
     hits: dict = {}
     step_time, allocate = ProfileCostModel.step_time, PrefixKV.allocate
@@ -439,7 +439,7 @@ def test_system_prompt_per_class_is_served_from_cache():
 # -- scenario plumbing ------------------------------------------------------------------------
 def test_policies_entries_override_kv_settings_per_run():
     from conftest import REPO
-    from simulator.config import load_scenario
+    from simulator.config.scenario import load_scenario
     sc, _ = load_scenario(REPO / "scenarios" / "kv-pressure.yaml")
     runs = dict(sc.policy_runs())
     assert runs["swap"].engine.kv.preemption == "swap"
@@ -448,7 +448,7 @@ def test_policies_entries_override_kv_settings_per_run():
 
 
 def test_bad_kv_override_is_a_one_line_error(tmp_path):
-    from simulator.config import load_scenario
+    from simulator.config.scenario import load_scenario
     d = make_scenario_dict(policies=[{"policy": "chunked", "kv": {"preemtion": "swap"}}])
     import yaml
     p = tmp_path / "bad.yaml"
@@ -468,12 +468,12 @@ def _run_with_cancels(mode, n=60, seed=0, cancel_frac=0.3, num_blocks=80, preemp
     import simpy
 
     from conftest import REPO
-    from simulator.costmodel.profile import ProfileCostModel
-    from simulator.kvcache import request_blocks
-    from simulator.kvspace import KVRules
-    from simulator.recorder import Recorder
-    from simulator.replica import SimSeq
-    from simulator.scheduling import make_policy
+    from simulator.cost.profile import ProfileCostModel
+    from simulator.model.kv.blocks import request_blocks
+    from simulator.model.kv.space import KVRules
+    from simulator.report.recorder import Recorder
+    from simulator.loops.simpy.replica import SimSeq
+    from simulator.model.scheduling import make_policy
 
     rng = np.random.default_rng(seed)
     arr = np.cumsum(rng.exponential(0.02, n))

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import ZERO_NET, make_scenario, make_scenario_dict, make_workload
-from simulator.config import validate_scenario
+from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
-from simulator.metrics import requests_table
-from simulator.network import ConnectionPools, H2Connections, Topology, split_by_shares
-from simulator.routers import make_router
-from simulator.simulate import simulate
+from simulator.report.metrics import requests_table
+from simulator.wire.network import ConnectionPools, H2Connections, Topology, split_by_shares
+from simulator.cluster.routers import make_router
+from simulator.loops.simulate import simulate
 
 # Two serving regions, three client regions: New York is near us-east, Paris near
 # eu-west, Chicago in between but nearer us-east.

@@ -20,12 +20,12 @@ from typer import Typer
 from typer.testing import CliRunner
 
 from conftest import REPO, ZERO_NET, ZERO_STREAM, make_profile
-from simulator.config import validate_scenario
+from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
-from simulator.planner import Planner, default_slos, knee, parse_slo, scale_rate
-from simulator.plancli import write_plan
-from simulator.executors import LocalExecutor
-from simulator.sweep import parse_axis
+from simulator.planning.planner import Planner, default_slos, knee, parse_slo, scale_rate
+from simulator.cli.plan import write_plan
+from simulator.planning.executors import LocalExecutor
+from simulator.planning.sweep import parse_axis
 from simulator.workload import build_workload
 
 LAM, MEAN_S = 3.5, 1.0
@@ -172,7 +172,7 @@ def test_planner_finds_the_erlang_c_replica_count(tmp_path):
 
 
 def _app():
-    from simulator.plancli import plan
+    from simulator.cli.plan import plan
     app = Typer()
     app.command("plan")(plan)
     app.command("other")(lambda: None)

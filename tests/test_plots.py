@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from simulator import plots
+from simulator.report import plots
 from simulator.errors import LatsimError
 
 POLICIES = ["fifo", "chunked"]
@@ -24,9 +24,9 @@ def _labelled_lines(ax) -> list:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A two-policy, two-replica, three-class run written as `latsim run --out` does."""
-    from simulator.config import load_scenario
-    from simulator.report import run_outputs, series_table, write_run
-    from simulator.simulate import simulate
+    from simulator.config.scenario import load_scenario
+    from simulator.report.output import run_outputs, series_table, write_run
+    from simulator.loops.simulate import simulate
 
     sc, base = load_scenario(REPO / "scenarios" / "policies-compare.yaml",
                              ["workload.num_requests=240", "cluster.replicas=2",
@@ -260,7 +260,7 @@ def test_plot_run_errors(tmp_path):
 
 
 def test_report_command(tmp_path, capsys):
-    from simulator.reportcli import report
+    from simulator.cli.report import report
 
     sweep_table().to_csv(tmp_path / "sweep.csv", index=False)
     report(tmp_path)
@@ -279,9 +279,9 @@ def test_latsim_report_cli_one_line_error(tmp_path):
     import subprocess
     import sys
 
-    from simulator.cli import app
+    from simulator.cli.main import app
     if "report" not in {c.name or c.callback.__name__ for c in app.registered_commands}:
-        pytest.skip("`latsim report` is not registered in simulator.cli yet")
+        pytest.skip("`latsim report` is not registered in simulator.cli.main yet")
     r = subprocess.run([sys.executable, "-m", "simulator.cli", "report", str(tmp_path / "no")],
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2

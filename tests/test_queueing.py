@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import make_profile, make_scenario
-from simulator.simulate import simulate
+from simulator.loops.simulate import simulate
 from simulator.workload.arrivals import PoissonArrival, arrival_times
 from simulator.workload.base import Workload
 from simulator.workload.lengths import ConstantLen, ExponentialLen, sample_lengths

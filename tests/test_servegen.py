@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from simulator.errors import LatsimError
-from simulator.registry import WORKLOADS
+from simulator.config.registry import WORKLOADS
 from simulator.workload import plugins  # noqa: F401  (registers kind: servegen)
 from simulator.workload.servegen import (ServeGenWorkload, build_servegen, client_ids, implied_cv,
                                          read_windows, window_arrivals)

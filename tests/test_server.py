@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from simulator.benchclient import SseParser, bench_outputs, frame_text, parse_sse_lines, run_bench  # noqa: E402
+from simulator.wire.benchclient import SseParser, bench_outputs, frame_text, parse_sse_lines, run_bench  # noqa: E402
 from simulator.errors import LatsimError  # noqa: E402
 from simulator.workload import Workload  # noqa: E402
 
@@ -204,7 +204,7 @@ def test_sse_parser():
 def _bench_app():
     import typer
 
-    from simulator.servecli import bench
+    from simulator.cli.serve import bench
     app = typer.Typer()
     app.command("bench")(bench)
     app.command("noop")(lambda: None)       # two commands: keep "bench" as a subcommand
@@ -262,7 +262,7 @@ def test_bench_max_wall_cancels_and_server_frees(server, client):
 
 
 def test_missing_web_stack_is_one_line_error():
-    from simulator.servecli import _need
+    from simulator.cli.serve import _need
     with pytest.raises(LatsimError, match="pip install 'latsim\\[serve\\]'"):
         _need("no_such_module_latsim_xyz")
 
@@ -345,7 +345,7 @@ def test_bench_http2_without_h2_is_one_line_error(server, monkeypatch):
 
 def test_server_timing_dropped_when_clocks_disagree():
     """Server times that contradict the client's (another host's clock) are not used."""
-    from simulator.benchclient import _Rec, _server_timing
+    from simulator.wire.benchclient import _Rec, _server_timing
     wl = Workload(arrival_s=[0.0, 0.1], prompt_tokens=[4, 4], output_tokens=[2, 2],
                   priority=[0, 0])
 
@@ -370,7 +370,7 @@ def test_serve_cli_rejects_bad_options():
     import typer
     from typer.testing import CliRunner
 
-    from simulator.servecli import serve
+    from simulator.cli.serve import serve
     app = typer.Typer()
     app.command("serve")(serve)
     app.command("noop")(lambda: None)

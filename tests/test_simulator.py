@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from conftest import make_profile, make_scenario, make_workload
-from simulator.metrics import requests_table, summarize
-from simulator.simulate import simulate
+from simulator.report.metrics import requests_table, summarize
+from simulator.loops.simulate import simulate
 
 
 def _run(policy="chunked", n=300, rate=6.0, seed=3, **kw):
@@ -133,7 +133,7 @@ def test_priority_aging_serves_p0_first_and_never_starves():
 
 def test_fifo_prefill_step_pauses_decodes():
     """FIFO never mixes a prefill chunk with decodes; chunked does."""
-    from simulator.scheduling import SchedulerState, Seq, make_policy
+    from simulator.model.scheduling import SchedulerState, Seq, make_policy
     running = [Seq(i, 0.0, 10, 5) for i in range(3)]
     for s in running:
         s.prefilled, s.generated = 10, 1
@@ -175,7 +175,7 @@ def test_epochs_and_step_by_step_agree(policy):
 
 
 def test_policy_runs_carry_their_own_engine_settings():
-    from simulator.config import validate_scenario
+    from simulator.config.scenario import validate_scenario
     from conftest import make_scenario_dict
     d = make_scenario_dict()
     d["policies"] = ["chunked", {"policy": "fifo", "max_num_batched_tokens": 4096},

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from conftest import REPO, make_scenario_dict
 from simulator.errors import LatsimError
-from simulator.sweep import Axis, expand, parse_axis, resolve_key, run_sweep
+from simulator.planning.sweep import Axis, expand, parse_axis, resolve_key, run_sweep
 
 GRID = ["engine.policy=fifo,chunked", "workload.rate=2:6:2"]
 
@@ -140,7 +140,7 @@ import sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 from pathlib import Path
 from conftest import make_scenario_dict
-from simulator.sweep import parse_axis, run_sweep
+from simulator.planning.sweep import parse_axis, run_sweep
 base = make_scenario_dict()
 base["workload"]["num_requests"] = 150
 run_sweep(base, Path({repo!r}), [parse_axis(g) for g in {grid!r}], Path({out!r}), seeds=2,
@@ -188,7 +188,7 @@ def test_unknown_executor_is_an_error(tmp_path):
 # -- the command ------------------------------------------------------------------------------
 
 def _app():
-    from simulator.plancli import plan, sweep
+    from simulator.cli.plan import plan, sweep
     app = Typer()
     app.command("sweep")(sweep)
     app.command("plan")(plan)
@@ -214,7 +214,7 @@ def test_sweep_command_writes_csv_and_parquet(tmp_path):
 def test_sweep_over_a_scenario_whose_policies_carry_settings(tmp_path):
     """``policies:`` entries with their own engine/kv settings become the policy axis
     (their labels); the other grid axes override what an entry sets."""
-    from simulator.sweep import point_scenario, policy_axis
+    from simulator.planning.sweep import point_scenario, policy_axis
     base = {"engine": {"policy": "chunked", "kv": {"gpu_memory_gb": 24}},
             "policies": [{"policy": "chunked", "label": "swap", "kv": {"preemption": "swap"}},
                          {"policy": "fifo", "label": "big", "max_num_seqs": 8,

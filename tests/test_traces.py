@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from simulator.errors import LatsimError
-from simulator.registry import WORKLOADS
+from simulator.config.registry import WORKLOADS
 from simulator.workload import plugins  # noqa: F401  (registers kind: trace)
 from simulator.workload.traces import TraceWorkload, build_trace, summarize_workload
 
@@ -134,7 +134,7 @@ def test_registry_and_relative_paths(tmp_path):
 
 
 def test_scenario_files_validate_and_resolve():
-    config = pytest.importorskip("simulator.config", reason="the scenario schema is not importable yet")
+    config = pytest.importorskip("simulator.config.scenario", reason="the scenario schema is not importable yet")
     for name in ("azure-conv", "azure-code", "mooncake-conv"):
         path = HERE.parent / "scenarios" / f"{name}.yaml"
         sc, base = config.load_scenario(path)
@@ -239,7 +239,7 @@ def test_lengths_only_file_gets_a_hint(tmp_path):
 
 def test_cli_summarize_and_convert_round_trip(tmp_path):
     from typer.testing import CliRunner
-    from simulator.tracecli import trace_app
+    from simulator.cli.trace import trace_app
     runner = CliRunner()
     res = runner.invoke(trace_app, ["summarize", str(FIX / "mooncake_conv_head30.jsonl")])
     assert res.exit_code == 0, res.output

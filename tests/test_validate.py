@@ -32,7 +32,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import REPO  # noqa: E402
-from simulator.scheduling import make_policy  # noqa: E402
+from simulator.model.scheduling import make_policy  # noqa: E402
 from simulator.workload import Workload  # noqa: E402
 
 

@@ -6,10 +6,10 @@ import pytest
 
 from conftest import REPO as REPO_DIR
 from conftest import make_scenario, make_scenario_dict
-from simulator.config import validate_scenario
+from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
-from simulator.metrics import diagnose
-from simulator.simulate import kv_capacity_blocks
+from simulator.report.metrics import diagnose
+from simulator.loops.simulate import kv_capacity_blocks
 from simulator.workload import build_workload
 
 
@@ -79,7 +79,7 @@ def test_itl_histogram_quantiles_match_numpy_across_buffer_flushes(monkeypatch):
     """The pooled ITL histogram (buffered, binned in numpy) gives every quantile within
     its 0.05% bin width of the exact one, the exact count and the sum, whether the gaps
     came one by one, weighted, or in runs, and across buffer flushes."""
-    from simulator.recorder import ItlHistogram
+    from simulator.report.recorder import ItlHistogram
     monkeypatch.setattr(ItlHistogram, "FLUSH", 1000)   # force many flushes
     rng = np.random.default_rng(3)
     gaps = rng.lognormal(np.log(0.02), 0.6, 7000)

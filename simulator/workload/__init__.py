@@ -1,11 +1,13 @@
 """Workload sources. Importing this package registers the built-in ones."""
-from . import arrivals, lengths, synthetic  # noqa: F401  (registration side effects)
-from .base import Workload
+from simulator.workload import arrivals  # noqa: F401  (registration side effects)
+from simulator.workload import lengths  # noqa: F401  (registration side effects)
+from simulator.workload import synthetic  # noqa: F401  (registration side effects)
+from simulator.workload.base import Workload
 
 __all__ = ["Workload", "build_workload"]
 
 
 def build_workload(cfg, rng, base_dir):
     """Build the ``Workload`` a workload config describes (by its ``kind``)."""
-    from ..registry import WORKLOADS
+    from simulator.config.registry import WORKLOADS
     return WORKLOADS.build(cfg, rng, base_dir)

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..registry import ARRIVALS
+from simulator.config.registry import ARRIVALS
 
 
 class _Arrival(BaseModel):

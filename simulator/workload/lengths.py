@@ -14,7 +14,7 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..registry import LENGTHS
+from simulator.config.registry import LENGTHS
 
 
 class _Len(BaseModel):

@@ -3,4 +3,5 @@
 Importing this module runs their ``WORKLOADS.register`` calls (``kind: trace``,
 ``kind: servegen``).
 """
-from . import servegen, traces  # noqa: F401  (registration side effects)
+from simulator.workload import servegen  # noqa: F401  (registration side effects)
+from simulator.workload import traces  # noqa: F401  (registration side effects)

@@ -38,10 +38,10 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..errors import LatsimError
-from ..registry import WORKLOADS
-from .base import Workload
-from .classes import PriorityClass, add_system_prompts, assign_classes, class_names
+from simulator.errors import LatsimError
+from simulator.config.registry import WORKLOADS
+from simulator.workload.base import Workload
+from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names
 
 WINDOW_S = 600.0  # ServeGen's arrival windows
 _TRACE_RE = re.compile(r"chunk-(\d+)-trace\.csv$")

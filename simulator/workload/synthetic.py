@@ -14,13 +14,13 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..errors import LatsimError
-from ..registry import ARRIVALS, LENGTHS, WORKLOADS
-from ..pluginfield import plugin
-from .arrivals import arrival_times
-from .base import Workload
-from .classes import PriorityClass, add_system_prompts, assign_classes, class_names
-from .lengths import sample_lengths
+from simulator.errors import LatsimError
+from simulator.config.registry import ARRIVALS, LENGTHS, WORKLOADS
+from simulator.config.pluginfield import plugin
+from simulator.workload.arrivals import arrival_times
+from simulator.workload.base import Workload
+from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names
+from simulator.workload.lengths import sample_lengths
 
 
 class LengthsFile(BaseModel):

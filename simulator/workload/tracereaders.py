@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from ..errors import LatsimError
+from simulator.errors import LatsimError
 
 FORMATS = ("azure", "vidur", "mooncake", "csv")
 HASH_BLOCK_TOKENS = 512  # Mooncake's block size: one hash id per 512 prompt tokens

@@ -24,11 +24,11 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..errors import LatsimError
-from ..registry import WORKLOADS
-from .base import Workload
-from .classes import PriorityClass, add_system_prompts, assign_classes, class_names, class_priorities
-from .tracereaders import HASH_BLOCK_TOKENS, RawTrace, cell_error, ordered, read_trace
+from simulator.errors import LatsimError
+from simulator.config.registry import WORKLOADS
+from simulator.workload.base import Workload
+from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names, class_priorities
+from simulator.workload.tracereaders import HASH_BLOCK_TOKENS, RawTrace, cell_error, ordered, read_trace
 
 
 class TraceWorkload(BaseModel):

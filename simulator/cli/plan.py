@@ -1,0 +1,289 @@
+"""``latsim sweep`` and ``latsim plan``: typer command functions, their console report and
+the planner's latency-vs-load plot. The commands raise ``LatsimError`` for user errors
+(the CLI prints them on one line and exits 2).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from simulator.errors import LatsimError
+from simulator.report.output import fmt
+
+console = Console()
+
+
+def _base(scenario: Path, set_: Optional[List[str]]) -> tuple[dict, Path]:
+    """The scenario file as a mapping with ``--set`` applied, validated once, and its folder."""
+    from simulator.config.scenario import apply_overrides, read_yaml, validate_scenario
+    data = read_yaml(scenario)
+    if not isinstance(data, dict):
+        raise LatsimError("a scenario must be a YAML mapping", source=str(scenario))
+    data = apply_overrides(data, set_, source=str(scenario))
+    validate_scenario(data, source=str(scenario))
+    return data, Path(scenario).resolve().parent
+
+
+def sweep(
+    scenario: Path = typer.Argument(..., help="scenario YAML"),
+    grid: Optional[List[str]] = typer.Option(
+        None, "--grid", help="key=v1,v2,... or key=start:stop[:step] (repeat per axis)"),
+    out: Path = typer.Option(..., "--out", help="folder for results.csv and results.parquet"),
+    seeds: int = typer.Option(1, "--seeds", help="seeds per point: scenario seed, +1, ..."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="override: a.b=value"),
+    executor: str = typer.Option("local", "--executor", help="local | ray (honours RAY_ADDRESS)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="processes (default: cores)"),
+    resume: bool = typer.Option(False, "--resume", help="skip points already in results.csv"),
+    force: bool = typer.Option(False, "--force", help="discard existing results and start again"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="stop after N points (--resume later)"),
+) -> None:
+    """Run every point of a parameter grid and write one tidy table (CSV + parquet)."""
+    from simulator.planning.sweep import parse_axis, run_sweep
+    base, base_dir = _base(scenario, set_)
+    axes = [parse_axis(g) for g in grid or []]
+    try:
+        res = run_sweep(base, base_dir, axes, out, seeds=seeds, executor=executor,
+                        workers=workers, resume=resume, force=force, limit=limit, console=console)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: finished points are in {Path(out) / 'results.csv'}; "
+                      "rerun with --resume to continue")
+        raise typer.Exit(130)
+    df = res.table
+    rate = f", {res.ran / res.wall_s * 60:,.1f} points/min" if res.ran and res.wall_s else ""
+    console.print(f"ran {res.ran} point(s) in {res.wall_s:.1f} s{rate}; {res.skipped} already "
+                  f"done; table: {len(df)} rows x {len(df.columns)} columns -> {res.path}")
+    if res.errors:
+        console.print(f"[yellow]warning[/]: {res.errors} point(s) failed; see the error column")
+    if 0 < len(df) <= 40:
+        cols = list(df.columns)
+        keys = cols[cols.index("point") + 1:cols.index("seed")] if "seed" in cols else []
+        labels = {"p99_ttft_ms": "P99 TTFT ms", "p99_tpot_ms": "P99 TPOT ms",
+                  "p99_e2el_ms": "P99 E2EL ms", "request_goodput": "goodput/s",
+                  "diagnosis": "diagnosis", "error": "error"}
+        show = [c for c in (*keys, "seed", *labels) if c in cols]
+        t = Table(title_justify="left")
+        for c in show:
+            t.add_column(labels.get(c, c), overflow="fold",
+                         justify="left" if c in keys or c in ("diagnosis", "error") else "right")
+        for _, r in df[show].iterrows():
+            t.add_row(*[_fmt(v) for v in r])
+        console.print(t)
+
+
+def plan(
+    scenario: Path = typer.Argument(..., help="scenario YAML"),
+    slo: Optional[List[str]] = typer.Option(
+        None, "--slo", help="[class:]metric<=bound, e.g. p0:p99_ttft_ms<=500 (default: the "
+        "classes' own SLOs as P99 bounds)"),
+    cost_per_gpu_hour: float = typer.Option(..., "--cost-per-gpu-hour", help="$ per GPU-hour"),
+    search: Optional[List[str]] = typer.Option(
+        None, "--search", help="axis as in sweep --grid; replicas defaults to 1:64"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="override: a.b=value"),
+    seeds: int = typer.Option(1, "--seeds", help="every seed must meet the SLOs"),
+    executor: str = typer.Option("local", "--executor", help="local | ray (honours RAY_ADDRESS)"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="processes (default: cores)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for plan.json, evaluations.csv"
+                                       " and load_curve.png (default: results/plan-<name>)"),
+    headroom: bool = typer.Option(True, "--headroom/--no-headroom", help="find the max rate"),
+    tol: float = typer.Option(0.05, "--headroom-tol", help="relative precision of the headroom"),
+    runner_ups: int = typer.Option(3, "--runner-ups", help="how many runner-ups to show"),
+) -> None:
+    """Find the cheapest configuration that meets every SLO for the scenario's traffic."""
+    from simulator.config.scenario import validate_scenario
+    from simulator.planning.planner import Planner, class_names_of, default_slos, parse_slo
+    from simulator.planning.sweep import parse_axis
+    if cost_per_gpu_hour <= 0:
+        raise LatsimError("must be > 0", source="--cost-per-gpu-hour", value=cost_per_gpu_hour,
+                          has_value=True)
+    if seeds < 1:
+        raise LatsimError("must be at least 1", source="--seeds", value=seeds, has_value=True)
+    base, base_dir = _base(scenario, set_)
+    sc = validate_scenario(base, source=str(scenario))
+    slos = ([parse_slo(s, class_names_of(sc)) for s in slo] if slo else default_slos(sc))
+    if not slos:
+        raise LatsimError("no SLO: give --slo or SLOs on the workload's classes", source="--slo")
+    axes = [parse_axis(s, source="--search") for s in search or []]
+    pl = Planner(base, base_dir, slos, axes, seeds=seeds, executor=executor, workers=workers)
+    try:
+        with console.status("searching..."):
+            result = pl.search()
+            if result.chosen is not None and headroom:
+                pl.headroom(result, tol=tol)
+    finally:
+        pl.close()
+    out = out or Path("results") / f"plan-{sc.name}"
+    files = write_plan(out, result, cost_per_gpu_hour)
+    print_plan(console, result, cost_per_gpu_hour, runner_ups, len(pl.combos), len(pl.replicas))
+    console.print(f"wrote {', '.join(str(f) for f in files)}")
+
+
+def _fmt(v) -> str:
+    return fmt(v, ".3g")
+
+
+def config_text(ev) -> str:
+    """``replicas=N, key=value, ...`` for one configuration."""
+    from simulator.planning.planner import REPLICAS
+    rest = {k: v for k, v in ev.params.items() if k != REPLICAS}
+    return ", ".join([f"replicas={ev.params[REPLICAS]}"] + [f"{k}={v}" for k, v in rest.items()])
+
+
+def _costs(ev, per_gpu_hour: float) -> tuple[float, float]:
+    per_hour = ev.gpus * per_gpu_hour
+    tok = ev.mean("output_throughput")
+    return per_hour, (per_hour / (tok * 3600) * 1e6 if tok and tok == tok else math.nan)
+
+
+def print_plan(con: Console, plan, per_gpu_hour: float, n_runner_ups: int, combos: int,
+               sizes: int) -> None:
+    """The planner's answer as a person reads it."""
+    con.print(f"search space: {combos * sizes} configurations ({combos} combination(s) x "
+              f"{sizes} replica counts); simulated {plan.runs} run(s)")
+    ch = plan.chosen
+    if ch is None:
+        con.print("[bold red]No configuration in the search space meets the SLOs.[/]")
+        con.print(f"binding SLO: [bold]{plan.binding}[/] ({plan.binding_detail})")
+        t = Table(title="Each combination at its largest size", title_justify="left")
+        for c in ("configuration", "missed (worst value)"):
+            t.add_column(c, overflow="fold")
+        for _, ev in plan.best_per_combo:
+            t.add_row(config_text(ev), "; ".join(f"{s} ({_fmt(v)})" for s, v in ev.violations))
+        con.print(t)
+        return
+    per_hour, per_mtok = _costs(ch, per_gpu_hour)
+    con.print(f"[bold green]chosen[/]: {config_text(ch)}: {ch.gpus} GPU(s), "
+              f"${per_hour:,.2f}/hour, ${per_mtok:,.3f} per million output tokens "
+              f"(at {ch.mean('offered_rate'):.3g} req/s)")
+    t = Table(title="SLOs", title_justify="left")
+    for c in ("SLO", "predicted", "bound", "used"):
+        t.add_column(c, justify="left" if c == "SLO" else "right")
+    for s in plan.slos:
+        t.add_row(s.text, _fmt(ch.value(s)), _fmt(s.bound), f"{s.ratio(ch.value(s)):.0%}")
+    con.print(t)
+    con.print(class_table(ch))
+    if plan.headroom is not None:
+        rate = plan.headroom * ch.mean("offered_rate")
+        top = [e for e in plan.curve if abs(e.mult - plan.headroom) < 1e-12]
+        extra = ""
+        if top:
+            ph, pm = _costs(top[0], per_gpu_hour)
+            extra = f"; ${pm:,.3f} per million output tokens there"
+        cap = "at least " if plan.headroom_capped else ""
+        con.print(f"headroom: sustains {cap}{plan.headroom:.2f}x the scenario's rate "
+                  f"({rate:.3g} req/s) within the SLOs{extra}" +
+                  (f"; above it {plan.headroom_binding} is missed first"
+                   if plan.headroom_binding else ""))
+    con.print(f"binding SLO: [bold]{plan.binding or '-'}[/] ({plan.binding_detail})")
+    if plan.runner_ups and n_runner_ups:
+        t = Table(title="Runner-ups", title_justify="left")
+        for c in ("configuration", "GPUs", "$/hour", "$/M output tokens", "tightest SLO used"):
+            t.add_column(c, justify="left" if c == "configuration" else "right",
+                         overflow="fold")
+        for ev in plan.runner_ups[:n_runner_ups]:
+            ph, pm = _costs(ev, per_gpu_hour)
+            t.add_row(config_text(ev), str(ev.gpus), f"{ph:,.2f}", f"{pm:,.3f}", f"{ev.slack:.0%}")
+        con.print(t)
+    bad = [ev for _, ev in plan.best_per_combo if not ev.feasible]
+    for ev in bad:
+        con.print(f"[dim]infeasible even at its largest size: {config_text(ev)}: " +
+                  "; ".join(f"{s} ({_fmt(v)})" for s, v in ev.violations) + "[/]")
+
+
+def class_table(ev) -> Table:
+    """Predicted P50/P99 of TTFT, TPOT and E2EL per class (ms)."""
+    row = ev.rows[0]
+    classes = sorted({k.split(":", 1)[0] for k in row if ":" in k}) or [None]
+    t = Table(title="Predicted latency (ms)" + (" , seed-averaged" if len(ev.rows) > 1 else ""),
+              title_justify="left")
+    t.add_column("class")
+    cols = [(m, p) for m in ("ttft", "tpot", "e2el") for p in ("median", "p99")]
+    for m, p in cols:
+        t.add_column(f"{m.upper()} {'P50' if p == 'median' else 'P99'}", justify="right")
+    for c in classes:
+        pre = f"{c}:" if c else ""
+        t.add_row(c or "all", *[_fmt(ev.mean(f"{pre}{p}_{m}_ms")) for m, p in cols])
+    return t
+
+
+def write_plan(out: Path, plan, per_gpu_hour: float) -> list[Path]:
+    """plan.json, evaluations.csv (every run) and load_curve.png (when there is a choice)."""
+    import pandas as pd
+    out.mkdir(parents=True, exist_ok=True)
+
+    def summary(ev):
+        """One configuration as JSON: parameters, GPUs, costs, SLO values, misses."""
+        if ev is None:
+            return None
+        ph, pm = _costs(ev, per_gpu_hour)
+        return {"config": ev.params, "gpus": ev.gpus, "cost_per_hour": ph,
+                "cost_per_million_output_tokens": pm,
+                "slos": {s.text: ev.value(s) for s in plan.slos},
+                "violations": dict(ev.violations)}
+    doc = {"chosen": summary(plan.chosen), "runner_ups": [summary(e) for e in plan.runner_ups],
+           "binding_slo": plan.binding, "binding_detail": plan.binding_detail,
+           "headroom_multiplier": plan.headroom, "headroom_capped": plan.headroom_capped,
+           "runs": plan.runs, "cost_per_gpu_hour": per_gpu_hour}
+    files = [out / "plan.json"]
+    files[0].write_text(json.dumps(doc, indent=2, default=str,
+                                   allow_nan=True).replace("NaN", "null") + "\n")
+    evs = {id(e): e for e in [*(ev for _, ev in plan.best_per_combo), *plan.curve, plan.below,
+                               plan.chosen, *plan.runner_ups] if e is not None}
+    recs = [{**e.params, "rate_multiplier": e.mult, "gpus": e.gpus, "feasible": e.feasible,
+             **{s.text: e.value(s) for s in plan.slos}} for e in evs.values()]
+    pd.DataFrame(recs).to_csv(out / "evaluations.csv", index=False)
+    files.append(out / "evaluations.csv")
+    if plan.chosen is not None and len(plan.curve) >= 2:
+        files.append(plot_curve(plan, out / "load_curve.png"))
+    return files
+
+
+def plot_curve(plan, path: Path) -> Path:
+    """Each SLO's metric against offered load for the chosen configuration: SLO lines,
+    the scenario's load, the headroom, and the knee (on the binding metric) marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from simulator.planning.planner import knee
+    ch, curve, slos = plan.chosen, plan.curve, plan.slos
+    base = ch.mean("offered_rate")
+    xs = [e.mult * base for e in curve]
+    # The knee: on the metric closest to its bound at the highest load simulated.
+    bind = max(slos, key=lambda s: s.ratio(curve[-1].value(s)))
+    ki = knee(xs, [e.value(bind) for e in curve])
+    ncol = min(len(slos), 2)
+    nrow = -(-len(slos) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.2 * ncol, 4.2 * nrow), squeeze=False)
+    for ax, s in zip(axes.flat, slos):
+        ys = [e.value(s) for e in curve]
+        ok = [s.ok(y) for y in ys]
+        ax.plot(xs, ys, "-", color="tab:blue", lw=1.5)
+        ax.scatter(xs, ys, c=["tab:blue" if o else "tab:red" for o in ok], zorder=3, s=22)
+        ax.axhline(s.bound, color="tab:red", ls="--", lw=1.2, label=f"SLO {s.bound:g}")
+        ax.axvline(base, color="grey", ls=":", lw=1.2, label=f"scenario {base:.3g} req/s")
+        if plan.headroom is not None:
+            ax.axvline(plan.headroom * base, color="tab:green", ls="-.", lw=1.2,
+                       label=f"headroom {plan.headroom * base:.3g} req/s")
+        if ki is not None and ys[ki] == ys[ki]:
+            ax.plot([xs[ki]], [ys[ki]], "o", ms=12, mfc="none", mec="black", mew=2,
+                    label=f"knee {xs[ki]:.3g} req/s", zorder=4)
+        pos = [y for y in ys if y == y and y > 0]
+        if pos and max(pos) > 30 * min(pos):
+            ax.set_yscale("log")
+        ax.set_title(s.text + (" (binding)" if s is bind else ""), fontsize=10)
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_ylabel(s.metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    for ax in list(axes.flat)[len(slos):]:
+        ax.set_visible(False)
+    fig.suptitle(f"latency vs load: {config_text(ch)}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

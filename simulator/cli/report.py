@@ -1,0 +1,40 @@
+"""``latsim report RESULTS_DIR``: write the PNG plots for a results folder.
+
+The folder is what ``latsim run --out`` wrote (latency CDFs, E2E breakdown, time
+series), a ``latsim sweep`` folder (``results.csv`` with ``sweep.yaml``, or a
+``sweep.csv``: latency against load), a ``latsim validate --out`` folder
+(``real-<policy>.csv`` and ``sim-<policy>.csv``, also under ``validate/``: fidelity),
+or any mix; the PNGs go next to the files they draw (see
+``simulator.report.plots.plot_run``). A sweep table (``.csv``) may also be given directly.
+Missing folders or files raise ``LatsimError`` (one line, exit 2, from the CLI's
+entry point).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from simulator.errors import LatsimError
+
+
+def report(
+    results_dir: Path = typer.Argument(
+        ..., help="a `latsim run --out`, `latsim sweep` or `latsim validate --out` folder, "
+        "or a sweep table (.csv)"),
+) -> None:
+    """Write PNG plots (latency CDFs, E2E breakdown, time series, latency vs load,
+    fidelity) next to the results and print their paths, one per line."""
+    from simulator.report.plots import plot_run, plot_sweep
+
+    if not results_dir.exists():
+        raise LatsimError("results folder not found", source=str(results_dir))
+    if results_dir.is_file():
+        if results_dir.suffix != ".csv":
+            raise LatsimError("expected a results folder or a sweep table (.csv)",
+                              source=str(results_dir))
+        files = [plot_sweep(results_dir)]
+    else:
+        files = plot_run(results_dir)
+    for f in files:
+        typer.echo(str(f))

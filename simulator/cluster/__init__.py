@@ -1,0 +1,1 @@
+"""The cluster around the replicas: routers."""

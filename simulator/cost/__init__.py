@@ -1,0 +1,33 @@
+"""Cost models: step time of an engine iteration. Registered by ``kind``."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from simulator.config.registry import COST_MODELS
+from simulator.cost.profile import ProfileCostConfig, ProfileCostModel, load_profile, resolve_profile_path
+
+__all__ = ["ProfileCostConfig", "ProfileCostModel", "load_profile", "build_cost_model",
+           "profile_search_dirs"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def profile_search_dirs(base_dir: Path | None) -> list[Path]:
+    """Where a relative profile path is looked up: scenario dir, cwd, repository root."""
+    dirs = [Path(base_dir)] if base_dir is not None else []
+    return dirs + [Path.cwd(), REPO_ROOT]
+
+
+def _build_profile(cfg: ProfileCostConfig, rng, base_dirs: Sequence[Path], profile: dict | None = None):
+    if profile is None:
+        profile = load_profile(resolve_profile_path(cfg.path, base_dirs))
+    return ProfileCostModel(profile, scale=cfg.scale, noise=cfg.noise, rng=rng)
+
+
+COST_MODELS.register("profile", ProfileCostConfig, _build_profile)
+
+
+def build_cost_model(cfg, rng, base_dirs, profile: dict | None = None):
+    """The cost model a ``model.cost`` config describes."""
+    return COST_MODELS.build(cfg, rng, base_dirs, profile=profile)

@@ -1,0 +1,249 @@
+"""The fast loop, compiled with numba (the optional ``fast`` extra).
+
+``fastloop`` replays the SimPy model without SimPy; this package is the same replay
+compiled to machine code, for the configurations large runs use: the three built-in
+policies (fifo, chunked prefill, priority classes with aging), paged or contiguous
+memory with watermarks and preemption (by recompute or swap, either victim rule),
+round-robin, random or least-outstanding routing, keep-alive pools, a measured profile
+without noise, and a clock stop. It runs ``benchmarks/sim_speed.py`` an order of
+magnitude faster than ``fastloop``.
+
+It is not an approximation either: every decision and formula is ``fastreplica``'s /
+``fastapply``'s, events are processed in SimPy's order, the floating-point operations
+are the same in the same order, and the ITL histogram is fed the same entries with
+the same flushes. ``tests/test_compiled.py`` checks the results against the SimPy
+model bit for bit on random configurations.
+
+What it does not cover is decided before the run (``kernel_reason``): prefix caching,
+cost noise, or numba not installed; those run on ``fastloop``. A
+run that hits an empty plan (an error the SimPy model reports) is handed back mid-run
+(``Handback``) and ``simulate`` runs it again, from the seed, on ``fastloop``.
+"""
+from __future__ import annotations
+
+import importlib.util
+from array import array
+from typing import Optional
+
+import numpy as np
+
+from simulator.model.kv.manager import KVStats
+from simulator.cost.profile import ProfileCostModel
+from simulator.wire.network import ConnectionPools
+from simulator.loops.simpy.replica import MAX_EPOCH_STEPS
+from simulator.model.scheduling.policies import ChunkedPolicy, FifoPolicy, PriorityAgingPolicy
+
+__all__ = ["Handback", "kernel_reason", "run_compiled", "worth_compiling"]
+
+
+class Handback(Exception):
+    """The compiled loop stopped a run it does not model (the message says why)."""
+
+
+# ``auto`` compiles (once per machine and version of the sources: ``_jit`` caches the
+# machine code on disk; ~45 s on a 2-core box) only for runs the Python loop would
+# take seconds on: loading the cached code takes ~1.2 s, the Python loop ~150 us per
+# request.
+COMPILE_MIN_REQUESTS = 10_000
+MAX_CLASSES = 1024          # priority values the compiled aging queue takes (0..1023)
+SERIES_CAP = 4096           # time-series samples buffered per replica between hand-overs
+
+
+def worth_compiling(n_requests: int) -> bool:
+    """Whether ``loop="auto"`` should use the compiled loop for a run this size. The
+    results do not depend on it, only the speed does; it depends on the size alone (not
+    on what this process ran before), so that which loop ran, which a summary and a
+    sweep's table record, is the same on every run of a scenario."""
+    return n_requests >= COMPILE_MIN_REQUESTS
+
+
+def kernel_reason(policy, rules, pools, costs, router: str, priority=None) -> Optional[str]:
+    """Why the compiled loop cannot run this configuration (None if it can); asked
+    after ``fastloop.unsupported_reason`` found the fast loop can."""
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed (pip install latsim[fast])"
+    if type(policy) not in (ChunkedPolicy, FifoPolicy, PriorityAgingPolicy):
+        return f"policy {policy.name!r}"
+    if rules.prefix_caching and rules.allocation == "paged":
+        return "prefix caching"
+    if router not in ("round_robin", "least_outstanding", "random"):
+        return f"router {router!r}"
+    if type(pools) is not ConnectionPools:
+        return "HTTP/2 connections"
+    if type(policy) is PriorityAgingPolicy and priority is not None and len(priority):
+        lo, hi = int(np.min(priority)), int(np.max(priority))
+        if lo < 0 or hi >= MAX_CLASSES:
+            return f"priority classes outside 0..{MAX_CLASSES - 1}"
+    for c in costs:
+        if type(c) is not ProfileCostModel:
+            return "a cost model other than a profile"
+        if c._rng is not None:
+            return "cost noise"
+    return None
+
+
+def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, swap: tuple,
+                 pools, net, frame_time: float, one_way: float, series_interval: float,
+                 arrival, prompt, output, priority, clients, until: Optional[float],
+                 router: str, router_rng=None) -> tuple[float, list]:
+    """Run the model compiled; fills ``rec``, the pools' and cost models' tallies.
+    ``swap``: bytes per block, CPU swap space (blocks), copy bandwidth (bytes/s);
+    ``router_rng``: the random router's generator.
+    Returns (end of the run, each replica's ``KVStats``); raises ``Handback``."""
+    from simulator.loops.compiled import state as S
+    from simulator.loops.compiled.cost import pack_cost
+    from simulator.loops.compiled.loop import run
+
+    R = n_replicas
+    lim = policy.limits
+    max_seqs = lim.max_num_seqs
+    n = len(arrival)
+    bs = rules.block_size
+    aging = type(policy) is PriorityAgingPolicy
+    flush = rec.itl.FLUSH
+    series_cap = SERIES_CAP
+    IP = np.zeros(S.P_NCOLS, dtype=np.int64)
+    for col, v in ((S.P_R, R), (S.P_BUDGET, lim.max_num_batched_tokens),
+                   (S.P_MAXSEQS, max_seqs), (S.P_CHUNK, getattr(policy, "chunk_size", 0) or 0),
+                   (S.P_FIFO, type(policy) is FifoPolicy), (S.P_CAPACITY, capacity),
+                   (S.P_WATERMARK, int(rules.watermark * capacity)),
+                   (S.P_PAGED, rules.allocation == "paged"), (S.P_BS, bs),
+                   (S.P_MAXLEN, -1 if rules.max_model_len is None else rules.max_model_len),
+                   (S.P_ROUTER, {"round_robin": S.ROUTER_RR, "random": S.ROUTER_RANDOM,
+                                 "least_outstanding": S.ROUTER_LEAST}[router]),
+                   (S.P_REUSE, bool(pools.reuse)), (S.P_POOLSIZE, pools.size),
+                   (S.P_HASUNTIL, until is not None), (S.P_MAXEPOCH, MAX_EPOCH_STEPS),
+                   (S.P_FLUSH, flush), (S.P_SERCAP, series_cap), (S.P_AGING, aging),
+                   (S.P_SWAP, rules.preemption == "swap"),
+                   (S.P_VICTIM, S.VICTIM_PRIORITY if rules.victim == "priority"
+                    else S.VICTIM_LATEST),
+                   (S.P_CPUBLOCKS, swap[1])):
+        IP[col] = v
+    FP = np.zeros(S.D_NCOLS)
+    for col, v in ((S.D_HANDSHAKE, net.handshake), (S.D_ONEWAY, one_way),
+                   (S.D_FT, frame_time), (S.D_INTERVAL, series_interval),
+                   (S.D_UNTIL, float(until) if until is not None else 0.0),
+                   (S.D_KEEPALIVE, pools.keepalive),
+                   (S.D_AGING, policy.aging_s if aging else 1.0),
+                   (S.D_BLOCKBYTES, swap[0]), (S.D_SWAPBPS, swap[2])):
+        FP[col] = v
+
+    prompt = np.ascontiguousarray(prompt, dtype=np.int64)
+    prio = np.ascontiguousarray(priority, dtype=np.int64)
+    # ``NetworkTiming.send_time`` of each request, by the method itself (once per length).
+    lengths, inverse = np.unique(prompt, return_inverse=True)
+    send = np.array([net.send_time(int(p)) for p in lengths], dtype=np.float64)[inverse]
+    # The queue class of each request: its priority with aging, else one FIFO.
+    cls = prio if aging else np.zeros(n, dtype=np.int64)
+    W = (np.ascontiguousarray(arrival, dtype=np.float64), prompt,
+         np.ascontiguousarray(output, dtype=np.int64),
+         np.ascontiguousarray(clients, dtype=np.int64), prio, cls, send,
+         # ``RandomRouter.pick`` draws ``integers(replicas)`` once per routed request; a
+         # generator gives the same numbers drawn one at a time or all at once.
+         router_rng.integers(R, size=n) if router == "random" else np.zeros(0, np.int64))
+    n_cls = int(prio.max()) + 1 if aging and n else 1
+    WQ = (np.full((R, n_cls), -1, dtype=np.int64),      # W_HEAD
+          np.full((R, n_cls), -2, dtype=np.int64),      # W_TAIL (-2: class never seen)
+          np.zeros((R, n_cls), dtype=np.int64),         # W_LEN
+          np.zeros((R, n_cls), dtype=np.int64),         # W_ORDER
+          np.zeros(n_cls, dtype=np.int64),              # W_CUR
+          np.zeros(max_seqs + 2, dtype=np.int64))       # W_ADM
+
+    GI = np.zeros(S.G_NCOLS, dtype=np.int64)
+    GI[S.G_RR] = -1
+    GF = np.zeros(S.H_NCOLS)
+    RS = np.zeros((R, S.R_NCOLS), dtype=np.int64)
+    RS[:, S.R_GROWN] = -1
+    RS[:, S.R_FREE] = capacity
+    RS[:, S.R_IDLE] = 1
+    RF = np.zeros((R, S.F_NCOLS))
+    RF[:, S.F_LASTSAMPLE] = -np.inf
+    RQ = np.zeros((n, S.Q_NCOLS), dtype=np.int64)
+    RQ[:, S.Q_NEXT] = -1
+    RQ[:, S.Q_PLEN] = prompt
+    RQ[:, S.Q_LATE] = -1
+    RQ[:, S.Q_FKEY] = -1
+    RQF = np.zeros((n, S.QF_NCOLS))
+    RQF[:, S.QF_PREEMPTED_AT] = np.nan          # never preempted
+    # The kernel writes the recorder's arrays in place (``state.RECORDED``).
+    TS = tuple(getattr(rec, name) for name in S.RECORDED)
+    width = max_seqs + 2
+    BUF = (np.zeros((R, width), dtype=np.int64),        # DEC: the decoders (a set)
+           np.zeros((R, width), dtype=np.int64),        # PRE: prefilling, in order
+           np.zeros((R, width), dtype=np.int64),        # CHR: the step's chunks: request,
+           np.zeros((R, width), dtype=np.int64),        # CHN: tokens,
+           np.zeros(width, dtype=np.int64),             # CHP: prior tokens (scratch),
+           np.zeros(width, dtype=np.bool_),             # CHF: completes its prefill
+           np.zeros((R, bs), dtype=np.int64),           # PHASE: decoders by growth phase
+           np.zeros((R, MAX_EPOCH_STEPS)),              # ENDS: the epoch's step ends
+           np.zeros((R, width)),                        # LT_T, LT_C: ``_last_tok``
+           np.zeros((R, width), dtype=np.int64),
+           np.zeros((R, 6, series_cap)))                # SER: time-series buffer
+    n_clients = len(pools._open)
+    POOL = (np.zeros((n_clients, max(pools.size, 1))),   # idle since, per pooled connection
+            np.zeros(n_clients, dtype=np.int64),         # idle connections
+            np.zeros(n_clients, dtype=np.int64))         # open (pooled) connections
+    # ITL entries of one event: gaps since each group's last token (up to a batch), an
+    # epoch's gaps, and recomputed prefills' gaps; plus what waits for a flush.
+    cap = flush + MAX_EPOCH_STEPS + 2 * width + 16
+    ITL = (np.zeros(cap), np.zeros(cap, dtype=np.int64), np.zeros(2 * width + 16, dtype=np.int64))
+    COST = pack_cost(costs[0], max_seqs) + (np.zeros((R, 2), dtype=np.int64),)
+
+    itl = rec.itl
+
+    def drain_itl(final: bool) -> None:
+        # Each flush the histogram would have made, over the same entries; the rest
+        # stays buffered (at the end: in the histogram's buffer, as it would be).
+        g, w, marks = ITL
+        start = 0
+        for end in marks[:int(GI[S.G_NFL])].tolist():
+            itl._g = array("d", g[start:end].tobytes())
+            itl._w = array("q", w[start:end].tobytes())
+            itl._flush()
+            start = end
+        k = int(GI[S.G_ITL]) - start
+        if final:
+            itl._g = array("d", g[start:start + k].tobytes())
+            itl._w = array("q", w[start:start + k].tobytes())
+            return
+        g[:k] = g[start:start + k].copy()
+        w[:k] = w[start:start + k].copy()
+        GI[S.G_ITL] = k
+        GI[S.G_ITLSEG] = 0
+        GI[S.G_NFL] = 0
+
+    def drain_series() -> None:
+        ser = BUF[-1]
+        for r in range(R):
+            k = int(RS[r, S.R_NSER])
+            for f in range(6):
+                rec.series[r][f].frombytes(ser[r, f, :k].tobytes())
+            RS[r, S.R_NSER] = 0
+
+    status = S.Y_DONE
+    for status in run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
+        if status == S.Y_ITL:
+            drain_itl(False)
+        elif status == S.Y_SERIES:
+            drain_series()
+        else:
+            break
+    if status == S.Y_EMPTY:
+        raise Handback("an empty plan")
+    drain_itl(True)
+    drain_series()
+    rec.steps += int(GI[S.G_STEPS])
+    rec.step_time_total += float(GF[S.H_STEPTOT])
+    rec.swap_copy_s += float(GF[S.H_SWAPCOPY])
+    pools.new_connections += int(GI[S.G_NEWC])
+    pools.reused_connections += int(GI[S.G_REUSEDC])
+    CL = COST[-1]
+    stats = []
+    for r in range(R):
+        costs[r].lookups += int(CL[r, 0])
+        costs[r].extrapolations += int(CL[r, 1])
+        st = KVStats()
+        st.admissions = int(RS[r, S.R_ADMISSIONS])
+        st.queried_tokens = int(RS[r, S.R_QUERIED])
+        stats.append(st)
+    return float(GF[S.H_NOW]), stats

@@ -1,0 +1,131 @@
+"""KV memory under pressure, compiled: ``FastApply._make_room``, ``_preempt`` and
+``_swap_in`` (``replica_memory`` in the fast bookkeeping) on the arrays of ``state``:
+victims by the scenario's rule (``kvspace.select_victim``), preemption by recompute
+or, for a decoder when the CPU swap space has room, by swap, and swapped requests
+coming back oldest first while their blocks fit."""
+from __future__ import annotations
+
+from simulator.loops.compiled import state as S
+from simulator.loops.compiled._jit import jit
+from simulator.loops.compiled.apply import dec_remove, join, key_max, lt_add, pre_remove
+from simulator.loops.compiled.replica import swapped_append, waiting_requeue
+
+
+@jit
+def _later(a, b, IP, TS, prio):
+    """True when ``a`` is a later victim than ``b`` (``select_victim``'s keys: the
+    priority class, if the rule says so, then arrival, then request id)."""
+    if IP[S.P_VICTIM] == S.VICTIM_PRIORITY and prio[a] != prio[b]:
+        return prio[a] > prio[b]
+    ea, eb = TS[S.T_ENQ][a], TS[S.T_ENQ][b]
+    if ea != eb:
+        return ea > eb
+    return a > b
+
+
+@jit
+def victim(r, RS, IP, DEC, PRE, TS, prio):
+    """``select_victim`` over the running requests."""
+    best = -1
+    for i in range(RS[r, S.R_ND]):
+        rid = DEC[r, i]
+        if best < 0 or _later(rid, best, IP, TS, prio):
+            best = rid
+    for i in range(RS[r, S.R_NP]):
+        rid = PRE[r, i]
+        if best < 0 or _later(rid, best, IP, TS, prio):
+            best = rid
+    return best
+
+
+@jit
+def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, LT_T, LT_C,
+            prompt, output):
+    """``FastApply._preempt``: ``rid`` loses its blocks; a decoder whose context fits
+    the swap space is copied out, anything else recomputes from the queue."""
+    TS[S.T_PREEMPTIONS][rid] += 1
+    swap = False
+    if RQ[rid, S.Q_DECODING]:
+        # ``_leave_fast``: what it generated so far, and when its last token left.
+        ticks = RS[r, S.R_TICKS]
+        gen = output[rid] - ((RQ[rid, S.Q_FKEY] >> 32) - ticks)
+        RQ[rid, S.Q_GENERATED] = gen
+        tl = RF[r, S.F_LASTDEC] if ticks > RQ[rid, S.Q_JOIN] else RQF[rid, S.QF_LAST_T]
+        lt_add(r, tl, -1, RS, LT_T, LT_C)
+        RQF[rid, S.QF_LAST_T] = tl
+        RQ[rid, S.Q_FKEY] = -1
+        key = RQ[rid, S.Q_KEY]
+        RS[r, S.R_KEYSUM] -= key
+        if key == RS[r, S.R_KEYMAX]:
+            key_max(r, rid, RS, RQ, DEC)
+        dec_remove(r, rid, RS, RQ, DEC)
+        PHASE[r, RQ[rid, S.Q_PHASE]] -= 1
+        lost = prompt[rid] + gen
+        # Its context took a block at each boundary up to the last step's.
+        held = -(-(key + ticks - 1) // IP[S.P_BS])
+        if RQ[rid, S.Q_HELD] > held:
+            held = RQ[rid, S.Q_HELD]
+        swap = IP[S.P_SWAP] != 0 and RS[r, S.R_CPU] + held <= IP[S.P_CPUBLOCKS]
+    else:
+        pre_remove(r, rid, RS, PRE)
+        lost = RQ[rid, S.Q_PREFILLED]
+        held = RQ[rid, S.Q_HELD]
+    RS[r, S.R_KV] -= lost
+    RQF[rid, S.QF_PREEMPTED_AT] = now
+    RS[r, S.R_FREE] += held
+    RQ[rid, S.Q_HELD] = 0
+    if swap:
+        RQ[rid, S.Q_SWAPBLK] = held
+        RS[r, S.R_CPU] += held
+        nbytes = held * FP[S.D_BLOCKBYTES]
+        TS[S.T_SWAPPED][rid] += nbytes
+        RF[r, S.F_COPY] += nbytes / FP[S.D_SWAPBPS]
+        swapped_append(r, rid, RS, RQ)
+        return
+    TS[S.T_RECOMPUTED][rid] += lost
+    RS[r, S.R_OUT] += lost
+    RQ[rid, S.Q_PLEN] = prompt[rid] + RQ[rid, S.Q_GENERATED]
+    RQ[rid, S.Q_PREFILLED] = 0
+    waiting_requeue(r, rid, RS, RQ, WQ, TS, cls, IP[S.P_AGING] != 0)
+
+
+@jit
+def make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio, DEC, PRE, PHASE,
+              LT_T, LT_C, prompt, output):
+    """``FastApply._make_room``: ``due`` decoders need a block and fewer are free:
+    preempt victims until the rest fit; returns how many are still due."""
+    ticks = RS[r, S.R_TICKS]
+    ph = ticks % IP[S.P_BS]
+    while due > RS[r, S.R_FREE]:
+        v = victim(r, RS, IP, DEC, PRE, TS, prio)
+        if RQ[v, S.Q_DECODING] and RQ[v, S.Q_PHASE] == ph and (fresh or RQ[v, S.Q_LATE] == ticks):
+            due -= 1
+        preempt(r, v, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, LT_T, LT_C,
+                prompt, output)
+    return due
+
+
+@jit
+def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output):
+    """``FastApply._swap_in``: swapped requests back, oldest first, while they fit."""
+    bs = IP[S.P_BS]
+    while RS[r, S.R_SLEN] and RS[r, S.R_ND] + RS[r, S.R_NP] < IP[S.P_MAXSEQS]:
+        rid = RS[r, S.R_SHEAD]
+        tokens = prompt[rid] + RQ[rid, S.Q_GENERATED]
+        need = -(-tokens // bs)
+        if need + IP[S.P_WATERMARK] > RS[r, S.R_FREE]:
+            break
+        RS[r, S.R_SHEAD] = RQ[rid, S.Q_NEXT]
+        RS[r, S.R_SLEN] -= 1
+        RS[r, S.R_FREE] -= need
+        RQ[rid, S.Q_HELD] = need
+        RS[r, S.R_ADMISSIONS] += 1
+        RS[r, S.R_QUERIED] += tokens
+        RS[r, S.R_CPU] -= RQ[rid, S.Q_SWAPBLK]
+        nbytes = RQ[rid, S.Q_SWAPBLK] * FP[S.D_BLOCKBYTES]
+        TS[S.T_SWAPPED][rid] += nbytes
+        RF[r, S.F_COPY] += nbytes / FP[S.D_SWAPBPS]
+        TS[S.T_PREEMPTED_S][rid] += now - RQF[rid, S.QF_PREEMPTED_AT]
+        RS[r, S.R_KV] += tokens
+        join(r, rid, RQF[rid, S.QF_LAST_T], True, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C,
+             prompt, output)

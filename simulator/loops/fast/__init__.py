@@ -1,0 +1,1 @@
+"""The replica model replayed without SimPy, in Python."""

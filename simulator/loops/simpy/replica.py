@@ -1,0 +1,345 @@
+"""One serving replica as a SimPy process: a waiting queue, a scheduling policy,
+KV-block reservation, and the engine iteration loop.
+
+The loop asks the policy for a ``StepPlan``, admits what it admits (reserving KV
+blocks), asks the cost model how long the step takes, advances the clock by that
+much in one event, and applies the step's effects at its end: prefill progress,
+first tokens, one token per decode, finished requests. There is never an event
+per token.
+
+Token delivery: token k of a request leaves the server at ``D_k = max(t_k,
+D_{k-1}) + frame_time`` (see ``stream``) and the gap ``D_k - D_{k-1}`` is pooled
+into the inter-token-latency histogram. Two exact ways to compute it:
+
+- **fast** (when a frame always transmits faster than the shortest engine step, and
+  every step decodes every running request - ``max_num_seqs <= token budget``):
+  no client ever falls behind, so ``D_k = t_k + frame_time`` and every decoder's gap
+  is the time since its previous token. Decoders are then tracked by a replica-wide
+  decode-step counter (``ticks``) instead of per-request counters: a request's
+  context is ``key + ticks`` and it finishes when ``ticks`` reaches its
+  ``finish_tick`` (a heap). A run of decode-only steps with nothing to admit is
+  simulated as one *epoch*: its step times come from the cost model as a vector, it
+  ends at the first finish, and an arrival that could be admitted interrupts it at
+  the next step boundary - exactly when a step-by-step loop would have seen it.
+- **slow** (a client slower than the engine): every decoder's frame queue is updated
+  step by step.
+
+KV memory (allocation, growth, preemption, swap, cancellation) is in
+``replica_memory``; the block accounting itself in ``kvspace``/``blockmanager``.
+
+``fastloop`` replays this model without SimPy for runs of the built-in policies in
+the fast mode without per-request streams (identical results,
+tested bit for bit); a change here must be made there too, and
+``tests/test_fastloop.py`` fails until it is.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections import deque
+from itertools import accumulate
+from typing import Callable, Optional
+
+import simpy
+
+from simulator.model.kv.space import KVRules, KVSpace
+from simulator.loops.simpy.apply import ReplicaApply
+from simulator.loops.simpy.memory import ReplicaMemory
+from simulator.model.scheduling import SchedulerState, Seq, StepPlan
+
+MAX_EPOCH_STEPS = 4096
+
+
+class SimSeq(Seq):
+    """A request inside the simulator: the scheduler's view plus delivery state."""
+
+    __slots__ = ("client", "pooled", "depart", "context", "key", "finish_tick", "keys",
+                 "where", "ver", "grow_tick", "join_tick", "last_t", "preempted_at",
+                 "swapped_blocks", "dropped", "stream")
+
+    def __init__(self, rid: int, enqueued: float, prompt_tokens: int, output_tokens: int,
+                 priority: int, blocks_needed: int, client: int, pooled: bool) -> None:
+        super().__init__(rid, enqueued, prompt_tokens, output_tokens, priority, blocks_needed)
+        self.client = client
+        self.pooled = pooled
+        self.depart = 0.0      # slow mode: when the last frame left the server (D_k)
+        self.context = 0       # slow mode: tokens in KV (prompt + generated)
+        self.key = 0           # fast mode: context = key + ticks
+        self.finish_tick = 0   # fast mode: ticks value at which it has all its tokens
+        self.keys = None       # prefix-cache keys of its prompt blocks (or None)
+        self.where = "q"       # q waiting, p prefilling, d decoding, s swapped, x gone
+        self.ver = 0           # fast mode: heap entries with another version are stale
+        self.grow_tick = 0     # fast mode: tick of the step that needs its next block
+        self.join_tick = 0     # fast mode: ticks when it last joined the decoders
+        self.last_t = 0.0      # fast mode: when its last token left the engine
+        self.preempted_at = 0.0
+        self.swapped_blocks = 0
+        self.dropped = 0       # KV tokens dropped at its last preemption by recompute
+        self.stream = None     # optional per-request stream model (``clientstream``)
+
+
+class Replica(ReplicaMemory, ReplicaApply):
+    """A SimPy engine loop over one replica's queue and running set.
+
+    ``kv_rules`` sets allocation, preemption and prefix caching (default: paged,
+    recompute, no caching); ``block_bytes`` prices swapping (KV bytes per block),
+    ``swap_blocks`` is the CPU swap space in blocks, ``swap_bps`` its copy bandwidth.
+    ``streams``: requests carry their own stream model (``SimSeq.stream``), which
+    needs ``mode='slow'``."""
+
+    def __init__(self, env, index: int, policy, cost, capacity_blocks: int, rec,
+                 frame_time: float, one_way: float, on_finish: Callable[[SimSeq, float], None],
+                 series_interval: float = 0.0, mode: str = "auto",
+                 kv_rules: Optional[KVRules] = None, block_bytes: float = 0.0,
+                 swap_blocks: int = 0, swap_bps: float = 25e9, streams: bool = False) -> None:
+        self.env = env
+        self.index = index
+        self.policy = policy
+        self.cost = cost
+        self.capacity = capacity_blocks
+        self.kv = KVSpace(capacity_blocks, kv_rules or KVRules(), keys_of=lambda q: q.keys)
+        self.block_bytes = block_bytes
+        self.cpu_blocks = swap_blocks
+        self.cpu_used = 0
+        self.swap_bps = swap_bps
+        self.swapped: deque[SimSeq] = deque()
+        self._cancels: list[SimSeq] = []
+        self._copy_s = 0.0
+        self.rec = rec
+        self.frame_time = frame_time
+        self.one_way = one_way
+        self.on_finish = on_finish
+        self.waiting = policy.new_queue()
+        self.decoding: list[SimSeq] = []
+        self.prefilling: list[SimSeq] = []
+        self.by_id: dict[int, SimSeq] = {}
+        self.kv_tokens = 0
+        self._outstanding = 0
+        self._epoch_ends = None   # step end times of the epoch in progress
+        lim = policy.limits
+        self.max_num_seqs = lim.max_num_seqs
+        # ``mode``: "auto" picks fast+epochs when exact; "step" = fast without epochs;
+        # "slow" = per-request bookkeeping. All three give the same results (tested).
+        self.fast = (mode != "slow" and frame_time <= cost.min_step_s
+                     and lim.max_num_seqs <= lim.max_num_batched_tokens)
+        self.epochs = mode == "auto" and self.fast
+        # Per-request stream models (``clientstream``) need the per-request mode.
+        self._streams = streams
+        if streams and self.fast:
+            raise ValueError("per-request streams need mode='slow'")
+        # Aging reorders the queue as time passes, so a blocked head can change without
+        # any event; epochs then run only while nobody waits.
+        self._aging = hasattr(self.waiting, "aging_s")
+        # fast-mode decoder state
+        self.ticks = 0
+        self._finish_heap: list[tuple[int, int, int, SimSeq]] = []
+        self._grow_heap: list[tuple[int, int, int, SimSeq]] = []
+        self._last_dec_end = -1.0
+        self._key_sum = 0
+        self._key_max = 0
+        self._last_tok: dict[float, int] = {}   # time of previous token -> decoders
+        # slow-mode state
+        self._last_end = -1.0
+        self._in_epoch = False
+        self._wakeup = None
+        self._series = rec.series[index]
+        self._series_interval = series_interval
+        self._last_sample = -float("inf")
+        self.process = env.process(self._run())
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Prompt tokens not yet prefilled plus output tokens not yet generated, now.
+
+        Inside an epoch, the decode steps that already ended count as done, exactly as
+        if the loop had stepped through them one by one (the router reads this)."""
+        ends = self._epoch_ends
+        if ends is None:
+            return self._outstanding
+        done = bisect_right(ends, self.env.now)
+        return self._outstanding - done * len(self.decoding)
+
+    # -- arrivals -----------------------------------------------------------------
+    def rejects(self, seq: SimSeq) -> Optional[str]:
+        """Why ``seq`` can never run on this replica (too long for its KV), or None."""
+        return self.kv.fits(seq)
+
+    def enqueue(self, seq: SimSeq) -> None:
+        """The request reaches this replica's queue now."""
+        was_empty = len(self.waiting) == 0
+        self.waiting.push(seq)
+        self.by_id[seq.rid] = seq
+        self._outstanding += seq.prompt_tokens + seq.output_tokens
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+        elif self._in_epoch and (self._aging or (
+                was_empty and len(self.decoding) + len(self.prefilling) < self.max_num_seqs
+                and self.kv.admission(seq)[1] <= self.kv.policy_free())):
+            # Admissible now: the engine must look at it at the next step boundary.
+            # With aging the queue's order changes with time alone, so whether anyone
+            # waiting becomes admissible is not decided at arrivals: any arrival ends
+            # the epoch, and the loop then steps one by one while somebody waits.
+            self._in_epoch = False
+            self.process.interrupt()
+
+    # -- the engine loop -------------------------------------------------------------
+    def _run(self):
+        env = self.env
+        rec = self.rec
+        policy = self.policy
+        cost = self.cost
+        kv = self.kv
+        while True:
+            if self._cancels:
+                self._apply_cancels(env.now)
+            if not (self.decoding or self.prefilling or len(self.waiting) or self.swapped):
+                self._wakeup = env.event()
+                yield self._wakeup
+                self._wakeup = None
+                continue
+            now = env.now
+            self._copy_s = 0.0
+            # Running requests first: their growth may preempt; then swapped ones come
+            # back; new admissions only in a step that did neither (vLLM's order).
+            hold = self._make_room(now)
+            if self.swapped and not hold:
+                self._swap_in(now)
+            hold = hold or bool(self.swapped)
+            decoding = self.decoding
+            if self._streams:
+                # ``block`` backpressure: a request whose client's buffer is full is not
+                # scheduled (it keeps its KV) until the buffer drains.
+                decoding = [d for d in decoding if d.stream is None or not d.stream.blocked(now)]
+            state = SchedulerState(now, self.waiting, decoding, self.prefilling,
+                                   0 if hold else kv.policy_free(), kv=kv,
+                                   num_running=len(self.decoding) + len(self.prefilling))
+            plan = policy.schedule(state)
+            if plan.admit:
+                plan = self._admit(plan, now)
+            if plan.is_empty and len(decoding) < len(self.decoding):
+                # Every runnable request is blocked on its client: wait for the first
+                # buffer to drain, or for an arrival or a cancel.
+                until = min(d.stream.unblock_time(now) for d in self.decoding
+                            if d.stream is not None)
+                self._wakeup = env.event()
+                waits = [self._wakeup]
+                if until < math.inf:
+                    waits.append(env.timeout(max(until - now, 0.0)))
+                yield env.any_of(waits)
+                self._wakeup = None
+                continue
+            if plan.is_empty:
+                if self.swapped and not (self.decoding or self.prefilling):
+                    raise RuntimeError(f"replica {self.index}: swapped requests cannot "
+                                       f"come back into an empty cache")
+                if self._copy_s:
+                    # Only a swap copy this iteration: charge it, then plan again.
+                    yield env.timeout(self._copy_s)
+                    rec.swap_copy_s += self._copy_s
+                    continue
+                # Only waiting requests that cannot be admitted and nothing running: the
+                # enqueue-time check rejects requests larger than the cache, so this is a
+                # logic error, not a load condition.
+                raise RuntimeError(f"replica {self.index}: policy returned an empty plan "
+                                   f"with {len(self.waiting)} waiting and nothing running")
+            by_id = self.by_id
+            nd = len(plan.decode)
+            k_room = 0
+            # An epoch repeats this plan until something happens; a step that held
+            # admissions back (a preemption, swapped requests) is not one to repeat.
+            if (self.epochs and nd and not plan.prefill and not self._copy_s and not hold
+                    and (not self._aging or len(self.waiting) == 0)):
+                self._clean_top(self._finish_heap)
+                k = min(self._finish_heap[0][0] - self.ticks, MAX_EPOCH_STEPS)
+                k_room = self._epoch_room(nd, k)
+            if k_room > 1:
+                yield from self._epoch(nd, k_room)
+            else:
+                if not nd:
+                    dseqs, ctx_max, ctx_sum = (), 0, 0
+                elif self.fast:
+                    dseqs = self.decoding
+                    ctx_max = self._key_max + self.ticks
+                    ctx_sum = self._key_sum + nd * self.ticks
+                else:
+                    dseqs = (self.decoding if nd == len(self.decoding)
+                             else [by_id[r] for r in plan.decode])
+                    ctx_sum = ctx_max = 0
+                    for s in dseqs:
+                        c = s.context
+                        ctx_sum += c
+                        if c > ctx_max:
+                            ctx_max = c
+                chunks = []
+                for rid, n in plan.prefill:
+                    s = by_id[rid]
+                    chunks.append((n, s.prefilled, s.prefilled + n >= s.prefill_len))
+                dt = cost.step_time(nd, ctx_max, ctx_sum, chunks) + self._copy_s
+                rec.steps += 1
+                rec.step_time_total += dt
+                rec.swap_copy_s += self._copy_s
+                yield env.timeout(dt)
+                t = env.now
+                if self.fast:
+                    if nd:
+                        self._decode_fast(t, 1, t, None)
+                else:
+                    self._decode_slow(dseqs, t)
+                self._prefill(plan.prefill, t)
+                self._finish_due(t)
+            if env.now - self._last_sample >= self._series_interval:
+                self._sample(env.now)
+
+    def _admit(self, plan: StepPlan, now: float) -> StepPlan:
+        """Move the plan's admissions into the running set (``KVSpace.admit_plan``)."""
+        rec = self.rec
+
+        def admitted(seq, cached: int) -> None:
+            rid = seq.rid
+            self.waiting.remove(seq)
+            if cached:
+                rec.cached_tokens[rid] += cached
+                self.kv_tokens += cached
+                self._outstanding -= cached
+            if math.isnan(rec.scheduled[rid]):
+                rec.scheduled[rid] = now
+            else:
+                rec.preempted_s[rid] += now - seq.preempted_at
+                # Dropped KV that a re-admission's prefix hit recovers is not recomputed.
+                rec.recomputed_tokens[rid] -= min(cached, seq.dropped)
+            seq.where = "p"
+            self.prefilling.append(seq)
+
+        return self.kv.admit_plan(plan, self.by_id.__getitem__, admitted)
+
+    def _epoch(self, nd: int, k: int):
+        """``k`` decode-only steps, or fewer if an admissible arrival (or a cancel)
+        interrupts: up to the first finish, within the blocks free for growth."""
+        env = self.env
+        now = env.now
+        if self.cost.padded:
+            ctx0 = self._key_max + self.ticks
+        else:
+            ctx0 = (self._key_sum + nd * self.ticks) / nd
+        dts = self.cost.decode_times(nd, ctx0, k)
+        ends = list(accumulate(dts, initial=now))[1:]
+        self._in_epoch = True
+        self._epoch_ends = ends
+        try:
+            yield env.timeout(ends[-1] - now)
+            m = k
+        except simpy.Interrupt:
+            # Steps run to completion: the one in progress ends, then the engine re-plans.
+            j = min(bisect_left(ends, env.now), k - 1)
+            m = j + 1
+            self._in_epoch = False
+            yield env.timeout(max(ends[j] - env.now, 0.0))
+        self._in_epoch = False
+        self._epoch_ends = None
+        self.rec.steps += m
+        self.rec.step_time_total += ends[m - 1] - now
+        gaps = [ends[i + 1] - ends[i] for i in range(m - 1)] if m > 1 else None
+        self._decode_fast(env.now, m, ends[0], gaps)
+        if self.kv.paged:
+            self._catch_up_growth()
+        self._finish_due(env.now)

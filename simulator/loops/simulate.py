@@ -1,0 +1,318 @@
+"""``simulate(scenario, seed) -> Results``: one run of the whole SimPy model.
+
+The run is a pure function of the scenario and the seed: one
+``numpy.random.Generator`` per concern is spawned from the seed (workload,
+network, router, cost noise), nothing global is touched, and nothing is written
+to disk here (the CLI writes files).
+
+Flow of a request: the client sends at ``arrival``; the network stage picks a
+connection from its client's keep-alive pool (or opens one) and delivers the
+request to the router after ``T_net``; the router picks a replica, whose queue it
+joins (``enqueued``); the replica's engine loop schedules, prefills and decodes it;
+frames stream back; the connection returns to the pool when the last frame is
+delivered.
+
+When any stream or network setting departs from the defaults (coalescing,
+heartbeats, a bounded send buffer, per-client downlinks, disconnects, HTTP/2,
+regions) every request carries its own ``clientstream.ClientStream`` (``seq.stream``)
+and ``wire.Wire`` does the per-request work: route (with regions, at send time), take a
+connection, open the stream, and play out the client disconnects (a cancel one way
+after a signalled one, or a heartbeat timeout after a silent one). Its totals go to
+``Results.meta["stream"]`` (and ``meta["network"]`` with regions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import simpy
+
+from simulator.config.scenario import Scenario
+from simulator.cost import build_cost_model, profile_search_dirs
+from simulator.model.kv.blocks import request_blocks
+from simulator.report.kv import kv_run_stats
+from simulator.model.kv.space import KVRules
+from simulator.model.kv.prefixkeys import WorkloadKeys
+from simulator.wire.network import ConnectionPools, H2Connections, NetworkTiming, Topology
+from simulator.report.recorder import Recorder
+from simulator.loops.simpy.replica import Replica, SimSeq
+from simulator.cluster.routers import make_router
+from simulator.model.scheduling import make_policy
+from simulator.wire.stream import DisconnectDraws, StreamTiming, client_downlinks_bps
+from simulator.loops.compiled import Handback, kernel_reason, run_compiled, worth_compiling
+from simulator.loops.fast.loop import FastLoop, Unsupported, unsupported_reason
+from simulator.wire.per_request import Wire
+from simulator.workload import Workload, build_workload
+
+
+@dataclass
+class Results:
+    """Everything a run produced, in memory."""
+
+    scenario: Scenario
+    seed: int
+    policy: str
+    workload: Workload
+    rec: Recorder
+    kv_capacity_blocks: int
+    kv_capacity_tokens: int
+    cost_info: dict
+    extrapolations: int
+    cost_lookups: int
+    connections: dict
+    sim_end: float
+    meta: dict = field(default_factory=dict)
+
+
+# Event loops: ``auto`` (compiled, else fastloop, else SimPy), ``python`` (fastloop,
+# else SimPy), ``fast`` (fastloop only), ``compiled`` (compiled only), ``simpy``.
+LOOPS = ("auto", "python", "simpy", "fast", "compiled")
+
+
+def kv_capacity_blocks(scenario: Scenario) -> int:
+    """KV blocks per replica: explicit, or (GPU memory x utilisation - weights) / block bytes."""
+    kv = scenario.engine.kv
+    if kv.num_blocks is not None:
+        return kv.num_blocks
+    shape = scenario.model.shape
+    free = kv.gpu_memory_gb * 1e9 * kv.gpu_memory_utilization - shape.weight_bytes
+    per_block = shape.kv_bytes_per_token * kv.block_size
+    blocks = int(free // per_block)
+    if blocks < 1:
+        from simulator.errors import LatsimError
+        raise LatsimError("the model's weights leave no memory for the KV cache",
+                          field="engine.kv.gpu_memory_gb", value=kv.gpu_memory_gb, has_value=True)
+    return blocks
+
+
+def replica_kv_args(scenario: Scenario) -> dict:
+    """The KV keyword arguments of ``Replica`` for this scenario: rules, bytes per
+    block (what a swap copies), CPU swap space in blocks and its bandwidth."""
+    kv = scenario.engine.kv
+    block_bytes = float(scenario.model.shape.kv_bytes_per_token * kv.block_size)
+    return {"kv_rules": KVRules.from_config(kv), "block_bytes": block_bytes,
+            "swap_blocks": int(kv.swap_space_gb * 1e9 // block_bytes),
+            "swap_bps": kv.swap_gb_per_s * 1e9}
+
+
+def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
+             policy: Optional[str] = None, workload: Optional[Workload] = None,
+             profile: Optional[dict] = None, mode: str = "auto",
+             cost_model=None, loop: str = "auto") -> Results:
+    """Run the scenario once. ``policy`` overrides ``engine.policy``; ``workload`` and
+    ``profile`` may be passed in pre-built (e.g. to run several policies on the same
+    traffic without rebuilding it). ``mode`` selects the replica's bookkeeping
+    (``auto``, ``step``, ``slow``; see ``replica``) - for tests, results do not depend on it.
+    ``cost_model``: an object to use instead of building one from ``model.cost`` (one
+    replica only; e.g. ``real_engine.validate.ReplayCost``). ``loop`` (results do not depend on it):
+    ``auto`` runs a configuration the compiled loop covers on it (``compiled``, when
+    ``compiled.worth_compiling``), else one ``fastloop`` covers on that, else SimPy;
+    ``python`` never compiles; ``simpy`` always uses SimPy; ``fast`` and ``compiled``
+    insist on theirs (``fastloop.Unsupported`` if they cannot, or on a hand-back)."""
+    if loop not in LOOPS:
+        raise ValueError(f"unknown loop {loop!r}; known: {', '.join(LOOPS)}")
+    seed = scenario.seed if seed is None else seed
+    ss = np.random.SeedSequence(seed)
+    rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
+    # Spawned after the first four, which (hence every default run) they leave unchanged.
+    rng_link, rng_disc = (np.random.default_rng(s) for s in ss.spawn(2))
+    if workload is None:
+        workload = build_workload(scenario.workload, rng_wl, base_dir or Path.cwd())
+    eng = scenario.engine
+    pname = policy or eng.policy
+    pol = make_policy(pname, max_num_seqs=eng.max_num_seqs,
+                      max_num_batched_tokens=eng.max_num_batched_tokens,
+                      chunk_size=eng.chunk_size, aging_s=eng.aging_s)
+    n_rep = scenario.cluster.replicas
+    capacity = kv_capacity_blocks(scenario)
+    bs = eng.kv.block_size
+
+    env = simpy.Environment()
+    n = len(workload)
+    rec = Recorder(n, n_rep)
+    net = NetworkTiming.from_config(scenario.network)
+    stream = StreamTiming.from_config(scenario.stream, net.one_way)
+    ncfg = scenario.network
+    rich = scenario.stream.rich or ncfg.rich
+    topo = Topology.from_config(ncfg, ncfg.clients, n_rep) if ncfg.regions is not None else None
+    # With regions a client keeps separate connections to each serving region.
+    n_keys = ncfg.clients * (len(topo.serving_names) if topo is not None else 1)
+    if ncfg.protocol == "http2":
+        pools = H2Connections(n_keys, ncfg.h2_max_streams, ncfg.keepalive_s,
+                              ncfg.connection_reuse)
+    else:
+        pools = ConnectionPools(n_keys, ncfg.pool_size, ncfg.keepalive_s,
+                                ncfg.connection_reuse)
+    clients = (workload.client % ncfg.clients if workload.client is not None
+               else rng_net.integers(0, ncfg.clients, size=n))
+    wire = None
+
+    def on_finish(s: SimSeq, delivered_at: float) -> None:
+        if wire is None:
+            pools.release(s.client, delivered_at, s.pooled)
+        else:
+            wire.finished(s, delivered_at)
+
+    kv_args = replica_kv_args(scenario)
+    keys_of = WorkloadKeys(workload, bs) if kv_args["kv_rules"].prefix_caching else None
+    if cost_model is not None:
+        if n_rep > 1:
+            raise ValueError("a given cost_model serves one replica only")
+        costs = [cost_model]
+    else:
+        # Each replica draws its own noise stream so adding replicas does not shift others.
+        costs = [build_cost_model(scenario.model.cost,
+                                  np.random.default_rng(rng_cost.integers(2**63)),
+                                  profile_search_dirs(base_dir), profile=profile)
+                 for _ in range(n_rep)]
+
+    def results(end: float, stats: list, loop_name: str) -> Results:
+        res = Results(
+            scenario=scenario, seed=seed, policy=pname, workload=workload, rec=rec,
+            kv_capacity_blocks=capacity, kv_capacity_tokens=capacity * bs,
+            cost_info=costs[0].describe(),
+            extrapolations=sum(c.extrapolations for c in costs),
+            cost_lookups=sum(c.lookups for c in costs),
+            connections={"new": pools.new_connections, "reused": pools.reused_connections},
+            sim_end=float(end),
+        )
+        res.meta["kv"] = kv_run_stats(stats, costs[0], rec, workload,
+                                      eng.chunk_size or eng.max_num_batched_tokens)
+        res.meta["loop"] = loop_name
+        return res
+
+    if loop != "simpy":
+        why = unsupported_reason(pol, kv_args["kv_rules"], rich or topo is not None, mode,
+                                 cost_model, stream.frame_time, costs,
+                                 scenario.cluster.router)
+        try:
+            if why is not None:
+                raise Unsupported(why)
+            if loop == "compiled" or (loop == "auto" and worth_compiling(n)):
+                kwhy = kernel_reason(pol, kv_args["kv_rules"], pools, costs,
+                                     scenario.cluster.router, workload.priority)
+                if kwhy is None:
+                    rec.arrival[:] = workload.arrival_s
+                    try:
+                        end, stats = run_compiled(
+                            rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
+                            capacity=capacity, rules=kv_args["kv_rules"], pools=pools, net=net,
+                            swap=(kv_args["block_bytes"], kv_args["swap_blocks"],
+                                  kv_args["swap_bps"]),
+                            frame_time=stream.frame_time, one_way=stream.one_way,
+                            series_interval=_series_interval(workload),
+                            arrival=workload.arrival_s, prompt=workload.prompt_tokens,
+                            output=workload.output_tokens, priority=workload.priority,
+                            clients=clients,
+                            until=scenario.max_sim_time_s, router=scenario.cluster.router,
+                            router_rng=rng_router)
+                    except Handback as e:
+                        if loop == "compiled":
+                            raise Unsupported(str(e)) from None
+                        # Rebuilt from the seed: the run is what the Python loops make of it.
+                        res = simulate(scenario, seed, base_dir=base_dir, policy=policy,
+                                       workload=workload, profile=profile, mode=mode,
+                                       cost_model=cost_model, loop="python")
+                        res.meta["loop"] += f" (the compiled loop handed back: {e})"
+                        return res
+                    return results(end, stats, "compiled")
+                if loop == "compiled":
+                    raise Unsupported(kwhy)
+            fast = FastLoop(rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
+                            capacity=capacity, rules=kv_args["kv_rules"],
+                            swap=(kv_args["block_bytes"], kv_args["swap_blocks"],
+                                  kv_args["swap_bps"]),
+                            router=make_router(scenario.cluster.router, n_rep, rng_router),
+                            pools=pools, net=net, frame_time=stream.frame_time,
+                            one_way=stream.one_way, series_interval=_series_interval(workload),
+                            arrival=workload.arrival_s, prompt=workload.prompt_tokens,
+                            output=workload.output_tokens, priority=workload.priority,
+                            clients=clients, keys_of=keys_of,
+                            until=scenario.max_sim_time_s)
+            rec.arrival[:] = workload.arrival_s
+            end = fast.run()
+        except Unsupported as e:
+            if loop in ("fast", "compiled"):
+                raise
+            # Everything is rebuilt from the seed: the SimPy run is what it would have been.
+            res = simulate(scenario, seed, base_dir=base_dir, policy=policy, workload=workload,
+                           profile=profile, mode=mode, cost_model=cost_model, loop="simpy")
+            res.meta["loop"] = f"simpy ({e})"
+            return res
+        return results(end, [r.stats for r in fast.replicas], "fast")
+    replicas = [Replica(env, i, pol, costs[i], capacity, rec, stream.frame_time, stream.one_way,
+                        on_finish, series_interval=_series_interval(workload),
+                        mode="slow" if rich else mode, streams=rich, **kv_args)
+                for i in range(n_rep)]
+    router = make_router(scenario.cluster.router, n_rep, rng_router, topology=topo)
+    if rich:
+        wire = Wire(scenario, env, rec, replicas, router, pools, topo, net,
+                     client_downlinks_bps(scenario.stream, ncfg.clients, rng_link),
+                     DisconnectDraws.sample(scenario.stream.disconnect, n, rng_disc))
+
+    arrival = workload.arrival_s
+    prompt = workload.prompt_tokens
+    output = workload.output_tokens
+    prio = workload.priority
+    rec.arrival[:] = arrival
+
+    def deliver(seq: SimSeq) -> None:
+        rid = seq.rid
+        seq.enqueued = env.now
+        rec.enqueued[rid] = env.now
+        if replicas[0].rejects(seq):
+            # Can never fit in this replica's KV cache: rejected, reported as not finished.
+            rec.rejected[rid] = True
+            if wire is None:
+                pools.release(seq.client, env.now + net.one_way, seq.pooled)
+            else:
+                wire.rejected(seq, env.now)
+            return
+        if wire is None:
+            k = router.pick(replicas, seq)
+        else:
+            k = wire.replica_for(seq)
+            seq.stream = wire.open_stream(seq, env.now)
+        rec.replica[rid] = k
+        replicas[k].enqueue(seq)
+
+    def arrivals():
+        t = 0.0
+        for rid in range(n):
+            a = arrival[rid]
+            if a > t:
+                yield env.timeout(a - t)
+                t = a
+            c = int(clients[rid])
+            if wire is None:
+                is_new, pooled = pools.acquire(c, env.now)
+                rec.new_connection[rid] = is_new
+            else:
+                pooled = False   # wire.send routes the request, then takes its connection
+            p = int(prompt[rid])
+            o = int(output[rid])
+            seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), request_blocks(p, o, bs), c, pooled)
+            if keys_of is not None:
+                seq.keys = keys_of(rid)
+            if wire is None:
+                t_net = net.send_time(p) + (net.handshake if is_new else 0.0)
+            else:
+                t_net = wire.send(seq, env.now)
+            env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))
+
+    env.process(arrivals())
+    env.run(until=scenario.max_sim_time_s)
+    res = results(env.now, [r.kv.manager.stats for r in replicas], "simpy")
+    if wire is not None:
+        res.meta.update(wire.summary(float(env.now)))
+    return res
+
+
+def _series_interval(wl: Workload) -> float:
+    """Sample time series at every step for small runs, ~20k points for large ones."""
+    if len(wl) <= 5000:
+        return 0.0
+    span = float(wl.arrival_s[-1] - wl.arrival_s[0])
+    return max(span, 0.0) / 20000.0

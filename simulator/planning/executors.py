@@ -1,0 +1,180 @@
+"""Where sweep and planner points run: one pure function and two executors.
+
+``run_point((scenario dict, seed, base_dir, profile)) -> row`` simulates one point and
+returns a flat row: the overall summary metrics under their ``vllm bench serve``
+names, each class's as ``<class>:<metric>`` (when there are several classes), run
+facts as ``run.<fact>``, and ``offered_rate`` (requests per second of arrivals). A user
+error in the point becomes an ``error`` cell instead.
+
+Executors take a batch of such tasks and yield ``(index, row)`` as each finishes:
+``LocalExecutor`` (a process pool over the cores, forked once and reused) and
+``RayExecutor`` (Ray tasks on ``RAY_ADDRESS``'s cluster, or a local Ray instance; this
+package is shipped to the workers). Nothing is written to disk here.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Iterator, Optional
+
+from simulator.config.scenario import validate_scenario
+from simulator.errors import LatsimError
+
+
+def load_profile_for(scenario, base_dir: Path, cache: dict) -> Optional[dict]:
+    """The profile a scenario's cost model reads, loaded once per path (None if not a profile)."""
+    from simulator.cost import load_profile, profile_search_dirs, resolve_profile_path
+    cost = scenario.model.cost
+    if getattr(cost, "kind", None) != "profile":
+        return None
+    path = resolve_profile_path(cost.path, profile_search_dirs(base_dir))
+    if path not in cache:
+        cache[path] = load_profile(path)
+    return cache[path]
+
+
+def flatten(summary: dict, offered_rate: float) -> dict:
+    """A run's summary as one flat row (see module docstring)."""
+    row = dict(summary["overall"])
+    classes = summary["per_class"]
+    if len(classes) > 1:
+        for name, s in classes.items():
+            for k, v in s.items():
+                if not k.endswith("_itl_ms"):  # ITL is pooled run-wide only
+                    row[f"{name}:{k}"] = v
+    for k, v in summary["run"].items():
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                if isinstance(v2, (int, float, str, bool)):
+                    row[f"run.{k}.{k2}"] = v2
+        else:
+            row[f"run.{k}"] = v
+    row["offered_rate"] = offered_rate
+    return row
+
+
+def run_point(task: tuple) -> dict:
+    """Simulate one (scenario dict, seed, base_dir, profile) and return its flat row.
+
+    Pure: nothing is read but the scenario's own inputs (trace files) and nothing is
+    written. A user error in the point (``LatsimError``) becomes an ``error`` cell."""
+    data, seed, base_dir, profile = task
+    from simulator.report.output import run_outputs
+    from simulator.loops.simulate import simulate
+    try:
+        sc = validate_scenario(data, source="sweep point")
+        res = simulate(sc, seed, base_dir=Path(base_dir), profile=profile)
+        _, summary = run_outputs(res)
+    except LatsimError as e:
+        return {"error": str(e)}
+    arr = res.workload.arrival_s
+    span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
+    return flatten(summary, (len(arr) - 1) / span if span > 0 else float("nan"))
+
+
+class LocalExecutor:
+    """A process pool over the machine's cores (``workers=1``: in this process).
+
+    The pool's processes are forked when it is made, before any progress display or
+    spinner thread exists, and serve every batch until ``close``."""
+
+    def __init__(self, workers: Optional[int] = None) -> None:
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self._pool = None
+        self._pending: set = set()
+        if self.workers > 1:
+            ctx = mp.get_context("fork") if sys.platform.startswith("linux") else None
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
+            self._pool.submit(os.getpid).result()  # start the workers now
+
+    def imap_unordered(self, tasks: list) -> Iterator[tuple[int, dict]]:
+        """Submit every task now; iterate ``(task index, row)`` as each finishes."""
+        if self._pool is None:
+            return ((i, run_point(t)) for i, t in enumerate(tasks))
+        futs = {self._pool.submit(run_point, t): i for i, t in enumerate(tasks)}
+        self._pending = set(futs)
+
+        def results():
+            """Rows in completion order."""
+            while self._pending:
+                done, self._pending = wait(self._pending, return_when=FIRST_COMPLETED)
+                for f in sorted(done, key=futs.get):
+                    yield futs[f], f.result()
+        return results()
+
+    def close(self, abort: bool = False) -> None:
+        """Shut the pool down; ``abort`` cancels queued tasks and stops running ones."""
+        if self._pool is None:
+            return
+        for f in self._pending:
+            f.cancel()
+        procs = list((getattr(self._pool, "_processes", None) or {}).values())
+        self._pool.shutdown(wait=not abort, cancel_futures=True)
+        if abort:
+            for p in procs:
+                p.terminate()
+        self._pool = None
+
+
+class RayExecutor:
+    """``run_point`` as Ray tasks, on ``RAY_ADDRESS``'s cluster or a local Ray instance."""
+
+    def __init__(self, workers: Optional[int] = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise LatsimError("--executor ray needs Ray: pip install 'latsim[ray]'",
+                              source="--executor") from None
+        self.ray = ray
+        self._owns = not ray.is_initialized()
+        if self._owns:
+            address = os.environ.get("RAY_ADDRESS")
+            # A local instance: no dashboard, ``workers`` CPUs. Either way this package is
+            # shipped, so the workers run the driver's exact code.
+            kw = {} if address else {"include_dashboard": False, "log_to_driver": False,
+                                     **({"num_cpus": workers} if workers else {})}
+            try:
+                ray.init(address=address,
+                         runtime_env={"py_modules": [str(Path(__file__).resolve().parent)]}, **kw)
+            except (ConnectionError, ValueError, RuntimeError) as e:
+                where = f"the Ray cluster at {address} (RAY_ADDRESS)" if address else "Ray"
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise LatsimError(f"cannot start or reach {where}: {msg}",
+                                  source="--executor") from None
+        self._remote = ray.remote(num_cpus=1, max_retries=0)(run_point)
+        self.workers = max(1, workers or int(ray.cluster_resources().get("CPU", 1)))
+        self._pending: list = []
+
+    def imap_unordered(self, tasks: list) -> Iterator[tuple[int, dict]]:
+        """Submit every task now; iterate ``(task index, row)`` as each finishes."""
+        refs = {self._remote.remote(t): i for i, t in enumerate(tasks)}
+        self._pending = list(refs)
+
+        def results():
+            """Rows in completion order."""
+            while self._pending:
+                done, self._pending = self.ray.wait(self._pending, num_returns=1)
+                for r in done:
+                    yield refs[r], self.ray.get(r)
+        return results()
+
+    def close(self, abort: bool = False) -> None:
+        """Cancel what is left; shut Ray down if this executor started it."""
+        for r in self._pending:
+            self.ray.cancel(r, force=True)
+        self._pending = []
+        if self._owns:
+            self.ray.shutdown()
+
+
+def make_executor(kind: str, workers: Optional[int] = None):
+    """``local`` or ``ray``."""
+    if kind == "local":
+        return LocalExecutor(workers)
+    if kind == "ray":
+        return RayExecutor(workers)
+    raise LatsimError("unknown executor; known: local, ray", source="--executor",
+                      value=kind, has_value=True)

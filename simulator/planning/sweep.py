@@ -1,0 +1,371 @@
+"""Parameter sweeps: every point of a grid, one tidy table, resumable.
+
+A grid is a list of axes, each ``key=v1,v2,...`` (values read as YAML) or a numeric
+range ``key=start:stop[:step]`` (inclusive of ``stop`` when it lands on the grid;
+decimal arithmetic, so ``0.1:0.5:0.1`` has five points). Keys are scenario paths
+(``engine.chunk_size``) or the shorthands ``replicas``, ``router``, ``policy`` and
+``rate`` / ``workload.rate`` (a synthetic workload's ``workload.arrival.rate``; a
+trace's own ``workload.rate``). Points are the cartesian product, last axis fastest.
+
+Each (point, seed) is one pure call ``executors.run_point((scenario dict, seed,
+base_dir, profile)) -> row`` (parameters + every summary metric, see there), run in a
+process pool (``local``) or as Ray tasks (``ray``); no files are shared: the driver
+reads the cost profile once and ships it with each task.
+
+``run_sweep`` appends each row to ``results.csv`` as soon as it finishes (the
+parameters and seed are the row's key, so ``resume`` skips what is done), then
+rewrites the table sorted by point order then seed, byte-identical whether or not
+the run was interrupted, and writes ``results.parquet`` when pyarrow is present.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+import yaml
+
+from simulator.config.scenario import parse_override, validate_scenario
+from simulator.errors import LatsimError
+from simulator.planning.executors import load_profile_for, make_executor
+
+SHORTHANDS = {"replicas": "cluster.replicas", "router": "cluster.router",
+              "policy": "engine.policy"}
+RESULTS_CSV = "results.csv"
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One grid axis: a key (as the user wrote it) and its values in order."""
+
+    key: str
+    values: tuple
+
+
+def _number(text: str) -> Optional[Decimal]:
+    try:
+        d = Decimal(text.strip())
+    except InvalidOperation:
+        return None
+    return d if d.is_finite() else None
+
+
+def parse_axis(text: str, source: str = "--grid") -> Axis:
+    """``key=v1,v2`` or ``key=start:stop[:step]`` -> an ``Axis`` (one-line errors)."""
+    key, _ = parse_override(text)  # checks the key; the values are parsed below
+    raw = text.split("=", 1)[1].strip()
+    if not raw:
+        raise LatsimError("no values given", source=source, value=text, has_value=True)
+    if key == "seed":
+        raise LatsimError("use --seeds N to run several seeds", source=source, field=key)
+    parts = raw.split(":")
+    nums = [_number(p) for p in parts]
+    if len(parts) in (2, 3) and "," not in raw and all(n is not None for n in nums):
+        start, stop = nums[0], nums[1]
+        step = nums[2] if len(parts) == 3 else Decimal(1)
+        if step <= 0 or stop < start:
+            raise LatsimError("a range needs start <= stop and a step > 0", source=source,
+                              field=key, value=raw, has_value=True)
+        count = int((stop - start) / step) + 1
+        if count > 100_000:
+            raise LatsimError("range has too many points", source=source, field=key,
+                              value=raw, has_value=True)
+        vals = [start + i * step for i in range(count)]
+        integral = all("." not in p and "e" not in p.lower() for p in parts)
+        return Axis(key, tuple(int(v) if integral else float(v) for v in vals))
+    values = []
+    for item in raw.split(","):
+        _, v = parse_override(f"{key}={item.strip()}")
+        values.append(v)
+    return Axis(key, tuple(values))
+
+
+def expand(axes: list[Axis]) -> list[dict]:
+    """Every point of the grid as ``{key: value}``, in order (last axis fastest)."""
+    keys = [a.key for a in axes]
+    if len(set(keys)) != len(keys):
+        raise LatsimError("a key is given twice", source="--grid",
+                          value=sorted(k for k in keys if keys.count(k) > 1)[0], has_value=True)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(a.values for a in axes))]
+
+
+def resolve_key(data: dict, key: str) -> str:
+    """The scenario path a grid key sets (shorthands and ``workload.rate`` resolved)."""
+    key = SHORTHANDS.get(key, key)
+    if key in ("rate", "workload.rate"):
+        kind = (data.get("workload") or {}).get("kind", "synthetic")
+        return "workload.arrival.rate" if kind == "synthetic" else "workload.rate"
+    return key
+
+
+def set_path(data: dict, dotted: str, value: Any) -> None:
+    """Set ``a.b.c`` in a nested mapping (creating mappings on the way), in place."""
+    node = data
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = value
+
+
+def policy_axis(base: dict) -> tuple[Axis, dict]:
+    """The ``engine.policy`` axis a scenario's ``policies:`` list stands for: its values
+    are the runs' labels, and ``runs`` maps each label to its entry (a policy name,
+    or ``{policy, label, engine fields, kv}``), which ``point_scenario`` applies."""
+    runs = {}
+    for entry in base["policies"]:
+        if isinstance(entry, dict):
+            label = entry.get("label") or entry.get("policy")
+        else:
+            label = entry
+        runs[str(label)] = entry
+    return Axis("engine.policy", tuple(runs)), runs
+
+
+def _apply_run(data: dict, entry) -> None:
+    """Set a ``policies:`` entry's engine settings on a scenario mapping."""
+    eng = data.setdefault("engine", {})
+    if not isinstance(entry, dict):
+        eng["policy"] = entry
+        return
+    for k, v in entry.items():
+        if k == "label" or v is None:
+            continue
+        if k == "kv":
+            eng["kv"] = {**(eng.get("kv") or {}), **v}
+        else:
+            eng[k] = v
+
+
+def point_scenario(base: dict, params: dict, runs: Optional[dict] = None) -> dict:
+    """A deep copy of ``base`` with every parameter of one grid point set; an
+    ``engine.policy`` value that names one of ``runs`` applies that whole entry
+    first, so the other grid axes override its settings (the grid is explicit)."""
+    out = copy.deepcopy(base)
+    rest = {}
+    for key, value in params.items():
+        path = resolve_key(out, key)
+        if runs and path == "engine.policy" and value in runs:
+            _apply_run(out, runs[value])
+        else:
+            rest[path] = value
+    for path, value in rest.items():
+        set_path(out, path, value)
+    return out
+
+
+def describe(params: dict) -> str:
+    """``k=v, k=v`` for messages."""
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(base scenario)"
+
+
+# -- the results table ----------------------------------------------------------------------
+
+def cell(v: Any) -> str:
+    """A value as CSV text; floats as their shortest exact repr, NaN as empty."""
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float) or type(v).__module__ == "numpy":
+        if hasattr(v, "item"):
+            v = v.item()
+        if isinstance(v, float):
+            return "" if v != v else repr(v)
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, sort_keys=True)
+    return str(v)
+
+
+class ResultsTable:
+    """``results.csv``, appended to row by row; rows are keyed by parameters + seed."""
+
+    def __init__(self, path: Path, keys: list[str]) -> None:
+        self.path, self.keys = path, keys
+        self.columns: list[str] = []
+        self.rows: dict[tuple, dict] = {}    # key -> row of strings, file order
+
+    def key(self, row: dict) -> tuple:
+        """The row's identity: its parameter cells and seed cell."""
+        return tuple(row.get(k, "") for k in self.keys) + (row.get("seed", ""),)
+
+    def load(self) -> None:
+        """Read what an earlier run wrote, dropping a last line cut short by a kill."""
+        text = self.path.read_text()
+        if text and not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]
+            self.path.write_text(text)
+        reader = csv.reader(io.StringIO(text))
+        header = next(reader, None)
+        if not header:
+            return
+        missing = [k for k in ["point", *self.keys, "seed"] if k not in header]
+        if missing:
+            raise LatsimError(f"cannot resume: it has no column {missing[0]!r} (a sweep over "
+                              "other parameters?)", source=str(self.path))
+        self.columns = header
+        for cells in reader:
+            if len(cells) == len(header):
+                row = dict(zip(header, cells))
+                self.rows.setdefault(self.key(row), row)
+
+    def append(self, row: dict) -> None:
+        """Add one finished row and append it to the file (rewriting it on new columns)."""
+        srow = {k: cell(v) for k, v in row.items()}
+        self.rows[self.key(srow)] = srow
+        new = [k for k in srow if k not in self.columns]
+        if new or not self.path.exists():
+            self.columns += new
+            self._write(self.rows.values())
+            return
+        with self.path.open("a", newline="") as f:
+            csv.writer(f, lineterminator="\n").writerow([srow.get(c, "") for c in self.columns])
+
+    def _write(self, rows) -> None:
+        tmp = self.path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            w.writerow(self.columns)
+            for r in rows:
+                w.writerow([r.get(c, "") for c in self.columns])
+        os.replace(tmp, self.path)
+
+    def finalize(self, order: dict[tuple, tuple[int, int]]) -> None:
+        """Rewrite the file sorted by ``order`` (key -> (point, seed index)); rows of other
+        grids keep their file order, after. Columns: point, parameters, seed, then the
+        metrics in the order of the first complete row, then ``error``, then any others."""
+        known = sorted((r for r in self.rows.values() if self.key(r) in order),
+                       key=lambda r: order[self.key(r)])
+        for r in known:
+            r["point"] = str(order[self.key(r)][0])
+        other = [r for r in self.rows.values() if self.key(r) not in order]
+        rows = known + other
+        head = ["point", *self.keys, "seed"]
+        ref = next((r for r in rows if not r.get("error")), {})
+        cols = head + [c for c in ref if c not in head and c != "error"]
+        rest = sorted({c for r in rows for c in r} - set(cols) - {"error"})
+        self.columns = cols + (["error"] if any(r.get("error") for r in rows) else []) + rest
+        self._write(rows)
+
+
+@dataclass
+class SweepResult:
+    """What ``run_sweep`` did: the final table, rows run now and skipped, wall seconds."""
+
+    table: pd.DataFrame
+    ran: int
+    skipped: int
+    wall_s: float
+    path: Path
+    errors: int = 0
+
+
+def _progress(console, total: int):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    return Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("ETA"),
+                    TimeRemainingColumn(), console=console, transient=False)
+
+
+def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, seeds: int = 1,
+              executor: str = "local", workers: Optional[int] = None, resume: bool = False,
+              force: bool = False, limit: Optional[int] = None, console=None,
+              progress: bool = True) -> SweepResult:
+    """Run every (point, seed) of the grid over ``base`` (a scenario mapping) into ``out_dir``.
+
+    ``limit`` stops after that many new rows (the rest is left for ``resume``)."""
+    if seeds < 1:
+        raise LatsimError("must be at least 1", source="--seeds", value=seeds, has_value=True)
+    base = copy.deepcopy(base)
+    runs = None
+    if base.get("policies") and not any(resolve_key(base, a.key) == "engine.policy" for a in axes):
+        axis, runs = policy_axis(base)
+        axes = [*axes, axis]
+    base.pop("policies", None)
+    points = expand(axes)
+    base_seed = int(base.get("seed", 0) or 0)
+    seed_list = [base_seed + i for i in range(seeds)]
+    out_dir = Path(out_dir)
+    path = out_dir / RESULTS_CSV
+    if path.exists() and not (resume or force):
+        raise LatsimError("results already exist: pass --resume to continue them or --force "
+                          "to start again", source=str(path))
+    keys = [a.key for a in axes]
+    table = ResultsTable(path, keys)
+    if resume and path.exists():
+        table.load()
+    elif path.exists():
+        path.unlink()
+    # Validate every point before running any, and load each profile once.
+    cache: dict = {}
+    tasks, task_rows, order = [], [], {}
+    for i, params in enumerate(points):
+        data = point_scenario(base, params, runs)
+        try:
+            sc = validate_scenario(data, source=f"grid point {describe(params)}")
+        except LatsimError as e:
+            raise LatsimError(str(e)) from None
+        profile = load_profile_for(sc, base_dir, cache)
+        for j, s in enumerate(seed_list):
+            head = {"point": i, **params, "seed": s}
+            k = table.key({kk: cell(v) for kk, v in head.items()})
+            order[k] = (i, j)
+            if k in table.rows:
+                continue
+            tasks.append((data, s, str(base_dir), profile))
+            task_rows.append(head)
+    skipped = len(points) * seeds - len(tasks)
+    if limit is not None:
+        tasks, task_rows = tasks[:limit], task_rows[:limit]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    ran = errors = 0
+    ex = make_executor(executor, workers) if tasks else None
+    prog = _progress(console, len(tasks)) if progress and tasks else None
+    aborted = True
+    try:
+        results = ex.imap_unordered(tasks) if ex else ()
+        if prog is not None:
+            prog.start()
+            bar = prog.add_task("sweep", total=len(tasks))
+        for i, row in results:
+            table.append({**task_rows[i], **row})
+            ran += 1
+            errors += "error" in row
+            if prog is not None:
+                prog.advance(bar)
+        aborted = False
+    finally:
+        if prog is not None:
+            prog.stop()
+        if ex is not None:
+            ex.close(abort=aborted)
+    table.finalize(order)
+    wall = time.perf_counter() - t0
+    df = pd.read_csv(path)
+    _write_parquet(df, out_dir / "results.parquet")
+    (out_dir / "sweep.yaml").write_text(yaml.safe_dump(
+        {"grid": {a.key: list(a.values) for a in axes}, "seeds": seed_list,
+         "scenario": base}, sort_keys=False))
+    return SweepResult(df, ran, skipped, wall, path, errors)
+
+
+def _write_parquet(df: pd.DataFrame, path: Path) -> Optional[Path]:
+    """Parquet copy of the table when pyarrow is installed (the CSV is canonical)."""
+    try:
+        df.to_parquet(path, index=False)
+    except (ImportError, ValueError, TypeError):  # no pyarrow, or a column it cannot type
+        path.unlink(missing_ok=True)
+        return None
+    return path

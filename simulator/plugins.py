@@ -1,9 +1,0 @@
-"""Import every built-in plug-in module so its ``register`` calls run.
-
-Add a new plug-in module here (one line) and it becomes available by name in
-scenarios.
-"""
-from . import workload  # noqa: F401  arrivals, lengths, synthetic
-from .workload import plugins as _workload_plugins  # noqa: F401  trace, servegen (issue 4)
-from . import costmodel  # noqa: F401  profile cost model
-from . import routers  # noqa: F401  replica routers
