@@ -208,23 +208,29 @@ def test_a_larger_run_samples_on_an_interval_and_runs_long_epochs():
     assert_identical(simulate(sc, loop="simpy"), res)
 
 
-def test_the_compiled_cache_is_named_by_every_source(tmp_path, monkeypatch):
-    """numba keys a cache on the function's own file only; a change to any file of the
-    package (a callee's, say) must lead to another cache folder, or a caller would keep
-    the callee's old machine code."""
+def test_the_kernel_cache_is_named_by_every_kernel_source(tmp_path, monkeypatch):
+    """numba keys a cache on the function's own file only; a change to any file that
+    holds kernels (a callee's, say, in another folder) must lead to another cache
+    folder, or a caller would keep the callee's old machine code."""
     import shutil
 
-    from simulator.loops.compiled import _jit
+    from simulator import kernel as K
     from simulator.loops.compiled.loop import run
-    assert _jit.CACHE_DIR is not None
-    assert run._cache._cache_path.startswith(_jit.CACHE_DIR)
+    assert K.CACHE_DIR is not None
+    assert run._cache._cache_path.startswith(K.CACHE_DIR)
     monkeypatch.setenv("LATSIM_CACHE_DIR", str(tmp_path / "cache"))
-    pkg = tmp_path / "pkg"
-    shutil.copytree(_jit._HERE, pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    same = _jit.cache_dir(pkg)
-    assert same == _jit.cache_dir(_jit._HERE)
-    (pkg / "apply.py").write_text((pkg / "apply.py").read_text() + "\n# changed\n")
-    assert _jit.cache_dir(pkg) != same
+    root = tmp_path / "simulator"
+    shutil.copytree(K._ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
+    same = K.cache_dir(root)
+    assert same == K.cache_dir(K._ROOT)
+    for rel in ("loops/compiled/apply.py", "model/kv/space.py", "cost/profile.py"):
+        before = K.cache_dir(root)
+        (root / rel).write_text((root / rel).read_text() + "\n# changed\n")
+        assert K.cache_dir(root) != before, rel
+    # A file outside the kernel folders (the CLI) leaves the cache where it was.
+    before = K.cache_dir(root)
+    (root / "cli/main.py").write_text((root / "cli/main.py").read_text() + "\n# changed\n")
+    assert K.cache_dir(root) == before
 
 
 def test_outputs_longer_than_an_epoch_cap():

@@ -40,7 +40,7 @@ class Handback(Exception):
     """The compiled loop stopped a run it does not model (the message says why)."""
 
 
-# ``auto`` compiles (once per machine and version of the sources: ``_jit`` caches the
+# ``auto`` compiles (once per machine and version of the sources: ``simulator.kernel`` caches the
 # machine code on disk; ~45 s on a 2-core box) only for runs the Python loop would
 # take seconds on: loading the cached code takes ~1.2 s, the Python loop ~150 us per
 # request.

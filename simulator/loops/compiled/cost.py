@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator.loops.compiled._jit import jit
+from simulator.kernel import kernel as jit
 
 # CF: the cost model's constants.
 C_BK, C_LMHEAD, C_ALPHA, C_FLOOR, C_MIN, C_SCALE, C_PADDED = range(7)

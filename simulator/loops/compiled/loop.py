@@ -12,7 +12,7 @@ import heapq
 import numpy as np
 
 from simulator.loops.compiled import state as S
-from simulator.loops.compiled._jit import jit
+from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import catch_up_growth, finish_due, itl_add, itl_add_gaps, prefill, sample
 from simulator.loops.compiled.plan import plan
 from simulator.loops.compiled.replica import acquire, enqueue, interrupted, outstanding, push, rejects, release

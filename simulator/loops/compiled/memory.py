@@ -6,7 +6,7 @@ coming back oldest first while their blocks fit."""
 from __future__ import annotations
 
 from simulator.loops.compiled import state as S
-from simulator.loops.compiled._jit import jit
+from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import dec_remove, join, key_max, lt_add, pre_remove
 from simulator.loops.compiled.replica import swapped_append, waiting_requeue
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from simulator.loops.compiled import state as S
-from simulator.loops.compiled._jit import jit
+from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import clean_top
 from simulator.loops.compiled.cost import decode_ends, step_time
 from simulator.loops.compiled.memory import make_room, swap_in

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 
 from simulator.loops.compiled import state as S
-from simulator.loops.compiled._jit import jit
+from simulator.kernel import kernel as jit
 from simulator.loops.compiled.cost import bisect_left, bisect_right
 
 
