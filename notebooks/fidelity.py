@@ -57,9 +57,7 @@ N_REQUESTS = 30  # requests replayed per policy
 LOAD = 0.5  # fraction of the simulated engine's saturation throughput
 MAX_PROMPT, MAX_OUTPUT = 256, 32  # tokens (clipped)
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=256)
-TRACE = REPO.parent / "shared" / "data" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-if not TRACE.exists():
-    TRACE = REPO / "tests" / "data" / "azure_conv_head40.csv"  # the trace's first 40 rows
+TRACE = REPO / "data" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 
 # %% [markdown]
 # ## Find or make the validation tables

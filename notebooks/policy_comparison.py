@@ -39,8 +39,8 @@ OUT = out_dir("policy_comparison")
 # ## Parameters
 #
 # `WINDOW` selects seconds of the trace's own clock (the scenario replays the first
-# 600 s; the first 300 s keep the notebook quick). Without the shared trace data, the
-# synthetic `policies-compare` scenario stands in.
+# 600 s; the first 300 s keep the notebook quick). The trace is shipped in the
+# repository's `data/` folder (`data/azure_llm_2023/`).
 
 # %%
 WINDOW = (0, 300)
@@ -52,11 +52,6 @@ overrides = [f"workload.window=[{WINDOW[0]}, {WINDOW[1]}]"]
 from simulator.config.scenario import load_scenario
 
 sc, base = load_scenario(scenario_file, overrides)
-if not (base / sc.workload.path).exists():
-    print(f"trace {base / sc.workload.path} not found: using the synthetic "
-          "policies-compare scenario instead")
-    scenario_file = REPO / "scenarios" / "policies-compare.yaml"
-    sc, base = load_scenario(scenario_file, ["workload.num_requests=800"])
 policies = sc.policies or ["fifo", "chunked", "priority_aging"]
 print(f"{sc.name}: policies {', '.join(policies)}")
 

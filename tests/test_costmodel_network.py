@@ -67,9 +67,9 @@ def test_padded_vs_paged_decode_context():
         (10 + 10 * (np.mean(ctx) - 100) / 900) / 1e3)
 
 
-def test_refbench_conversion_matches_committed_profile(shared_data):
+def test_refbench_conversion_matches_committed_profile(data_dir):
     from simulator.cost.convert import refbench_to_profile
-    conv = refbench_to_profile(shared_data / "h200-refbench" / "profile.csv")
+    conv = refbench_to_profile(data_dir / "h200-refbench" / "profile.csv")
     assert conv == json.loads(REFBENCH.read_text())
 
 

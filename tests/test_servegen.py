@@ -15,16 +15,16 @@ import pytest
 
 from simulator.errors import LatsimError
 from simulator.config.registry import WORKLOADS
-from simulator.workload import plugins  # noqa: F401  (registers kind: servegen)
+from simulator.config import plugins  # noqa: F401  (registers kind: servegen)
 from simulator.workload.servegen import (ServeGenWorkload, build_servegen, client_ids, implied_cv,
                                          read_windows, window_arrivals)
 from simulator.workload.traces import summarize_workload
 
 HERE = Path(__file__).resolve().parent
 MINI = HERE / "data" / "servegen_mini"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_shared = pytest.mark.skipif(not (SHARED / "servegen").exists(),
-                                  reason=f"public data folder {SHARED / 'servegen'} is absent")
+# The repository's data/servegen (data/servegen/README.md): deepseek-r1's 73 clients for one
+# day; m-large's 162 clients cut to day 1. A missing file fails the test, never skips it.
+SERVEGEN = HERE.parent / "data" / "servegen"
 
 
 def sg(path=MINI, seed=0, **kw):
@@ -146,11 +146,10 @@ def _implied(folder: Path, window: tuple[float, float], width: float):
     return mu, var
 
 
-@needs_shared
 def test_real_parameters_match_readme():
-    # README §4.3, reason/deepseek-r1: 73 clients x 144 windows, aggregate mean 16.0 req/s,
+    # data/servegen/README.md, reason/deepseek-r1: 73 clients x 144 windows, aggregate mean 16.0 req/s,
     # peak/mean 2.66, min/mean 0.27; Gamma 2,589 / Weibull 522 fits.
-    folder = SHARED / "servegen" / "reason" / "deepseek-r1"
+    folder = SERVEGEN / "reason" / "deepseek-r1"
     ids = client_ids(folder)
     rows = {c: read_windows(folder, c, 0, 144) for c in ids}
     agg = np.array([sum(rows[c][k][0] for c in ids) for k in range(144)])
@@ -162,9 +161,8 @@ def test_real_parameters_match_readme():
     assert (pats.count("Gamma"), pats.count("Weibull")) == (2589, 522)
 
 
-@needs_shared
 def test_real_deepseek_window_reproduces_rate_and_burstiness():
-    folder = SHARED / "servegen" / "reason" / "deepseek-r1"
+    folder = SERVEGEN / "reason" / "deepseek-r1"
     window = (21600.0, 43200.0)  # six hours, 360 minute bins
     wl = sg(folder, seed=0, window=list(window))
     mu, var = _implied(folder, window, 60.0)
@@ -180,9 +178,8 @@ def test_real_deepseek_window_reproduces_rate_and_burstiness():
     assert wl.meta["fallback_client"] in (35, 48, 3)
 
 
-@needs_shared
 def test_real_m_large_window_rate_client_cv_and_lengths():
-    folder = SHARED / "servegen" / "language" / "m-large"
+    folder = SERVEGEN / "language" / "m-large"
     window = (36000.0, 36600.0)  # one 600 s window, ~200k requests
     wl = sg(folder, seed=1, window=list(window))
     assert len(wl) == pytest.approx(wl.meta["expected_requests"], rel=0.03)

@@ -1,7 +1,7 @@
 """Trace replay: readers, replay options, bad input, the CLI, and the real traces' figures.
 
-Tests on the real files read them in place from ``shared/data`` beside the repo and
-check the figures tabulated in its README; they skip if that folder is absent.
+Tests on the real files read them from the repository's ``data/`` folder and check
+the figures tabulated in the READMEs there; a missing file fails the test, never skips it.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import pytest
 
 from simulator.errors import LatsimError
 from simulator.config.registry import WORKLOADS
-from simulator.workload import plugins  # noqa: F401  (registers kind: trace)
+from simulator.config import plugins  # noqa: F401  (registers kind: trace)
 from simulator.workload.traces import TraceWorkload, build_trace, summarize_workload
 
 HERE = Path(__file__).resolve().parent
 FIX = HERE / "data"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = HERE.parent / "data"  # the public data shipped with the repository
 
 
 def build(path, rng_seed=0, **kw):
@@ -139,9 +139,9 @@ def test_scenario_files_validate_and_resolve():
         path = HERE.parent / "scenarios" / f"{name}.yaml"
         sc, base = config.load_scenario(path)
         assert sc.workload.kind == "trace" and set(sc.policies) == {"fifo", "chunked", "priority_aging"}
-        if SHARED.exists():
-            wl = WORKLOADS.build(sc.workload, np.random.default_rng(0), base)
-            assert 100 < len(wl) < 20000
+        assert (base / sc.workload.path).resolve().is_relative_to(DATA)
+        wl = WORKLOADS.build(sc.workload, np.random.default_rng(0), base)
+        assert 100 < len(wl) < 20000
 
 
 # --------------------------------------------------------------------------- bad input
@@ -265,9 +265,8 @@ def test_cli_summarize_and_convert_round_trip(tmp_path):
 
 # --------------------------------------------------------------------------- real traces
 
-needs_shared = pytest.mark.skipif(not SHARED.exists(), reason=f"public data folder {SHARED} is absent")
-
-# README §4.1 and §4.2: rows, span, mean rate, IAT CV, disp@1s, disp@60s, peak/mean@60s,
+# data/azure_llm_2023/README.md and data/mooncake/README.md: rows, span, mean rate, IAT CV,
+# disp@1s, disp@60s, peak/mean@60s,
 # input mean/p50/p90/p99/max, output mean/p50/p90/p99/max, (blocks, reuse)
 README = {
     "azure_llm_2023/AzureLLMInferenceTrace_code.csv": dict(
@@ -288,16 +287,14 @@ README = {
         peak_mean_60s=1.23, prompt_mean=15325, prompt_p50=11587, prompt_p99=66456, prompt_max=191378,
         output_mean=149, output_p50=69, output_p99=768, output_max=893, blocks=121877, block_reuse=0.640),
 }
-# the Vidur re-encoding holds the same requests as the Azure files
-README["vidur/processed_traces/splitwise_code.csv"] = README["azure_llm_2023/AzureLLMInferenceTrace_code.csv"]
-README["vidur/processed_traces/splitwise_conv.csv"] = README["azure_llm_2023/AzureLLMInferenceTrace_conv.csv"]
+# Vidur's re-encoding of the Azure files (vidur/processed_traces/splitwise_*.csv) is not
+# shipped; its reader is checked on the first 40 rows (test_azure_and_vidur_slices_agree).
 
 
-@needs_shared
 @pytest.mark.parametrize("rel", list(README))
 def test_real_trace_matches_readme(rel):
     # How long reading takes is measured by benchmarks/trace_read.py, not asserted here.
-    wl = build_trace(TraceWorkload(path=rel), np.random.default_rng(0), SHARED)
+    wl = build_trace(TraceWorkload(path=rel), np.random.default_rng(0), DATA)
     s = summarize_workload(wl)
     for key, want in README[rel].items():
         # The README prints 3-4 significant figures: half a unit of its last digit, at most 0.5%.
@@ -315,27 +312,25 @@ def _file_columns(path: Path):
     return t, df.iloc[:, 1].tolist(), df.iloc[:, 2].tolist()
 
 
-@needs_shared
 @pytest.mark.parametrize("rel", ["azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
-                                 "vidur/processed_traces/splitwise_code.csv",
+                                 "azure_llm_2023/AzureLLMInferenceTrace_code.csv",
                                  "mooncake/conversation_trace.jsonl"])
 def test_replay_keeps_every_request_in_order(rel):
-    t, p, o = _file_columns(SHARED / rel)
-    wl = build_trace(TraceWorkload(path=rel), np.random.default_rng(0), SHARED)
+    t, p, o = _file_columns(DATA / rel)
+    wl = build_trace(TraceWorkload(path=rel), np.random.default_rng(0), DATA)
     assert wl.prompt_tokens.tolist() == p and wl.output_tokens.tolist() == o
     np.testing.assert_allclose(wl.arrival_s, t - t[0], atol=1e-6)
 
 
-@needs_shared
 @pytest.mark.parametrize("rel", ["azure_llm_2023/AzureLLMInferenceTrace_code.csv",
                                  "azure_llm_2023/AzureLLMInferenceTrace_conv.csv"])
 def test_real_speedup_and_rate_hit_their_targets(rel):
     rng = np.random.default_rng(0)
-    base = summarize_workload(build_trace(TraceWorkload(path=rel), rng, SHARED))
-    fast = summarize_workload(build_trace(TraceWorkload(path=rel, speedup=2.5), rng, SHARED))
+    base = summarize_workload(build_trace(TraceWorkload(path=rel), rng, DATA))
+    fast = summarize_workload(build_trace(TraceWorkload(path=rel, speedup=2.5), rng, DATA))
     assert fast["mean_rate"] == pytest.approx(2.5 * base["mean_rate"], rel=0.01)
     assert fast["span_s"] == pytest.approx(base["span_s"] / 2.5, rel=0.01)
     assert fast["iat_cv"] == pytest.approx(base["iat_cv"], rel=1e-9)  # burst structure kept
-    win = summarize_workload(build_trace(TraceWorkload(path=rel, window=[600, 1800], rate=12.0), rng, SHARED))
+    win = summarize_workload(build_trace(TraceWorkload(path=rel, window=[600, 1800], rate=12.0), rng, DATA))
     assert win["mean_rate"] == pytest.approx(12.0, rel=0.01)
     assert win["span_s"] < 1200

@@ -1,0 +1,97 @@
+"""Hardware and model catalogues for the physics cost model and the capacity planner.
+
+Lookup API:
+
+* :func:`gpu` / :func:`gpu_names`: datasheet rates of an accelerator (:class:`GpuSpec`).
+* :func:`model` / :func:`model_names`: a transformer's shape (:class:`ModelArch`), by
+  catalogue name, Hugging Face id, or the path of a ``config.json`` (or of the folder
+  holding one).
+* :func:`plan_memory`: weights, reserve and KV capacity per GPU of a TP x PP replica.
+
+Names are case-insensitive; ``_`` and spaces count as ``-``. An unknown name raises a
+one-line :class:`~simulator.errors.LatsimError` naming the closest known names.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from simulator.errors import LatsimError
+from simulator.cost.catalog.gpus import GPUS, GpuSpec
+from simulator.cost.catalog.hf import arch_from_config, load_config
+from simulator.cost.catalog.memory import (MemoryPlan, activation_bytes_per_gpu, check_parallelism,
+                                           kv_bytes_per_token_per_gpu, kv_heads_per_gpu,
+                                           kv_replication, plan_memory, weight_bytes_per_gpu,
+                                           weight_bytes_per_stage)
+from simulator.cost.catalog.models import (DTYPE_BYTES, MODELS, WEIGHT_FORMATS, ModelArch,
+                                           WeightFormat, dtype_bytes, weight_format)
+
+__all__ = [
+    "GpuSpec", "ModelArch", "WeightFormat", "MemoryPlan", "GPUS", "MODELS", "WEIGHT_FORMATS",
+    "DTYPE_BYTES", "gpu", "model", "gpu_names", "model_names", "dtype_bytes", "weight_format",
+    "load_config", "arch_from_config", "plan_memory", "check_parallelism", "kv_heads_per_gpu",
+    "kv_replication", "weight_bytes_per_gpu", "weight_bytes_per_stage",
+    "kv_bytes_per_token_per_gpu", "activation_bytes_per_gpu",
+]
+
+
+def _key(name: str) -> str:
+    return "-".join(str(name).strip().lower().replace("_", "-").split())
+
+
+def _index(table: dict, extra) -> dict[str, str]:
+    idx: dict[str, str] = {}
+    for canon, item in table.items():
+        idx[_key(canon)] = canon
+        for alias in extra(item):
+            idx.setdefault(_key(alias), canon)
+    return idx
+
+
+_GPU_INDEX = _index(GPUS, lambda g: g.aliases)
+# Models answer to their catalogue name, their HF id and the HF id's last part.
+_MODEL_INDEX = _index(MODELS, lambda m: (m.hf_id, m.hf_id.split("/")[-1]))
+
+
+def _unknown(kind: str, name: str, index: dict[str, str], canon: list[str]) -> LatsimError:
+    near = difflib.get_close_matches(_key(name), list(index), n=3, cutoff=0.6)
+    names = list(dict.fromkeys(index[n] for n in near)) or canon
+    return LatsimError(f"unknown {kind}; nearest known: {', '.join(names)}",
+                       field=kind, value=name, has_value=True)
+
+
+def gpu_names() -> list[str]:
+    """Canonical names of the catalogued GPUs."""
+    return sorted(GPUS)
+
+
+def model_names() -> list[str]:
+    """Canonical names of the catalogued models."""
+    return sorted(MODELS)
+
+
+def gpu(name: str) -> GpuSpec:
+    """The :class:`GpuSpec` of a GPU name or alias ('h100-sxm', 'A100_80GB', ...)."""
+    canon = _GPU_INDEX.get(_key(name))
+    if canon is None:
+        raise _unknown("gpu", name, _GPU_INDEX, gpu_names())
+    return GPUS[canon]
+
+
+def model(name_or_path: str | Path) -> ModelArch:
+    """A :class:`ModelArch` by catalogue name, HF id, or config.json path.
+
+    An existing file or folder is read as a Hugging Face config; a string that names
+    a catalogued model (or its HF id) is looked up; anything ending in ``.json`` or
+    written as a relative/absolute path must exist.
+    """
+    p = Path(name_or_path)
+    if p.exists():
+        return load_config(p)
+    canon = _MODEL_INDEX.get(_key(str(name_or_path)))
+    if canon is not None:
+        return MODELS[canon]
+    s = str(name_or_path)
+    if s.endswith(".json") or s.startswith(("./", "../", "/", "~")):
+        return load_config(p.expanduser())
+    raise _unknown("model", s, _MODEL_INDEX, model_names())

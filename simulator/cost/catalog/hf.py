@@ -1,0 +1,187 @@
+"""Read a Hugging Face ``config.json`` into a :class:`ModelArch`.
+
+Understands the key spellings of the Llama family (Llama, Mistral, Mixtral, Qwen2,
+Yi), OPT, BLOOM and Falcon: ``num_hidden_layers``/``n_layer``,
+``hidden_size``/``n_embed``/``d_model``, ``num_attention_heads``/``n_head``,
+``num_key_value_heads``/``num_kv_heads``/``multi_query``, ``head_dim``,
+``intermediate_size``/``ffn_dim``/``n_inner``/``ffn_hidden_size``, ``vocab_size``,
+``tie_word_embeddings``, ``num_local_experts``/``num_experts``,
+``num_experts_per_tok``, ``max_position_embeddings``/``seq_length``.
+
+Defaults follow the transformers config classes of each family where a key is
+absent: Llama-family configs default to untied embeddings, OPT/BLOOM/Falcon (and any
+other ``model_type``, as transformers' base config does) to tied; BLOOM and Falcon
+MLPs are 4 x hidden and ungated, Llama-family MLPs gated (SwiGLU). A config without
+``model_type`` is read as Llama-family. Anything missing or malformed is one
+:class:`~simulator.errors.LatsimError` line naming the file, the field and the value.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from simulator.errors import LatsimError
+from simulator.cost.catalog.models import ModelArch
+
+# Families whose MLP is gated (SwiGLU: gate, up, down) and whose configs use the
+# Llama spellings; transformers' config classes default them to untied embeddings.
+_LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "yi", "internlm", "internlm2",
+               "codellama"}
+_TIED_BY_DEFAULT = {"opt", "bloom", "falcon", "refinedweb", "refinedwebmodel", "gpt2", "gpt_neox"}
+
+
+class _Reader:
+    """Typed access to one config mapping; every error names the file and the field."""
+
+    def __init__(self, cfg: dict, source: str) -> None:
+        self.cfg = cfg
+        self.source = source
+
+    def fail(self, message: str, field: str, value: Any = None, has_value: bool = True):
+        """Raise the one-line error for ``field``."""
+        raise LatsimError(message, source=self.source, field=field, value=value, has_value=has_value)
+
+    def first(self, *keys: str) -> tuple[str | None, Any]:
+        """The first of ``keys`` present with a non-null value, and that value."""
+        for k in keys:
+            if k in self.cfg and self.cfg[k] is not None:
+                return k, self.cfg[k]
+        return None, None
+
+    def int_(self, *keys: str, default: int | None = None, required: bool = True) -> int | None:
+        """A positive integer under the first present key (``keys`` are alternative spellings)."""
+        key, val = self.first(*keys)
+        if key is None:
+            if default is not None or not required:
+                return default
+            self.fail("missing (also looked for " + ", ".join(keys[1:]) + ")" if len(keys) > 1
+                      else "missing", keys[0], has_value=False)
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+            self.fail("must be a positive integer", key, val)
+        return val
+
+    def bool_(self, key: str, default: bool) -> bool:
+        """A JSON boolean, or ``default`` when absent or null."""
+        if key not in self.cfg or self.cfg[key] is None:
+            return default
+        val = self.cfg[key]
+        if not isinstance(val, bool):
+            self.fail("must be true or false", key, val)
+        return val
+
+
+def _family(r: _Reader) -> str:
+    mt = r.cfg.get("model_type")
+    if mt is None:
+        return "llama"   # untagged configs are almost always Llama derivatives
+    if not isinstance(mt, str):
+        r.fail("must be a string", "model_type", mt)
+    return mt.lower()
+
+
+def arch_from_config(cfg: dict, source: str = "config.json", name: str | None = None) -> ModelArch:
+    """A :class:`ModelArch` from an already-parsed config.json mapping."""
+    if not isinstance(cfg, dict):
+        raise LatsimError("a config.json must hold a JSON object", source=source)
+    r = _Reader(cfg, source)
+    fam = _family(r)
+    falcon = fam in ("falcon", "refinedweb", "refinedwebmodel")
+    layers = r.int_("num_hidden_layers", "n_layer", "num_layers")
+    hidden = r.int_("hidden_size", "n_embed", "n_embd", "d_model")
+    heads = r.int_("num_attention_heads", "n_head", "num_heads")
+
+    if falcon:
+        new_arch = r.bool_("new_decoder_architecture", False)
+        if new_arch:
+            kv_heads = r.int_("num_kv_heads", "n_head_kv", default=heads)
+        else:
+            kv_heads = 1 if r.bool_("multi_query", True) else heads
+    else:
+        kv_heads = r.int_("num_key_value_heads", "num_kv_heads", "n_head_kv", default=heads)
+    if heads % kv_heads:
+        r.fail(f"must divide num_attention_heads ({heads})", "num_key_value_heads", kv_heads)
+
+    head_dim = r.int_("head_dim", required=False)
+    if head_dim is None:
+        if hidden % heads:
+            r.fail(f"is not a multiple of num_attention_heads ({heads}) and no head_dim is given",
+                   "hidden_size", hidden)
+        head_dim = hidden // heads
+
+    gated = fam in _LLAMA_LIKE or (fam not in _TIED_BY_DEFAULT and "intermediate_size" in cfg)
+    if fam in ("bloom",) or falcon:
+        ffn = r.int_("ffn_hidden_size", "n_inner", "intermediate_size", default=4 * hidden)
+    else:
+        ffn = r.int_("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size")
+    vocab = r.int_("vocab_size", "padded_vocab_size")
+
+    experts = r.int_("num_local_experts", "num_experts", "n_routed_experts", default=1)
+    top_k = r.int_("num_experts_per_tok", "num_experts_per_token", "moe_top_k",
+                   default=2 if experts > 1 else 1)
+    if top_k > experts:
+        r.fail(f"exceeds the number of experts ({experts})", "num_experts_per_tok", top_k)
+
+    tied = r.bool_("tie_word_embeddings", fam in _TIED_BY_DEFAULT or fam not in _LLAMA_LIKE)
+    max_ctx = r.int_("max_position_embeddings", "n_positions", "seq_length",
+                     "max_sequence_length", required=False)
+    _, act = r.first("hidden_act", "activation_function", "hidden_activation")
+    if act is None:
+        act = "silu" if gated else ("relu" if fam == "opt" else "gelu")
+
+    kw: dict[str, Any] = {}
+    if fam == "opt":
+        proj = r.int_("word_embed_proj_dim", default=hidden)
+        if proj != hidden:
+            r.fail(f"differs from hidden_size ({hidden}); OPT embedding projections are not modelled",
+                   "word_embed_proj_dim", proj)
+        if max_ctx is None:
+            r.fail("missing", "max_position_embeddings", has_value=False)
+        kw.update(linear_bias=r.bool_("enable_bias", True), norm="layernorm",
+                  learned_positions=max_ctx + 2,   # OPT's position table is offset by 2
+                  final_norm=r.bool_("do_layer_norm_before", True)
+                  and not r.bool_("_remove_final_layer_norm", False))
+    elif fam == "bloom":
+        kw.update(linear_bias=True, norm="layernorm", embedding_norm=True)
+    elif falcon:
+        new_arch = r.bool_("new_decoder_architecture", False)
+        parallel = r.bool_("parallel_attn", True)
+        kw.update(linear_bias=r.bool_("bias", False), norm="layernorm",
+                  norms_per_layer=2 if (new_arch or not parallel) else 1)
+    else:
+        kw.update(qkv_bias=r.bool_("attention_bias", fam == "qwen2"))
+        sw = cfg.get("sliding_window")
+        if isinstance(sw, int) and not isinstance(sw, bool) and sw > 0 and r.bool_("use_sliding_window", True):
+            kw["sliding_window"] = sw
+
+    hf_id = cfg.get("_name_or_path") or ""
+    return ModelArch(
+        name=name or _default_name(source, fam),
+        hf_id=str(hf_id), family=fam, layers=layers, hidden=hidden, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, ffn=ffn, vocab=vocab, tied_embeddings=tied,
+        gated_mlp=gated, activation=str(act), max_context=max_ctx,
+        experts=experts, experts_per_token=top_k if experts > 1 else 1,
+        source=str(source), **kw)
+
+
+def _default_name(source: str, fam: str) -> str:
+    """A model folder's name for '<folder>/config.json', else the file's stem."""
+    p = Path(source)
+    return (p.parent.name if p.stem == "config" else p.stem) or fam
+
+
+def load_config(path: str | Path, name: str | None = None) -> ModelArch:
+    """Read a config.json file (or a model folder holding one) into a :class:`ModelArch`."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise LatsimError("no such config.json", source=str(p))
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise LatsimError(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                          source=str(p)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise LatsimError(f"cannot read: {e}", source=str(p)) from None
+    return arch_from_config(cfg, source=str(p), name=name)

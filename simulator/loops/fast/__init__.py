@@ -1,1 +1,0 @@
-"""The replica model replayed without SimPy, in Python."""
