@@ -83,6 +83,7 @@ class EngineLoop:
         self.buffered_peak = 0          # most frames buffered at once, all streams together
         self.stream_buffered_peak = 0   # most frames one stream had buffered
         self.degraded = 0               # event loop
+        self.timed_out = 0              # event loop: requests cut by the server's timeout
         self.frames = self.frame_bytes = 0   # event loop: content frames written, their bytes
         # Engine clock -> wall clock (the timing trailer speaks time.time()).
         self.wall_offset = time.time() - engine.clock()

@@ -50,6 +50,25 @@ when it reaches ``stream_buffer_frames``:
   collected and sent as one final frame (the non-streamed response the seeds
   suggest for clients that cannot keep up), so the engine never waits for it.
 
+Limits. A request body larger than ``max_body_bytes`` gets 413 before it is read
+(from its ``Content-Length``; a chunked body is counted while it is read and
+refused when it crosses the limit), and the connection is closed rather than
+drained; a body that is not JSON, not UTF-8 or nested deeper than
+``MAX_JSON_DEPTH`` gets 400. A prompt plus ``max_tokens`` beyond the model's
+context gets 400 naming the field and the limits.
+
+Authentication. With ``api_key`` set, every endpoint but ``GET /health`` needs
+``Authorization: Bearer <key>`` (checked before the body is read, compared in
+constant time); anything else gets 401.
+
+Timeouts. With ``request_timeout_s`` set, a request is cancelled (its KV blocks
+freed, like a disconnect) once that long has passed since its handler started,
+reading its body included: a streamed request ends with an error event (code
+504, no ``[DONE]``), a plain one gets 504, a body still arriving gets 408. A
+stream whose client stopped reading cannot take an error event: its write is
+cut ``STUCK_WRITE_GRACE_S`` later and the connection dropped, so a client that
+never reads cannot hold KV blocks past the timeout either.
+
 Timing. A request carrying the header ``x-latsim-timing`` gets, just before
 ``data: [DONE]``, one SSE comment ``: latsim-timing {json}`` with the server's
 wall-clock times (``time.time()``) of the request: ``received`` (body read),
@@ -62,6 +81,9 @@ comment is ignored by every SSE client, so the stream stays OpenAI-compatible;
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import json
 import socket
 import threading
@@ -69,17 +91,136 @@ import time
 import uuid
 from typing import Optional
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from simulator.wire.benchclient import TIMING_COMMENT, TIMING_HEADER
 
 from real_engine.engine import EngineCore
 from real_engine.engineloop import _ABORT, _DONE, EngineLoop, _Stream
-from real_engine.openai_api import ApiError, Parsed, chunk, completion, detokenize, error_body, parse_request
+from real_engine.openai_api import (MAX_JSON_DEPTH, ApiError, Parsed, chunk, completion,
+                                   detokenize, error_body, loads_body, parse_request)
 
-def _error(message: str, status: int = 400, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+MAX_BODY_BYTES = 4 << 20          # default request body limit (4 MiB)
+STUCK_WRITE_GRACE_S = 1.0         # a timed-out stream still stuck in a write after this: cut
+OPEN_PATHS = frozenset({"/health"})   # reachable without the API key (load balancers probe it)
+
+
+def _error(message: str, status: int = 400, param: Optional[str] = None,
+           close: bool = False) -> JSONResponse:
+    # ``close``: the body was not (fully) read; draining it would be the work refused.
+    headers = {"Connection": "close"} if close else None
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:          # a host name: it may resolve to anything
+        return False
+
+
+class _ApiKeyGuard:
+    """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` (paths in
+    ``OPEN_PATHS`` excepted). Runs before any route, so an unauthenticated request
+    never has its body read. Both sides are hashed first, so the comparison takes
+    the same time whatever the length or content of what was sent."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.digest = hashlib.sha256(key.encode()).digest()
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                ok = hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.digest)
+                return ok and scheme.lower() == b"bearer"
+        return False
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
+                or self._authorized(scope)):
+            await self.app(scope, receive, send)
+            return
+        body = error_body("missing or invalid API key: send 'Authorization: Bearer <key>'", 401)
+        await JSONResponse(body, status_code=401,
+                           headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+class _Deadline:
+    """A request's timeout: when it expires (``time.monotonic``), counted once in
+    ``EngineLoop.timed_out`` however it is noticed."""
+
+    def __init__(self, loop_: EngineLoop, timeout_s: float) -> None:
+        self.loop_, self.timeout_s = loop_, timeout_s
+        self.at = time.monotonic() + timeout_s
+        self.counted = False
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def expire(self) -> str:
+        """Count the timeout (once); the message for the client."""
+        if not self.counted:
+            self.counted = True
+            self.loop_.timed_out += 1
+        return f"request timed out after {self.timeout_s:g} s; it was cancelled"
+
+
+class _DeadlineStream(StreamingResponse):
+    """A streamed response that cannot outlive its deadline by more than
+    ``STUCK_WRITE_GRACE_S``: the generator ends a timed-out stream itself with an
+    error event, but not while it waits on a write to a client that stopped
+    reading; then the response is cut here, and closing the generator cancels the
+    request (its ``finally``). Uvicorn drops a connection whose response is cut."""
+
+    def __init__(self, content, deadline: Optional[_Deadline], **kw) -> None:
+        super().__init__(content, **kw)
+        self.deadline = deadline
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.deadline is None:
+            await super().__call__(scope, receive, send)
+            return
+        with anyio.move_on_after(max(0.0, self.deadline.left()) + STUCK_WRITE_GRACE_S) as cut:
+            await super().__call__(scope, receive, send)
+        if cut.cancelled_caught:
+            self.deadline.expire()
+            await self.body_iterator.aclose()
+
+
+async def _read_body(request: Request, limit: int, deadline: Optional[_Deadline]) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed ``limit``
+    bytes: from ``Content-Length`` before anything is read, or while a chunked body
+    is read; 408 if it has not all arrived by ``deadline``."""
+    big = f"request body exceeds the server's limit of {limit} bytes"
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise ApiError(f"{big} (Content-Length: {int(cl)})", 413)
+
+    async def read() -> bytes:
+        parts, total = [], 0
+        async for part in request.stream():
+            total += len(part)
+            if total > limit:
+                raise ApiError(big, 413)
+            parts.append(part)
+        return b"".join(parts)
+
+    if deadline is None:
+        return await read()
+    try:
+        return await asyncio.wait_for(read(), max(0.0, deadline.left()))
+    except asyncio.TimeoutError:
+        deadline.expire()
+        raise ApiError(f"request body not received within the request timeout "
+                       f"({deadline.timeout_s:g} s)", 408) from None
 
 
 class _Getter:
@@ -109,14 +250,22 @@ class _Getter:
 
 def make_app(engine: EngineCore, model_name: str = "latsim",
              heartbeat_s: Optional[float] = 15.0, backpressure: str = "buffer",
-             stream_buffer_frames: int = 256) -> FastAPI:
+             stream_buffer_frames: int = 256, *, api_key: Optional[str] = None,
+             max_body_bytes: int = MAX_BODY_BYTES, request_timeout_s: Optional[float] = None,
+             max_json_depth: int = MAX_JSON_DEPTH) -> FastAPI:
     """A FastAPI app serving ``engine``; the engine thread runs for the app's lifespan.
 
     ``heartbeat_s``: a stream that has sent nothing for this long (typically a
     request still queued) gets an SSE comment ``: ping`` so proxies and clients
     keep the connection; None disables them. ``backpressure`` and
-    ``stream_buffer_frames``: what a slow reader runs into (module docstring).
+    ``stream_buffer_frames``: what a slow reader runs into. ``api_key``,
+    ``max_body_bytes``, ``request_timeout_s`` (None: none) and ``max_json_depth``:
+    what a request must satisfy (module docstring).
     """
+    if max_body_bytes < 1:
+        raise ValueError("max_body_bytes must be >= 1")
+    if request_timeout_s is not None and request_timeout_s <= 0:
+        raise ValueError("request_timeout_s must be > 0 (None: no timeout)")
     from contextlib import asynccontextmanager
 
     loop_ = EngineLoop(engine, backpressure, stream_buffer_frames)
@@ -140,6 +289,8 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
 
     app = FastAPI(title="latsim real engine", lifespan=lifespan)
     app.state.engine_loop = loop_
+    if api_key:
+        app.add_middleware(_ApiKeyGuard, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -153,7 +304,7 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
         mean_frame = loop_.frame_bytes / loop_.frames if loop_.frames else 0.0
         snap = loop_.snapshot
         return dict(snap, engine=settings, active_streams=len(loop_.streams),
-                    degraded=loop_.degraded,
+                    degraded=loop_.degraded, requests_timed_out=loop_.timed_out,
                     frames_written=loop_.frames, mean_frame_bytes=mean_frame,
                     buffered_bytes_peak_est=snap["buffered_frames_peak"] * mean_frame)
 
@@ -163,26 +314,28 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
                                             "owned_by": "latsim", "max_model_len": cfg.max_seq_len}]}
 
     async def handle(request: Request, chat: bool):
+        deadline = _Deadline(loop_, request_timeout_s) if request_timeout_s else None
         try:
             try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError):
-                raise ApiError("request body is not valid JSON") from None
+                raw = await _read_body(request, max_body_bytes, deadline)
+            except ClientDisconnect:
+                return _error("client disconnected", 499)
             received = time.time()
+            body = loads_body(raw, max_json_depth)
             p = parse_request(body, chat, cfg.vocab, cfg.max_seq_len, cache.block_size,
                        cache.num_blocks, model_name)
             st = await loop_.submit(p.ids, p.max_tokens, p.priority, received)
         except ApiError as e:
-            return _error(str(e), e.status, e.param)
+            return _error(str(e), e.status, e.param, close=e.status in (408, 413))
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if p.stream:
             timing = TIMING_HEADER in request.headers
-            return StreamingResponse(_stream(loop_, st, cid, created, p, chat, heartbeat_s,
-                                             timing),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await _collect(request, loop_, st, cid, created, p, chat)
+            return _DeadlineStream(_stream(loop_, st, cid, created, p, chat, heartbeat_s,
+                                           timing, deadline),
+                                   deadline, media_type="text/event-stream",
+                                   headers={"Cache-Control": "no-cache"})
+        return await _collect(request, loop_, st, cid, created, p, chat, deadline)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -200,9 +353,11 @@ def _frame(obj: dict) -> str:
 
 
 async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Parsed,
-                  chat: bool, heartbeat_s: Optional[float] = None, timing: bool = False):
+                  chat: bool, heartbeat_s: Optional[float] = None, timing: bool = False,
+                  deadline: Optional[_Deadline] = None):
     """SSE frames, one per token (and ``: ping`` comments after ``heartbeat_s`` of
     silence); under ``degrade``, once the send buffer is full, the rest as one frame.
+    At ``deadline`` the request is cancelled and the stream ends with an error event.
     Cancels the request if the generator is torn down early."""
     done = False
     getter = _Getter(st.q)
@@ -211,8 +366,19 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
     try:
         n = 0
         while True:
-            tok = await getter.get(heartbeat_s)
+            wait, expires = heartbeat_s, False
+            if deadline is not None:
+                left = deadline.left()
+                expires = heartbeat_s is None or left <= heartbeat_s
+                wait = max(0.0, left) if expires else heartbeat_s
+            tok = await getter.get(wait) if wait is None or wait > 0 else _Getter
             if tok is _Getter:
+                if expires:
+                    # Freed before the error event is written: that write may block.
+                    loop_.cancel(st.rid)
+                    done = True          # no [DONE]: the request did not finish
+                    yield "data: " + json.dumps(error_body(deadline.expire(), 504)) + "\n\n"
+                    return
                 yield ": ping\n\n"
                 continue
             if tok is _DONE:
@@ -251,14 +417,22 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
 
 
 async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
-                   created: int, p: Parsed, chat: bool):
-    """A non-streamed response: every token, then one JSON (cancelled on disconnect)."""
+                   created: int, p: Parsed, chat: bool,
+                   deadline: Optional[_Deadline] = None):
+    """A non-streamed response: every token, then one JSON (cancelled on disconnect,
+    or with a 504 at ``deadline``)."""
     toks: list[int] = []
     next_check = time.monotonic() + 0.1
     getter = _Getter(st.q)
     try:
         while True:
-            tok = await getter.get(0.1)
+            wait = 0.1 if deadline is None else min(0.1, max(0.0, deadline.left()))
+            tok = await getter.get(wait) if wait > 0 else _Getter
+            if tok is _DONE:
+                break
+            if deadline is not None and deadline.left() <= 0:
+                loop_.cancel(st.rid)
+                return _error(deadline.expire(), 504)
             # Nothing cancels a plain endpoint when its client leaves: check every 0.1 s
             # (whether tokens are flowing or the request is still queued).
             if time.monotonic() >= next_check:
@@ -268,8 +442,6 @@ async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
                     return _error("client disconnected", 499)
             if tok is _Getter:
                 continue
-            if tok is _DONE:
-                break
             if tok is _ABORT:
                 return _error("engine stopped", 503)
             toks.append(tok)
@@ -345,21 +517,32 @@ def serve(model: str = "tiny", device: str = "cpu", host: str = "127.0.0.1", por
           model_name: Optional[str] = None, log_level: str = "info",
           heartbeat_s: Optional[float] = 15.0, access_log: bool = False,
           backpressure: str = "buffer", stream_buffer_frames: int = 256,
-          send_buffer_bytes: Optional[int] = None, **engine_kwargs) -> None:
+          send_buffer_bytes: Optional[int] = None, *, api_key: Optional[str] = None,
+          max_body_bytes: int = MAX_BODY_BYTES, request_timeout_s: Optional[float] = None,
+          sock: Optional[socket.socket] = None, engine: Optional[EngineCore] = None,
+          **engine_kwargs) -> None:
     """Build the engine (``build_engine`` options in ``engine_kwargs``) and serve it (blocks).
 
-    The access log is off by default: one log line per request is work on the
-    event loop that serves the streams, i.e. measured latency.
+    ``sock``: an already bound socket (``listen_socket``; ``host``, ``port`` and
+    ``send_buffer_bytes`` are then unused); ``engine``: an already built engine
+    (``model``, ``device`` and ``engine_kwargs`` are then unused). The socket is
+    closed on return either way. The access log is off by default: one log line
+    per request is work on the event loop that serves the streams, i.e. measured
+    latency.
     """
     import uvicorn
 
     from real_engine.profile import build_engine
     # Bound first: a taken port fails at once, not after building the model.
-    sock = listen_socket(host, port, send_buffer_bytes)
+    if sock is None:
+        sock = listen_socket(host, port, send_buffer_bytes)
     try:
-        engine = build_engine(model, device, **engine_kwargs)
+        if engine is None:
+            engine = build_engine(model, device, **engine_kwargs)
         name = model_name or engine.model.cfg.name
-        app = make_app(engine, name, heartbeat_s, backpressure, stream_buffer_frames)
+        app = make_app(engine, name, heartbeat_s, backpressure, stream_buffer_frames,
+                       api_key=api_key, max_body_bytes=max_body_bytes,
+                       request_timeout_s=request_timeout_s)
         uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=access_log,
                                       lifespan="on")).run(sockets=[sock])
     finally:

@@ -261,10 +261,21 @@ def test_bench_max_wall_cancels_and_server_frees(server, client):
     _wait_idle(client, FREE_BOUND_S)
 
 
-def test_missing_web_stack_is_one_line_error():
+def test_missing_web_stack_is_one_line_error(monkeypatch):
+    """A missing web package names the serve extra; a missing torch names the line that
+    brings torch too (the serve extra alone does not)."""
+    import importlib.util
+
     from simulator.cli.serve import _need
-    with pytest.raises(LatsimError, match="pip install 'latsim\\[serve\\]'"):
+    with pytest.raises(LatsimError, match=r'pip install -e "\.\[serve\]"'):
         _need("no_such_module_latsim_xyz")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(LatsimError) as e:
+        _need("fastapi", "torch")
+    assert str(e.value) == ('needs torch: pip install torch==2.13.0 && '
+                            'pip install -e ".[engine,serve]"')
 
 
 def test_heartbeats_while_waiting():

@@ -1,9 +1,12 @@
 """``latsim serve`` and ``latsim bench``: the real server and the real load client.
 
 Command functions only; ``simulator.cli.main`` registers them. The web stack
-(FastAPI, uvicorn, httpx) is an optional extra (``pip install 'latsim[serve]'``):
-both commands import it lazily and turn a missing package into a one-line
-``LatsimError``, so the rest of latsim works without it.
+(FastAPI, uvicorn, httpx) is an optional extra (``serve``) and ``serve`` needs
+torch too (``engine``): both commands import them lazily and turn a missing
+package into a one-line ``LatsimError``, so the rest of latsim works without them.
+
+Exit codes: 0 done; 1 ``bench`` ran but no request completed; 2 bad input (a flag
+value, a missing package), printed as one ``latsim: error:`` line.
 """
 from __future__ import annotations
 
@@ -18,14 +21,81 @@ from rich.console import Console
 from simulator.errors import LatsimError
 
 console = Console()
+err_console = Console(stderr=True)
+
+# What to run when packages are missing. torch comes first and pinned: left to pip,
+# the engine extra pulls a CUDA build of torch (gigabytes) even on a CPU box.
+_INSTALL_SERVE = "pip install -e \".[serve]\""
+_INSTALL_ENGINE_SERVE = "pip install torch==2.13.0 && pip install -e \".[engine,serve]\""
 
 
 def _need(*modules: str) -> None:
-    """Raise a one-line error naming the extra when a web-stack package is missing."""
+    """Raise a one-line error naming the install line when a package is missing."""
     import importlib.util
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        raise LatsimError(f"needs {', '.join(missing)}: pip install 'latsim[serve]'")
+        how = _INSTALL_ENGINE_SERVE if "torch" in missing else _INSTALL_SERVE
+        raise LatsimError(f"needs {', '.join(missing)}: {how}")
+
+
+def _short(value: object, n: int = 80) -> str:
+    """A flag value as shown in an error: at most ``n`` characters."""
+    text = str(value)
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def _warn(text: str) -> None:
+    err_console.print(f"latsim: warning: {text}", markup=False, highlight=False,
+                      soft_wrap=True)
+
+
+def check_engine_flags(model: str, device: str) -> None:
+    """``--model`` and ``--device`` as the real engine will need them (``serve``,
+    ``profile``): a preset or a checkpoint folder it can load, and a device this
+    machine has. Raises a one-line ``LatsimError`` naming the flag; needs torch."""
+    if device not in ("cpu", "cuda"):
+        raise LatsimError("must be cpu or cuda", source="--device", value=_short(device),
+                          has_value=True)
+    import torch
+
+    from real_engine.model import PRESETS, resolve_config
+    if device == "cuda" and not torch.cuda.is_available():
+        why = ("this torch build has no CUDA" if torch.version.cuda is None
+               else "no CUDA device is visible")
+        raise LatsimError(f"CUDA is not available ({why}, torch {torch.__version__}); "
+                          f"use --device cpu", source="--device", value=device, has_value=True)
+    try:
+        resolve_config(model)
+    except ValueError:
+        raise LatsimError(f"not a preset ({', '.join(PRESETS)}) nor a folder with a "
+                          f"config.json", source="--model", value=_short(model),
+                          has_value=True) from None
+    except (OSError, KeyError, TypeError) as e:     # a config.json it cannot use
+        raise LatsimError(f"cannot read its config.json ({_short(e)})", source="--model",
+                          value=_short(model), has_value=True) from None
+    if model not in PRESETS:
+        import importlib.util
+        if not any(Path(model).glob("*.safetensors")):
+            raise LatsimError("the folder has no *.safetensors weights", source="--model",
+                              value=_short(model), has_value=True)
+        if importlib.util.find_spec("safetensors") is None:
+            raise LatsimError("loading a checkpoint needs safetensors: pip install "
+                              "safetensors", source="--model", value=_short(model),
+                              has_value=True)
+
+
+def _api_key(key: Optional[str], flag: str = "--api-key") -> Optional[str]:
+    """The API key as given (flag or ``LATSIM_API_KEY``); an empty one is an error, not
+    "no key": an unset variable in a launch script must not open the server."""
+    if key is None:
+        return None
+    if not key.strip():
+        raise LatsimError("is empty (unset it to run without a key)",
+                          source=f"{flag} / LATSIM_API_KEY")
+    if not all(0x21 <= ord(c) <= 0x7e for c in key):
+        raise LatsimError("must be printable ASCII without spaces (it travels in an HTTP "
+                          "header)", source=f"{flag} / LATSIM_API_KEY")
+    return key
 
 
 def serve(
@@ -60,42 +130,94 @@ def serve(
                                         help="share KV blocks of identical prompt prefixes"),
     kv_allocation: str = typer.Option("paged", "--kv-allocation",
                                       help="paged | contiguous (reserve prompt + max_tokens)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LATSIM_API_KEY",
+                                          show_envvar=True,
+                                          help="require 'Authorization: Bearer <key>' on "
+                                          "every endpoint but /health (prefer the env "
+                                          "variable: a flag shows in ps)"),
+    max_body_mb: float = typer.Option(4.0, "--max-body-mb", min=0.001,
+                                      help="request body limit, MiB (larger: 413)"),
+    request_timeout_s: float = typer.Option(600.0, "--request-timeout-s", min=0.0,
+                                            help="cancel a request (KV freed, 504) after "
+                                            "this long (0: never)"),
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
-    """Serve the real engine behind an OpenAI-compatible streaming API (blocks)."""
-    from simulator.model.scheduling import POLICIES
+    """Serve the real engine behind an OpenAI-compatible streaming API (blocks).
+
+    Exit code 2 with one line for a bad flag value or a port it cannot bind."""
+    from simulator.model.scheduling import check_policy_name
     if device not in ("cpu", "cuda"):
-        raise LatsimError("must be cpu or cuda", source="--device", value=device, has_value=True)
-    if policy not in POLICIES:
-        raise LatsimError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}",
-                          source="--policy")
+        raise LatsimError("must be cpu or cuda", source="--device", value=_short(device),
+                          has_value=True)
+    try:
+        check_policy_name(policy)
+    except ValueError as e:
+        raise LatsimError(_short(e, 200), source="--policy") from None
     if backpressure not in ("block", "buffer", "degrade"):
         raise LatsimError("must be block, buffer or degrade", source="--backpressure",
-                          value=backpressure, has_value=True)
+                          value=_short(backpressure), has_value=True)
     for name, v, ok in (("--preemption", preemption, ("recompute", "swap")),
                         ("--kv-allocation", kv_allocation, ("paged", "contiguous"))):
         if v not in ok:
-            raise LatsimError(f"must be {' or '.join(ok)}", source=name, value=v, has_value=True)
+            raise LatsimError(f"must be {' or '.join(ok)}", source=name, value=_short(v),
+                              has_value=True)
     if prefix_caching and kv_allocation == "contiguous":
         raise LatsimError("needs --kv-allocation paged", source="--prefix-caching")
+    api_key = _api_key(api_key)
     _need("fastapi", "uvicorn", "torch")
+    check_engine_flags(model, device)
+    from real_engine.profile import build_engine
+    from real_engine.server import is_loopback, listen_socket
     from real_engine.server import serve as _serve
     from simulator.model.kv.space import KVRules
     kv_rules = KVRules(allocation=kv_allocation, preemption=preemption,
                        prefix_caching=prefix_caching)
-    console.print(f"latsim serve: {model} on {device}, policy {policy}, backpressure "
-                  f"{backpressure} ({stream_buffer_frames} frames), "
-                  f"http://{host}:{port}/v1/completions")
     try:
-        _serve(model, device, host, port, model_name=served_name, policy=policy, seed=seed,
-               heartbeat_s=heartbeat_s or None, backpressure=backpressure,
-               stream_buffer_frames=stream_buffer_frames, send_buffer_bytes=socket_send_buffer,
-               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-               chunk_size=chunk_size, aging_s=aging_s, num_blocks=num_blocks, threads=threads,
-               kv_rules=kv_rules)
+        # Bound before the engine is built: a taken port fails at once.
+        sock = listen_socket(host, port, socket_send_buffer)
     except OSError as e:          # the port is taken, or the address is not this host's
-        raise LatsimError(f"cannot listen on {host}:{port}: {e.strerror or e}",
-                          source="--port") from None
+        raise LatsimError(f"cannot listen on {_short(host)}:{port}: {e.strerror or e}",
+                          source="--host/--port") from None
+    except OverflowError as e:
+        raise LatsimError(f"{e}", source="--socket-send-buffer",
+                          value=socket_send_buffer, has_value=True) from None
+    try:
+        bound = sock.getsockname()[1]       # --port 0: the one the OS chose
+        if not is_loopback(host) and not api_key:
+            _warn(f"listening on {host}:{bound}, beyond loopback, without an API key: "
+                  f"anyone who can reach it can use the engine (set LATSIM_API_KEY or "
+                  f"--api-key)")
+        try:
+            engine = build_engine(model, device, policy=policy, seed=seed,
+                                  max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  chunk_size=chunk_size, aging_s=aging_s,
+                                  num_blocks=num_blocks, threads=threads, kv_rules=kv_rules)
+        except (ValueError, OSError, ImportError) as e:
+            # The flags passed the checks above, so what is left is the checkpoint's
+            # content or the engine's limits (e.g. more blocks than memory allows).
+            raise LatsimError(f"cannot build the engine: {_short(e, 200)}",
+                              source="--model", value=_short(model), has_value=True) from None
+        except (MemoryError, RuntimeError) as e:
+            # torch reports a failed allocation as a RuntimeError (OutOfMemoryError on CUDA).
+            if not isinstance(e, MemoryError) and "alloc" not in str(e) \
+                    and "out of memory" not in str(e).lower():
+                raise
+            raise LatsimError(f"the model and KV cache do not fit in memory "
+                              f"({_short(str(e) or type(e).__name__, 120)})",
+                              source="--num-blocks", value=num_blocks, has_value=True) from None
+        console.print(f"latsim serve: {model} on {device}, policy {policy}, backpressure "
+                      f"{backpressure} ({stream_buffer_frames} frames), "
+                      f"{'API key required' if api_key else 'no API key'}, "
+                      f"http://{host}:{bound}/v1/completions", markup=False, highlight=False,
+                      soft_wrap=True)
+    except BaseException:
+        sock.close()
+        raise
+    _serve(model, device, model_name=served_name, heartbeat_s=heartbeat_s or None,
+           backpressure=backpressure, stream_buffer_frames=stream_buffer_frames,
+           api_key=api_key, max_body_bytes=max(1, int(max_body_mb * (1 << 20))),
+           request_timeout_s=request_timeout_s or None, sock=sock, engine=engine)
 
 
 def bench(
@@ -115,7 +237,11 @@ def bench(
     model: Optional[str] = typer.Option(None, "--model", help="model name to send "
                                         "(default: the first of GET /v1/models)"),
     pool_size: int = typer.Option(256, "--pool-size", min=1, help="keep-alive connections"),
-    http2: bool = typer.Option(False, "--http2", help="HTTP/2 (needs the h2 package)"),
+    http2: bool = typer.Option(False, "--http2", help="offer HTTP/2 (needs the h2 package; "
+                               "negotiated over https only)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LATSIM_API_KEY",
+                                          show_envvar=True,
+                                          help="sent as 'Authorization: Bearer <key>'"),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
     timeout: float = typer.Option(600.0, "--timeout", min=0.01, help="per request, s"),
     max_wall_s: Optional[float] = typer.Option(None, "--max-wall-s", min=0.01,
@@ -123,13 +249,22 @@ def bench(
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(Path("results/bench"), "--out"),
 ) -> None:
-    """Replay a trace over real HTTP/SSE against an OpenAI-compatible server."""
+    """Replay a trace over real HTTP/SSE against an OpenAI-compatible server.
+
+    Exit code 0 when at least one request completed (failures are counted in the
+    summary), 1 when none did, 2 for bad input (one line, before anything is sent)."""
     import numpy as np
 
-    from simulator.wire.benchclient import bench_outputs, run_bench
+    from simulator.wire.benchclient import bench_outputs, need_h2, run_bench
     from simulator.report.output import json_safe, latency_table, throughput_table
     from simulator.workload import Workload
     _need("httpx")
+    if not url.startswith(("http://", "https://")):
+        raise LatsimError("must be an http:// or https:// URL", source="--url",
+                          value=_short(url), has_value=True)
+    if http2:
+        need_h2()
+    api_key = _api_key(api_key)
     if trace is not None:
         if rate is not None and speedup is not None:
             raise LatsimError("give at most one of --rate and --speedup", source="--rate")
@@ -146,21 +281,40 @@ def bench(
         wl.arrival_s -= wl.arrival_s[0]         # first request at t = 0
     recs, facts = asyncio.run(run_bench(url, wl, model=model, pool_size=pool_size, http2=http2,
                                         timeout=timeout, max_wall_s=max_wall_s,
-                                        ignore_eos=ignore_eos, seed=seed))
+                                        ignore_eos=ignore_eos, seed=seed, api_key=api_key))
     facts["trace"] = str(trace) if trace is not None else None
     df, summary = bench_outputs(recs, wl, facts)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "requests.csv", index=False, float_format="%.9g")
     (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
-    s = summary["overall"]
+    s, run = summary["overall"], summary["run"]
     console.print(f"bench: {s['num_requests']} sent, {s['completed']} completed, "
-                  f"{summary['run']['errors']} errors in {facts['wall_s']:.2f} s -> {facts['url']}")
-    if summary["run"]["first_error"]:
-        console.print(f"first error: {summary['run']['first_error']}", markup=False)
-    run = summary["run"]
+                  f"{run['failed']} failed ({run['errors']} with an error) in "
+                  f"{facts['wall_s']:.2f} s -> {facts['url']}", markup=False, highlight=False)
+    if run["first_error"]:
+        console.print(f"first error: {run['first_error']}", markup=False)
     versions = ", ".join(f"{k} x{v}" for k, v in run["http_versions"].items()) or "-"
-    console.print(f"HTTP: {versions}{' (HTTP/2 offered)' if http2 else ''}; server timing: "
-                  f"{run['server_timing']}", markup=False, highlight=False)
+    asked = ""
+    if http2:
+        asked = (" (HTTP/2 asked for; the server answered HTTP/1.1)" if run["http2_fallback"]
+                 else " (HTTP/2 offered)")
+    console.print(f"HTTP: {versions}{asked}; server timing: {run['server_timing']}",
+                  markup=False, highlight=False)
     console.print(latency_table("Latency (client side)", {"bench": s}))
     console.print(throughput_table({"bench": s}))
     console.print(f"wrote {out / 'requests.csv'}, {out / 'summary.json'}")
+    if run["http2_fallback"]:
+        why = (": over http:// httpx never upgrades, HTTP/2 needs an https:// server offering "
+               "it" if facts["url"].startswith("http://") else "")
+        _warn(f"--http2 was asked for but the server answered with HTTP/1.1, so this run "
+              f"measured HTTP/1.1{why}")
+    if run["failed"] and s["completed"]:
+        _warn(f"{run['failed']} of {s['num_requests']} requests failed (the error column of "
+              f"{out / 'requests.csv'} says why)")
+    if not s["completed"]:
+        what = (f"all {s['num_requests']} requests failed, none completed (first error: "
+                f"{run['first_error'] or 'none recorded'})" if s["num_requests"] else
+                "no request was sent before --max-wall-s")
+        err_console.print(f"latsim: bench: {what}", markup=False, highlight=False,
+                          soft_wrap=True)
+        raise typer.Exit(1)

@@ -34,7 +34,9 @@ time), ``frames`` (content frames), ``heartbeats`` (SSE comment lines),
 ``http_version`` (what the connection negotiated: with ``http2`` the client
 offers HTTP/2 but a cleartext HTTP/1.1 server keeps 1.1), ``server_received``
 and ``paused_s`` (from the server's timing, NaN without), ``status`` and
-``error``.
+``error``. The summary's ``run`` says how many requests ``failed`` (sent, not
+finished) and, under ``http2``, whether the server kept HTTP/1.1
+(``http2_fallback``): a run asked for HTTP/2 must not pass for one.
 """
 from __future__ import annotations
 
@@ -259,21 +261,27 @@ async def _one(client, url: str, body: dict, rec: _Rec, t0: float, timeout: floa
         rec.error = f"{type(e).__name__}: {e}"[:200]
 
 
+def need_h2() -> None:
+    """A one-line error unless the h2 package (HTTP/2 for httpx) can be imported."""
+    try:
+        import h2  # noqa: F401
+    except ImportError:
+        raise LatsimError("--http2 needs the h2 package: pip install 'httpx[http2]'") from None
+
+
 async def run_bench(url: str, wl: Workload, *, model: Optional[str] = None,
                     pool_size: int = 256, http2: bool = False, timeout: float = 600.0,
                     max_wall_s: Optional[float] = None, ignore_eos: bool = True,
-                    seed: int = 0) -> tuple[list[_Rec], dict]:
+                    seed: int = 0, api_key: Optional[str] = None) -> tuple[list[_Rec], dict]:
     """Replay ``wl`` against ``url`` (a base URL or a full ``.../completions`` URL).
 
     Returns the request records and run facts. Requests not done by
-    ``max_wall_s`` are cancelled (the client closes their streams).
+    ``max_wall_s`` are cancelled (the client closes their streams). ``api_key``:
+    sent as ``Authorization: Bearer <key>`` with every request.
     """
     import httpx
     if http2:
-        try:
-            import h2  # noqa: F401
-        except ModuleNotFoundError:
-            raise LatsimError("--http2 needs the h2 package: pip install 'httpx[http2]'") from None
+        need_h2()
     base = url.rstrip("/")
     full = base if base.endswith("/completions") else base + "/v1/completions"
     rng = np.random.default_rng(seed)
@@ -281,7 +289,8 @@ async def run_bench(url: str, wl: Workload, *, model: Optional[str] = None,
     bodies = []
     recs = []
     limits = httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size)
-    async with httpx.AsyncClient(limits=limits, http2=http2,
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(limits=limits, http2=http2, headers=headers,
                                  timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0))) as client:
         if model is None:
             model = await _served_model(client, base)
@@ -403,7 +412,10 @@ def bench_outputs(recs: list[_Rec], wl: Workload, facts: dict) -> tuple[pd.DataF
     unobservable = [c for c in ("enqueued", "scheduled", "t_net", "t_queue", "t_prefill")
                     if not len(fin) or fin[c].isna().all()]
     versions = df.loc[df["http_version"] != "", "http_version"].value_counts()
+    # Offered HTTP/2, and every answer that came back was something else.
+    fallback = bool(facts.get("http2")) and len(versions) > 0 and "HTTP/2" not in versions
     run = dict(facts, errors=int(len(errors)), first_error=(errors.iloc[0] if len(errors) else None),
+               failed=int(len(df) - len(fin)), http2_fallback=fallback,
                frames=int(df["frames"].sum()),
                new_connections=int(df["new_connection"].sum()),
                http_versions={str(k): int(v) for k, v in versions.items()},
