@@ -1,0 +1,359 @@
+"""A physics-informed step-cost model: what one engine iteration costs, from the step's
+shape in physical units (FLOPs, bytes, kernel launches) divided by rates.
+
+A step is issued by the host (kernel launches, step building) while the device runs
+the kernels; the host runs ahead and the step ends at the final synchronisation, so a
+step costs about the larger of the two. Where they are close, both stall each other a
+little: the two are combined with a p-norm, ``(host^p + device^p)^(1/p)``, which is
+the larger one when they differ and up to ``2^(1/p)`` times it when they are equal.
+
+Host (ms, fitted): an eager step pays ``h_step``, plus ``h_decode`` when it holds
+decodes (the batched decode-attention launches), plus ``h_chunk`` per prefill chunk
+(each chunk has its own attention launches) and ``h_prefix`` more per chunk with a
+cached prefix (gathering the prefix and building its mask). An engine that replays
+CUDA graphs for pure-decode steps pays ``h_graph`` for such a step instead (one
+replay; graph steps run at the batch rounded up to a captured bucket).
+
+Device (ms), per step of ``T`` packed tokens and ``S`` sampled rows (one per decode
+and per chunk that completes its prompt):
+
+- linear layers: ``2 * P_lin * T + 2 * V * d * S`` FLOPs at ``peak * e_gemm``, or
+  the weights read once per step (``P_lin``, plus the LM head when a row samples) at
+  ``HBM * e_weights``, whichever binds (p-norm ``p_gemm``);
+- elementwise traffic (norms, rotary, residuals, SwiGLU) and K/V writes:
+  ``T * L * (a_d * d + a_f * ffn + 2 * Hkv * hd) * bytes`` at ``HBM * e_act`` (a stated
+  pass count and efficiency, not fitted: on one GPU it cannot be told apart from the
+  GEMMs' per-token time);
+- decode attention: the K/V bytes the batch reads, ``keys * L * 2 * Hkv * hd * bytes``
+  at ``HBM * e_decode`` (throughput), ``keys = batch * longest context`` for an engine
+  that pads decode attention to the longest context, the sum of the contexts for a
+  paged one; or one thread block streaming one head's keys of the longest context,
+  ``ctx * L * 2 * hd * bytes`` at ``cta_decode`` GB/s (latency) -- p-norm ``p_attn``
+  of the two. One block runs per (sequence, query head) and at most ``SMs *
+  blocks_per_SM`` at once: a batch past that runs in waves, and every further wave
+  pays ``wave_cost`` of the latency bound again (the cliff a batch one past a full
+  wave shows); ``blocks_per_SM = 0`` means no wave limit;
+- prefill attention, per chunk of ``n`` tokens after ``prior`` cached ones: without a
+  prefix, causal flash attention, ``4 * L * Hq * hd * n (n + 1) / 2`` FLOPs at
+  ``peak * e_flash``; with one, a masked kernel over the whole ``n x (prior + n)``
+  rectangle, ``4 * L * Hq * hd * n * (prior + n)`` FLOPs at ``peak * e_masked``, or one
+  block streaming ``prior + n`` keys at ``cta_prefix`` GB/s, p-norm ``p_attn``;
+- kernel floors: every launched kernel holds the device for a minimum time too, a
+  share ``dev_per_host`` of the host time launching it costs (a graph replay saves
+  the host launches, not the kernels' minimum durations).
+
+After the step, the host schedules the next one and applies this one's results:
+``bookkeeping_ms + bookkeeping_seq_ms * (decodes + chunks)``, added to every step
+(``step_ms``; ``step_core_ms`` is the step alone, as a profile row times it).
+
+Everything is FLOPs, bytes and launches over rates: a datasheet's peak TFLOP/s and
+HBM GB/s with efficiencies supply another GPU's coefficients, and a parallelism
+communication term adds to ``device``. The model dimensions come from the profile's
+``meta.model``.
+
+Every number lives in one float64 vector ``c`` (indices ``C_*`` below) so the
+evaluation is a pure ``@kernel`` the compiled event loop calls as well as Python.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from simulator.kernel import kernel
+
+# -- model shape ---------------------------------------------------------------------
+C_LAYERS = 0
+C_DMODEL = 1
+C_HEADS = 2
+C_KV_HEADS = 3
+C_HEAD_DIM = 4
+C_FFN = 5
+C_VOCAB = 6
+C_DTYPE_BYTES = 7
+C_PARAMS_LINEAR = 8      # weights of the layers' linear maps (no embedding, no LM head)
+C_ACT_D = 9              # elementwise passes per token per layer, in units of d_model
+C_ACT_F = 10             # ... in units of the FFN width
+# -- engine facts ---------------------------------------------------------------------
+C_PADDED = 11            # 1: decode attention padded to the longest context
+C_GRAPHS = 12            # 1: pure-decode steps replay CUDA graphs
+# -- hardware ---------------------------------------------------------------------------
+C_PEAK_TFLOPS = 13       # dense bf16 matmul peak (or measured) TFLOP/s
+C_HBM_GBS = 14           # memory bandwidth GB/s
+# -- fitted: host (ms) -----------------------------------------------------------------
+C_H_STEP = 15
+C_H_DECODE = 16
+C_H_CHUNK = 17
+C_H_PREFIX = 18
+C_H_GRAPH = 19
+# -- fitted: device efficiencies (fractions of peak) and one-block rates (GB/s) ------
+C_E_WEIGHTS = 20
+C_E_GEMM = 21
+C_E_ACT = 22
+C_E_FLASH = 23
+C_E_MASKED = 24
+C_CTA_PREFIX = 25
+C_E_DECODE = 26
+C_CTA_DECODE = 27
+C_E_DECODE_EAGER = 28    # decode attention inside an eager step of a graphed engine
+# -- fitted: transition sharpness -------------------------------------------------------
+C_P_STEP = 29
+C_P_ATTN = 30
+C_P_GEMM = 31
+# -- per-step host work outside the timed step, and a what-if scale -------------------
+C_BOOK_MS = 32
+C_BOOK_SEQ_MS = 33
+C_SCALE = 34
+# -- the range the fit saw (for counting extrapolations) --------------------------------
+C_RANGE_TOKENS = 35
+C_RANGE_CHUNK = 36
+C_RANGE_CONTEXT = 37     # prior + chunk of a prefill chunk
+C_RANGE_BATCH = 38
+C_RANGE_DECODE_CTX = 39
+# -- waves of decode-attention blocks, kernel floors --------------------------------------
+C_SMS = 40               # streaming multiprocessors
+C_DEC_BLOCKS_PER_SM = 41  # decode-attention blocks resident per SM (0: no wave limit)
+C_WAVE_COST = 42         # share of the latency bound each further wave pays again
+C_DEV_PER_HOST = 43      # kernels' minimum device time / the host time launching them
+# -- CUDA-graph batch buckets (count, then the sizes) ------------------------------------
+C_N_BUCKETS = 44
+C_BUCKETS = 45
+MAX_BUCKETS = 40
+N_CONST = C_BUCKETS + MAX_BUCKETS
+
+NAMES = {
+    C_LAYERS: "layers", C_DMODEL: "d_model", C_HEADS: "heads", C_KV_HEADS: "kv_heads",
+    C_HEAD_DIM: "head_dim", C_FFN: "ffn", C_VOCAB: "vocab", C_DTYPE_BYTES: "dtype_bytes",
+    C_PARAMS_LINEAR: "params_linear", C_ACT_D: "act_passes_d", C_ACT_F: "act_passes_ffn",
+    C_PADDED: "padded", C_GRAPHS: "cuda_graphs", C_PEAK_TFLOPS: "peak_tflops",
+    C_HBM_GBS: "hbm_gbs", C_H_STEP: "h_step_ms", C_H_DECODE: "h_decode_ms",
+    C_H_CHUNK: "h_chunk_ms", C_H_PREFIX: "h_prefix_ms", C_H_GRAPH: "h_graph_ms",
+    C_E_WEIGHTS: "e_weights", C_E_GEMM: "e_gemm", C_E_ACT: "e_act", C_E_FLASH: "e_flash",
+    C_E_MASKED: "e_masked", C_CTA_PREFIX: "cta_prefix_gbs", C_E_DECODE: "e_decode",
+    C_CTA_DECODE: "cta_decode_gbs", C_E_DECODE_EAGER: "e_decode_eager",
+    C_P_STEP: "p_step", C_P_ATTN: "p_attn", C_P_GEMM: "p_gemm", C_BOOK_MS: "bookkeeping_ms",
+    C_BOOK_SEQ_MS: "bookkeeping_seq_ms", C_SCALE: "scale", C_RANGE_TOKENS: "range_tokens",
+    C_RANGE_CHUNK: "range_chunk", C_RANGE_CONTEXT: "range_context",
+    C_RANGE_BATCH: "range_batch", C_RANGE_DECODE_CTX: "range_decode_ctx",
+    C_SMS: "sms", C_DEC_BLOCKS_PER_SM: "decode_blocks_per_sm", C_WAVE_COST: "wave_cost",
+    C_DEV_PER_HOST: "dev_per_host",
+}
+INDEX = {v: k for k, v in NAMES.items()}
+
+
+@kernel
+def pnorm(a, b, p):
+    """``(a^p + b^p)^(1/p)`` for non-negative ``a``, ``b``: the larger one, softened
+    where they are close (at most ``2^(1/p)`` times it)."""
+    m = a if a > b else b
+    if m <= 0.0:
+        return 0.0
+    x = a / m
+    y = b / m
+    return m * (x ** p + y ** p) ** (1.0 / p)
+
+
+@kernel
+def graph_batch(c, nd):
+    """The batch a graph-replayed decode step of ``nd`` sequences runs at (the smallest
+    bucket holding it), or -1 when it is beyond every bucket (the step runs eagerly).
+    Without a bucket list every batch has its own graph."""
+    nb = int(c[C_N_BUCKETS])
+    if nb <= 0:
+        return nd
+    for i in range(nb):
+        b = int(c[C_BUCKETS + i])
+        if b >= nd:
+            return b
+    return -1
+
+
+@kernel
+def host_ms(c, nd, chp, nch):
+    """Host time (ms) of an eager step: per step, per decode batch, per chunk and per
+    chunk with a cached prefix."""
+    h = c[C_H_STEP]
+    if nd > 0:
+        h += c[C_H_DECODE]
+    for i in range(nch):
+        h += c[C_H_CHUNK]
+        if chp[i] > 0:
+            h += c[C_H_PREFIX]
+    return h
+
+
+@kernel
+def chunk_attention_ms(c, n, prior):
+    """Device time (ms) of one prefill chunk's attention (module doc)."""
+    L = c[C_LAYERS]
+    hq = c[C_HEADS]
+    hd = c[C_HEAD_DIM]
+    flops_per_pair = 4.0 * L * hq * hd
+    nf = float(n)
+    # The causal pairs (a query and a key it may see) at flash attention's rate.
+    causal = nf * (float(prior) + (nf + 1.0) * 0.5)
+    flash = flops_per_pair * causal / (c[C_PEAK_TFLOPS] * c[C_E_FLASH]) * 1e-9
+    if prior <= 0:
+        return flash
+    keys = float(prior) + nf
+    thr = flops_per_pair * nf * keys / (c[C_PEAK_TFLOPS] * c[C_E_MASKED]) * 1e-9
+    lat = keys * L * 2.0 * hd * c[C_DTYPE_BYTES] / c[C_CTA_PREFIX] * 1e-6
+    # The masked kernel never beats flash attention on the same pairs: a prefix only
+    # ever adds work (and keeps cost monotone in the prefix whatever the fit).
+    t = pnorm(lat, thr, c[C_P_ATTN])
+    return t if t > flash else flash
+
+
+@kernel
+def decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine):
+    """Device time (ms) of the batched decode attention (module doc). One block per
+    (sequence, query head) streams its keys; at most ``SMs * blocks_per_SM`` blocks run
+    at once, so past that the batch runs in waves and each further wave pays
+    ``wave_cost`` of the latency bound again (a cliff when a batch spills into one more
+    wave)."""
+    if nd <= 0:
+        return 0.0
+    L = c[C_LAYERS]
+    e = c[C_E_DECODE_EAGER] if eager_in_graph_engine else c[C_E_DECODE]
+    if c[C_PADDED] > 0.0:
+        keys = float(nd) * float(ctx_max)
+        longest = float(ctx_max)
+    else:
+        # A paged engine reads each sequence's own pages, and splits the work by page:
+        # the mean context stands in for the longest one.
+        keys = float(ctx_sum)
+        longest = keys / nd
+    kvb = 2.0 * c[C_KV_HEADS] * c[C_HEAD_DIM] * c[C_DTYPE_BYTES]
+    thr = keys * L * kvb / (c[C_HBM_GBS] * e) * 1e-6
+    lat = longest * L * 2.0 * c[C_HEAD_DIM] * c[C_DTYPE_BYTES] / c[C_CTA_DECODE] * 1e-6
+    slots = c[C_SMS] * c[C_DEC_BLOCKS_PER_SM]
+    if slots > 0.0:
+        # Each further wave of blocks streams the longest context again; the part of
+        # that latency a wave does not hide behind the previous one is ``wave_cost``.
+        waves = np.ceil(float(nd) * c[C_HEADS] / slots)
+        lat *= 1.0 + c[C_WAVE_COST] * (waves - 1.0)
+    return pnorm(lat, thr, c[C_P_ATTN])
+
+
+@kernel
+def device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine):
+    """Device time (ms) of a step (module doc)."""
+    L = c[C_LAYERS]
+    d = c[C_DMODEL]
+    db = c[C_DTYPE_BYTES]
+    T = float(nd)
+    S = float(nd)
+    att = 0.0
+    for i in range(nch):
+        T += float(chn[i])
+        if chf[i]:
+            S += 1.0
+        att += chunk_attention_ms(c, chn[i], chp[i])
+    lm = c[C_VOCAB] * d
+    w_bytes = c[C_PARAMS_LINEAR] * db
+    if S > 0.0:
+        w_bytes += lm * db
+    flops = 2.0 * c[C_PARAMS_LINEAR] * T + 2.0 * lm * S
+    t_w = w_bytes / (c[C_HBM_GBS] * c[C_E_WEIGHTS]) * 1e-6
+    t_f = flops / (c[C_PEAK_TFLOPS] * c[C_E_GEMM]) * 1e-9
+    gemm = pnorm(t_w, t_f, c[C_P_GEMM])
+    act_bytes = T * L * db * (c[C_ACT_D] * d + c[C_ACT_F] * c[C_FFN]
+                              + 2.0 * c[C_KV_HEADS] * c[C_HEAD_DIM])
+    act = act_bytes / (c[C_HBM_GBS] * c[C_E_ACT]) * 1e-6
+    dec = decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine)
+    return gemm + act + att + dec
+
+
+@kernel
+def step_core_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, force_eager):
+    """Milliseconds of one step, before bookkeeping and scale; ``force_eager`` times a
+    pure-decode step of a graphed engine eagerly (a ``decode_eager`` profile row)."""
+    graphs = c[C_GRAPHS] > 0.0
+    host = host_ms(c, nd, chp, nch)
+    # Every launched kernel holds the device for a minimum time too (launch latency,
+    # ramp-up and tail), a fixed share of what launching it costs the host; a graph
+    # replay saves the host's launches, not the kernels' minimum durations.
+    floor = c[C_DEV_PER_HOST] * host
+    if graphs and nch == 0 and nd > 0 and not force_eager:
+        gb = graph_batch(c, nd)
+        if gb > 0:
+            # Padded rows attend to one key each; they cost tokens, not context.
+            dev = device_ms(c, gb, ctx_max, ctx_sum + (gb - nd), chn, chp, chf, 0, False)
+            return pnorm(c[C_H_GRAPH], dev + floor, c[C_P_STEP])
+    dev = device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, graphs)
+    return pnorm(host, dev + floor, c[C_P_STEP])
+
+
+@kernel
+def step_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch):
+    """Milliseconds of one engine step of ``nd`` decodes (longest context ``ctx_max``,
+    contexts summing to ``ctx_sum``) and prefill chunks ``chn[:nch]`` tokens after
+    ``chp[:nch]`` cached ones, ``chf[:nch]`` completing their prompts; the per-step
+    host bookkeeping outside the forward included, times the what-if scale."""
+    ms = step_core_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, False)
+    ms += c[C_BOOK_MS] + c[C_BOOK_SEQ_MS] * float(nd + nch)
+    return ms * c[C_SCALE]
+
+
+@kernel
+def outside_range(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch):
+    """True when the step is larger than anything the fit saw in one dimension: packed
+    tokens, a chunk's size or its prior + size, the decode batch or its context. The
+    physics still answers there; the run counts and reports such steps."""
+    T = nd
+    for i in range(nch):
+        T += chn[i]
+        if chn[i] > c[C_RANGE_CHUNK] or chp[i] + chn[i] > c[C_RANGE_CONTEXT]:
+            return True
+    if T > c[C_RANGE_TOKENS] or nd > c[C_RANGE_BATCH]:
+        return True
+    if nd > 0:
+        ctx = ctx_max if c[C_PADDED] > 0.0 else ctx_sum / nd
+        if ctx > c[C_RANGE_DECODE_CTX]:
+            return True
+    return False
+
+
+@kernel
+def rows_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, has_chunk, force_eager, out):
+    """``step_core_ms`` of many single-chunk steps (profile rows) into ``out``."""
+    a = np.zeros(1, dtype=np.int64)
+    b = np.zeros(1, dtype=np.int64)
+    f = np.zeros(1, dtype=np.bool_)
+    for i in range(nd.shape[0]):
+        a[0] = chn[i]
+        b[0] = chp[i]
+        f[0] = chf[i]
+        out[i] = step_core_ms(c, nd[i], ctx_max[i], ctx_sum[i], a, b, f,
+                              1 if has_chunk[i] else 0, force_eager[i])
+
+
+@kernel
+def decode_run_ms(c, nd, ctx_max0, ctx_sum0, k, out):
+    """``step_ms`` of ``k`` consecutive decode-only steps whose longest context grows
+    by one per step and whose contexts' sum grows by ``nd`` (into ``out[:k]``)."""
+    chn = np.zeros(1, dtype=np.int64)
+    chp = np.zeros(1, dtype=np.int64)
+    chf = np.zeros(1, dtype=np.bool_)
+    for j in range(k):
+        out[j] = step_ms(c, nd, ctx_max0 + j, ctx_sum0 + nd * j, chn, chp, chf, 0)
+
+
+@kernel
+def decode_run_outside(c, nd, ctx_max0, ctx_sum0, k):
+    """How many of ``decode_run_ms``'s steps lie outside the fitted range."""
+    chn = np.zeros(1, dtype=np.int64)
+    chp = np.zeros(1, dtype=np.int64)
+    chf = np.zeros(1, dtype=np.bool_)
+    n = 0
+    for j in range(k):
+        if outside_range(c, nd, ctx_max0 + j, ctx_sum0 + nd * j, chn, chp, chf, 0):
+            n += 1
+    return n
+
+
+def new_constants() -> np.ndarray:
+    """A zeroed constants vector with the neutral settings (scale 1, p = 4)."""
+    c = np.zeros(N_CONST)
+    c[C_SCALE] = 1.0
+    c[C_P_STEP] = c[C_P_ATTN] = c[C_P_GEMM] = 4.0
+    c[C_WAVE_COST] = 1.0
+    return c

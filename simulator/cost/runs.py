@@ -1,0 +1,314 @@
+"""Read a recorded serving run of the reference engine (``data/h200-refbench/runs/*``)
+into per-step compositions a cost model can price.
+
+A run folder holds ``trace.csv`` (arrivals and token counts), ``requests.csv`` (per
+request timestamps, and the serving ``policy``), ``tokens.csv`` (every emitted token's
+time) and ``iterations.csv`` (every engine step: start, end, decode count, prefill
+tokens and sequences, decode contexts). ``iterations.csv`` does not say which prompt
+each prefill token belonged to, how much of that prompt was already cached (the
+chunk's ``prior``) or whether the chunk finished it. Those follow from the engine's
+scheduling rule, so they are rebuilt here by replaying the recorded steps against the
+trace:
+
+- ``chunked`` / ``priority``: the prefill tokens of a step go first to the partially
+  prefilled request(s), then to new requests in the policy's order (arrival; for
+  ``priority``, ``priority - floor(wait / 2 s)`` then arrival), each getting
+  ``min(remaining prompt, remaining tokens)``;
+- ``fifo``: the same walk, which gives whole prompts because the engine never splits
+  one.
+
+The replay is checked three ways: the number of prefill sequences of every step, the
+decode count and decode contexts (max and sum) of every step, and every request's
+first-token time (the end of the step that finished its prompt) against
+``tokens.csv``. ``RunSteps.check`` holds the mismatch counts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass
+class RunSteps:
+    """One recorded run as per-step compositions (arrays indexed by step).
+
+    ``chunks[i]`` is a list of ``(n, prior, completes, request_id)``; ``nd``,
+    ``ctx_max``, ``ctx_sum`` the recorded decode side; ``dur_s`` the measured step
+    durations and ``gap_s`` the host time before the next step starts."""
+
+    name: str
+    policy: str
+    start_s: np.ndarray
+    end_s: np.ndarray
+    nd: np.ndarray
+    ctx_max: np.ndarray
+    ctx_sum: np.ndarray
+    n_running: np.ndarray
+    chunks: list
+    trace: pd.DataFrame
+    requests: pd.DataFrame
+    tokens: pd.DataFrame
+    check: dict = field(default_factory=dict)
+
+    @property
+    def dur_s(self) -> np.ndarray:
+        return self.end_s - self.start_s
+
+    @property
+    def gap_s(self) -> np.ndarray:
+        """Host time between a step's end and the next one's start (NaN for the last)."""
+        g = np.full(len(self.start_s), np.nan)
+        g[:-1] = self.start_s[1:] - self.end_s[:-1]
+        return g
+
+    def kinds(self, large_chunk: int = 256) -> np.ndarray:
+        """Step kind labels: ``decode``, ``prefill-small`` / ``prefill-large`` (all
+        prefill tokens below / at least ``large_chunk``), ``mixed``."""
+        out = []
+        for nd, ch in zip(self.nd, self.chunks):
+            if not ch:
+                out.append("decode")
+            elif nd:
+                out.append("mixed")
+            else:
+                tot = sum(c[0] for c in ch)
+                out.append("prefill-large" if tot >= large_chunk else "prefill-small")
+        return np.array(out)
+
+
+def _order_key(policy: str, arrival: float, prio: int, now: float) -> tuple:
+    if policy == "priority":
+        # The engine's aging rule: a request gains one priority level per 2 s waited.
+        return (prio - math.floor((now - arrival) / 2.0), arrival)
+    return (arrival,)
+
+
+def read_run(folder: str | Path) -> RunSteps:
+    """Read a run folder and rebuild every step's prefill chunks (module doc)."""
+    folder = Path(folder)
+    trace = pd.read_csv(folder / "trace.csv")
+    reqs = pd.read_csv(folder / "requests.csv")
+    toks = pd.read_csv(folder / "tokens.csv")
+    it = pd.read_csv(folder / "iterations.csv")
+    policy = str(reqs["policy"].iloc[0]) if "policy" in reqs.columns else "chunked"
+    tr = trace.set_index("request_id")
+    rid_all = tr.index.to_numpy()
+    arrival = tr["arrival_s"].to_dict()
+    prompt = tr["prompt_tokens"].to_dict()
+    output = tr["output_tokens"].to_dict()
+    prio = tr["priority"].to_dict() if "priority" in tr.columns else {r: 0 for r in rid_all}
+
+    by_arrival = sorted(rid_all, key=lambda r: (arrival[r], r))
+    nxt = 0                      # next request (in arrival order) not yet visible
+    waiting: list = []           # visible, not started
+    partial: list = []           # started, prompt not finished (in start order)
+    prefilled: dict = {}
+    decoding: dict = {}          # rid -> tokens emitted so far
+    first_tok: dict = {}
+    chunks_all = []
+    bad_seqs = bad_dec = 0
+    eps = 1e-9
+    for row in it.itertuples(index=False):
+        start = row.start_s
+        while nxt < len(by_arrival) and arrival[by_arrival[nxt]] <= start + eps:
+            waiting.append(by_arrival[nxt])
+            nxt += 1
+        # Decode side of this step: every decoding request, unless it is a fifo
+        # prefill step (decodes pause while a whole prompt is prefilled).
+        budget = int(row.n_prefill_tokens)
+        dec_ids = list(decoding) if (row.n_decode or policy != "fifo" or budget == 0) else []
+        ctxs = [prompt[r] + decoding[r] for r in dec_ids]
+        if (len(dec_ids) != row.n_decode or (ctxs and (max(ctxs) != row.max_decode_context
+                                                       or sum(ctxs) != row.sum_decode_context))):
+            bad_dec += 1
+        # Prefill side: partially prefilled first, then new ones in policy order.
+        waiting.sort(key=lambda r: _order_key(policy, arrival[r], prio[r], start))
+        chunks = []
+        for r in list(partial) + list(waiting):
+            if budget <= 0:
+                break
+            p = prefilled.get(r, 0)
+            n = min(prompt[r] - p, budget)
+            budget -= n
+            done = p + n >= prompt[r]
+            chunks.append((int(n), int(p), bool(done), int(r)))
+            prefilled[r] = p + n
+            if r in waiting:
+                waiting.remove(r)
+                partial.append(r)
+            if done:
+                partial.remove(r)
+        if len(chunks) != row.n_prefill_seqs or budget != 0:
+            bad_seqs += 1
+        chunks_all.append(chunks)
+        # Apply: decodes emit one token each, finished prompts emit their first one.
+        for r in dec_ids:
+            decoding[r] += 1
+            if decoding[r] >= output[r]:
+                del decoding[r]
+        for n, p, done, r in chunks:
+            if done:
+                first_tok[r] = row.end_s
+                if output[r] > 1:
+                    decoding[r] = 1
+    real_first = toks[toks["token_index"] == 0].set_index("request_id")["time_s"]
+    diffs = [abs(first_tok[r] - t) for r, t in real_first.items() if r in first_tok]
+    n_ttft_bad = int(sum(d > 1e-5 for d in diffs)) + int(len(real_first) - len(diffs))
+    steps = RunSteps(
+        name=folder.name, policy=policy,
+        start_s=it["start_s"].to_numpy(float), end_s=it["end_s"].to_numpy(float),
+        nd=it["n_decode"].to_numpy(np.int64),
+        ctx_max=it["max_decode_context"].to_numpy(np.int64),
+        ctx_sum=it["sum_decode_context"].to_numpy(np.int64),
+        n_running=it["n_running"].to_numpy(np.int64),
+        chunks=chunks_all, trace=trace, requests=reqs, tokens=toks)
+    steps.check = {"steps": len(it), "prefill_seq_mismatches": bad_seqs,
+                   "decode_mismatches": bad_dec, "first_token_mismatches": n_ttft_bad,
+                   "first_token_max_abs_s": float(max(diffs)) if diffs else 0.0}
+    return steps
+
+
+def real_metrics(run: RunSteps) -> dict:
+    """TTFT, TPOT, ITL and E2E percentiles (ms) of the real run, as ``vllm bench
+    serve`` defines them: TTFT = first token - arrival; TPOT = (last - first) /
+    (n - 1) per request with n > 1; ITL = every gap between a request's consecutive
+    tokens, pooled; E2E = last token - arrival; linear interpolation."""
+    tr = run.trace.set_index("request_id")
+    tok = run.tokens.sort_values(["request_id", "token_index"])
+    g = tok.groupby("request_id")["time_s"]
+    first, last, n = g.first(), g.last(), g.count()
+    arr = tr.loc[first.index, "arrival_s"]
+    ttft = (first - arr).to_numpy()
+    e2e = (last - arr).to_numpy()
+    m = n > 1
+    tpot = ((last - first)[m] / (n[m] - 1)).to_numpy()
+    t = tok["time_s"].to_numpy()
+    same = tok["request_id"].to_numpy()[1:] == tok["request_id"].to_numpy()[:-1]
+    itl = np.diff(t)[same]
+    out = {}
+    for name, v in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
+        out[f"median_{name}_ms"] = float(np.percentile(v, 50)) * 1e3
+        out[f"p99_{name}_ms"] = float(np.percentile(v, 99)) * 1e3
+    return out
+
+
+def measure_bookkeeping(runs: list) -> dict:
+    """Host time between steps (scheduling the next one, applying this one's results),
+    which a profile's rows do not include: ``gap = a + b * (sequences in the step)``,
+    least squares over every step's following gap (gaps above 1 ms, when the engine
+    idled waiting for an arrival, left out). Returns ``bookkeeping_ms`` (``a``) and
+    ``bookkeeping_seq_ms`` (``b``)."""
+    xs, ys = [], []
+    for r in runs:
+        g = r.gap_s * 1e3
+        k = r.nd + np.array([len(ch) for ch in r.chunks])
+        ok = np.isfinite(g) & (g < 1.0)
+        xs.append(k[ok])
+        ys.append(g[ok])
+    x = np.concatenate(xs).astype(float)
+    y = np.concatenate(ys)
+    A = np.c_[np.ones_like(x), x]
+    a, b = np.linalg.lstsq(A, y, rcond=None)[0]
+    return {"bookkeeping_ms": float(max(a, 0.0)), "bookkeeping_seq_ms": float(max(b, 0.0))}
+
+
+def step_arrays(run: RunSteps) -> tuple:
+    """A run's steps as the kernel's arguments: ``nd, ctx_max, ctx_sum`` and padded
+    ``chn, chp, chf`` (one row per step) with the chunk counts ``nch``."""
+    n = len(run.nd)
+    w = max(1, max(len(ch) for ch in run.chunks))
+    chn = np.zeros((n, w), np.int64)
+    chp = np.zeros((n, w), np.int64)
+    chf = np.zeros((n, w), np.bool_)
+    nch = np.zeros(n, np.int64)
+    for i, ch in enumerate(run.chunks):
+        nch[i] = len(ch)
+        for j, (a, p, f, _) in enumerate(ch):
+            chn[i, j], chp[i, j], chf[i, j] = a, p, f
+    return run.nd, run.ctx_max, run.ctx_sum, chn, chp, chf, nch
+
+
+def predict_steps(c: np.ndarray, run: RunSteps, *, core: bool = True) -> np.ndarray:
+    """A physics model's milliseconds for every recorded step of ``run`` (``core``:
+    the step itself, without bookkeeping or scale, as ``iterations.csv`` times it)."""
+    from simulator.cost import physics as ph
+
+    nd, cm, cs, chn, chp, chf, nch = step_arrays(run)
+    out = np.empty(len(nd))
+    for i in range(len(nd)):
+        if core:
+            out[i] = ph.step_core_ms(c, int(nd[i]), int(cm[i]), int(cs[i]), chn[i], chp[i],
+                                     chf[i], int(nch[i]), False)
+        else:
+            out[i] = ph.step_ms(c, int(nd[i]), int(cm[i]), int(cs[i]), chn[i], chp[i],
+                                chf[i], int(nch[i]))
+    return out
+
+
+def measure_decode_waves(runs: list, profile: dict, *, blocks=(2, 3, 4, 6, 8),
+                         costs=(0.25, 0.5, 0.625, 0.75, 1.0), skip: int = 40) -> dict:
+    """Where decode attention spills into a further wave, from recorded decode-only
+    steps: for each candidate (blocks per SM, wave cost) and for none, the profile is
+    refitted with it and its error on the runs' decode-only steps is measured as the
+    mean over batch sizes of the median log error at that batch size (every batch
+    size counts once, so the cliffs between them decide). The profile's own batch
+    grid cannot place a cliff when it only has powers of two; serving steps of every
+    batch size can. Returns ``decode_blocks_per_sm`` (0: none) and
+    ``decode_wave_cost`` with the score of each candidate."""
+    import copy
+
+    from simulator.cost.fit import fit
+
+    steps = []
+    for r in runs:
+        dec = np.array([not ch for ch in r.chunks]) & (r.nd > 0)
+        dec[:skip] = False
+        steps.append((r, np.where(dec)[0]))
+
+    def score(c):
+        errs = []
+        for r, idx in steps:
+            m = predict_steps(c, r)[idx]
+            lr = np.log(m / (r.dur_s[idx] * 1e3))
+            df = pd.DataFrame({"nd": r.nd[idx], "lr": lr})
+            errs.append(np.abs(df.groupby("nd")["lr"].median()).mean())
+        return float(np.mean(errs))
+
+    scores = {}
+    for occ, kappa in [(0, 1.0)] + [(b, k) for b in blocks for k in costs]:
+        p = copy.deepcopy(profile)
+        p.setdefault("engine", {})["decode_blocks_per_sm"] = occ
+        p["engine"]["decode_wave_cost"] = kappa
+        scores[(occ, kappa)] = score(fit(p, cv=False).c)
+    best = min(scores, key=scores.get)
+    return {"decode_blocks_per_sm": best[0], "decode_wave_cost": best[1],
+            "scores": {f"{k[0]}x{k[1]}": round(v, 5) for k, v in scores.items()}}
+
+
+def measure_engine_facts(runs: list, profile: dict) -> dict:
+    """The engine facts a profile's rows cannot show but recorded runs do: per-step
+    bookkeeping between steps (``measure_bookkeeping``) and where decode attention
+    spills into further waves (``measure_decode_waves``). Merge the result into the
+    profile's ``engine`` section."""
+    out = measure_bookkeeping(runs)
+    w = measure_decode_waves(runs, profile)
+    out["decode_blocks_per_sm"] = w["decode_blocks_per_sm"]
+    out["decode_wave_cost"] = w["decode_wave_cost"]
+    return out
+
+
+def step_cells(run: RunSteps) -> np.ndarray:
+    """A label per step grouping steps alike in composition: kind, decode batch (in
+    eights), longest context (in 512s) and prefill tokens (in 256s)."""
+    tok = np.array([sum(c[0] for c in ch) for ch in run.chunks])
+    return np.array([f"{k}|{a}|{b}|{t}" for k, a, b, t in
+                     zip(run.kinds(), run.nd // 8, run.ctx_max // 512, tok // 256)])
+
+
+def completes_mask(run: RunSteps) -> np.ndarray:
+    """Whether each step finishes some prompt (emits a request's first token)."""
+    return np.array([any(c[2] for c in ch) for ch in run.chunks])
