@@ -5,11 +5,10 @@ Azure-conv-like traffic (lognormal prompts ~1k tokens, outputs ~200) at a load
 that keeps each replica busy but stable, for 10k, 100k and 1M requests (pass
 sizes as arguments to change). A benchmark, not a test: it prints its figures.
 
-    python benchmarks/sim_speed.py [--loop auto|python|simpy] [10000 100000 1000000]
+    python benchmarks/sim_speed.py [--loop auto|compiled|simpy] [--policy NAME] [10000 100000 1000000]
 
-The default runs this configuration on the compiled loop (``simulator.loops.compiled``, the
-``fast`` extra: numba) when numba is installed; ``--loop python`` on ``fastloop`` (the
-same model without SimPy), ``--loop simpy`` on SimPy. All three give identical results.
+The default runs this configuration on the compiled loop (``simulator.loops.compiled``,
+numba); ``--loop simpy`` on SimPy. Both give identical results.
 The compiled loop is compiled once per machine and then loaded from numba's cache:
 a warm-up run prints how long that took, apart from the timed runs.
 """
@@ -25,7 +24,7 @@ from simulator.loops.simulate import simulate
 REPLICAS = 4
 
 
-def scenario(n: int):
+def scenario(n: int, policy: str = "chunked"):
     return validate_scenario({
         "name": "speed", "seed": 1,
         "workload": {"kind": "synthetic", "num_requests": n,
@@ -33,17 +32,17 @@ def scenario(n: int):
                      "prompt_tokens": {"kind": "lognormal", "mean": 1155, "cv": 0.9, "max": 4000},
                      "output_tokens": {"kind": "lognormal", "mean": 211, "cv": 0.9, "max": 1000}},
         "cluster": {"replicas": REPLICAS, "router": "least_outstanding"},
-        "engine": {"policy": "chunked", "max_num_seqs": 64, "max_num_batched_tokens": 512,
+        "engine": {"policy": policy, "max_num_seqs": 64, "max_num_batched_tokens": 512,
                    "kv": {"num_blocks": 16384}},
     })
 
 
-def main(sizes: list[int], loop: str = "auto") -> None:
+def main(sizes: list[int], loop: str = "auto", policy: str = "chunked") -> None:
     if loop in ("auto", "compiled"):
-        from simulator.loops.fast.loop import Unsupported
+        from simulator.loops.simulate import Unsupported
         t0 = time.perf_counter()
         try:
-            simulate(scenario(200), loop="compiled")
+            simulate(scenario(200, policy), loop="compiled")
             print(f"compiled loop ready in {time.perf_counter() - t0:.1f} s (compiling takes "
                   f"~45 s once per machine and version; later runs load the cache)")
         except Unsupported as e:
@@ -51,7 +50,7 @@ def main(sizes: list[int], loop: str = "auto") -> None:
     print(f"{'requests':>10} {'wall s':>8} {'req/s':>9} {'steps':>10} {'steps/s':>9} "
           f"{'max RSS MB':>10}  loop")
     for n in sizes:
-        sc = scenario(n)
+        sc = scenario(n, policy)
         t0 = time.perf_counter()
         res = simulate(sc, loop=loop)
         wall = time.perf_counter() - t0
@@ -63,7 +62,7 @@ def main(sizes: list[int], loop: str = "auto") -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    loop = "auto"
-    if args[:1] == ["--loop"]:
-        loop, args = args[1], args[2:]
-    main([int(a) for a in args] or [10_000, 100_000, 1_000_000], loop)
+    opts = {"--loop": "auto", "--policy": "chunked"}
+    while args[:1] and args[0] in opts:
+        opts[args[0]], args = args[1], args[2:]
+    main([int(a) for a in args] or [10_000, 100_000, 1_000_000], opts["--loop"], opts["--policy"])

@@ -4,7 +4,6 @@ preempt, ``make_room``, ``admit_plan``) are ``simulator.model.kv.space``'s, shar
 simulator's replica (``simulator.loops.simpy.memory`` is its counterpart)."""
 from __future__ import annotations
 
-from simulator.model.kv.blocks import blocks_for
 from simulator.model.scheduling import Seq, StepPlan
 
 
@@ -28,34 +27,31 @@ class EngineMemory:
 
     def _preempt(self, s: Seq, now: float) -> None:
         """Preempt running request ``s`` now: swap its KV out, or drop it and requeue
-        it to recompute (see module doc)."""
+        it to recompute (``KVSpace.preemption`` / ``release_preempted``: the rules and
+        the counts are the simulator's)."""
         r = s.payload
         decoding = s in self.decoding
         (self.decoding if decoding else self.prefilling).remove(s)
-        blocks = self.kv.manager.blocks_of(s.rid)
         r.preemptions += 1
         r.preempted_at = now
         self.stats["preemptions"] += 1
-        swap = (decoding and self.kv.rules.preemption == "swap"
-                and (self.swap_blocks is None or self.cpu_used + blocks <= self.swap_blocks))
+        kv = self.kv
+        swap, blocks = kv.preemption(s, decoding, self.cpu_used,
+                                     -1 if self.swap_blocks is None else self.swap_blocks)
         if swap:
+            # Copy the KV to host memory before its blocks are freed.
             r.swapped = self.cache.swap_out(s.rid)
             r.swapped_blocks = blocks
             self.cpu_used += blocks
             self.stats["swap_outs"] += 1
             self.stats["swapped_blocks"] += blocks
-            self.cache.release(s.rid)
+        lost = kv.release_preempted(s, decoding, swap)
+        self.cache.release(s.rid)    # the blocks are free already: drops its table
+        if swap:
             self.swapped.append(s)
             return
-        self.cache.release(s.rid)
-        # What it prefills again (as the simulator counts it): a decoder its prompt and
-        # generated tokens, a prefilling request what it had computed.
-        lost = s.prompt_tokens + s.generated if decoding else s.prefilled
         r.recomputed_tokens += lost
         self.stats["recomputed_tokens"] += lost
-        if decoding:
-            s.prefill_len = s.prompt_tokens + s.generated
-        s.prefilled = 0
         self.waiting.requeue(s)
 
     def _drop_swap(self, s: Seq) -> None:
@@ -65,17 +61,13 @@ class EngineMemory:
 
     def _swap_in(self, now: float) -> list:
         """Bring swapped-out requests back, oldest first, while their blocks fit."""
-        kv = self.kv
-        mgr = kv.manager
         back = []
         max_seqs = self.policy.limits.max_num_seqs
         while self.swapped and self.num_running < max_seqs:
             s = self.swapped[0]
-            tokens = s.prompt_tokens + s.generated
-            if blocks_for(tokens, kv.bs) + kv.watermark_blocks > mgr.num_free:
+            if not self.kv.swap_in(s):
                 break
             self.swapped.popleft()
-            mgr.allocate(s.rid, tokens)
             r = s.payload
             self.cache.swap_in(s.rid, r.swapped)
             self._drop_swap(s)
@@ -88,12 +80,16 @@ class EngineMemory:
         """Move the plan's admissions into the running set, allocating their blocks
         (``KVSpace.admit_plan``, as the simulator's replica does)."""
 
-        def admitted(seq: Seq, cached: int) -> None:
+        def admitted(seq: Seq, cached: int, recovered: int) -> None:
             self.waiting.remove(seq)
             self.stats["cached_tokens"] += cached
             r = seq.payload
             if r.preemptions:
                 r.preempted_s += now - r.preempted_at
+                # What the re-admission's prefix hit recovers is not recomputed (the
+                # simulator's definition of recomputed_tokens).
+                r.recomputed_tokens -= recovered
+                self.stats["recomputed_tokens"] -= recovered
             self.prefilling.append(seq)
 
         return self.kv.admit_plan(plan, self.seqs.__getitem__, admitted)

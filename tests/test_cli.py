@@ -62,20 +62,22 @@ def test_same_seed_identical_requests_csv(tmp_path):
 
 
 def test_simpy_loop_gives_the_same_requests_csv(tmp_path):
-    """``--loop simpy`` runs the SimPy model; the default ran the SimPy-free loop; the
-    tables are the same bytes and each summary says which loop ran."""
+    """``--loop compiled`` runs the compiled loop, the default (a small run) SimPy, and
+    says why; the tables are the same bytes and each summary says which loop ran."""
     a = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "a",
-               "--set", "workload.num_requests=200")
+               "--set", "workload.num_requests=200", "--loop", "compiled")
     b = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "b",
-               "--set", "workload.num_requests=200", "--loop", "simpy")
+               "--set", "workload.num_requests=200")
     assert a.returncode == b.returncode == 0, a.stderr + b.stderr
-    assert "(fast)" in a.stdout and "(simpy)" in b.stdout
+    why = "simpy (200 requests: below 10,000, where loading the compiled loop takes " \
+          "longer than running on SimPy)"
+    assert "(compiled)" in a.stdout and why in " ".join(b.stdout.split())
     assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
     runs = [json.loads((tmp_path / d / "summary.json").read_text())["run"] for d in "ab"]
-    assert [r["event_loop"] for r in runs] == ["fast", "simpy"]
+    assert [r["event_loop"] for r in runs] == ["compiled", why]
     bad = latsim("run", "scenarios/quickstart.yaml", "--loop", "turbo")
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "latsim: error: --loop: must be 'auto', 'python', 'compiled' or 'simpy' (got 'turbo')")
+        "latsim: error: --loop: must be 'auto', 'compiled' or 'simpy' (got 'turbo')")
 
 
 def _bad(tmp_path, data):
@@ -148,8 +150,8 @@ def test_override_applies(tmp_path):
 @pytest.mark.parametrize("scenario,n,runs", [
     ("refbench-h200", 150, 3), ("azure-conv", None, 3), ("azure-code", None, 3),
     ("mooncake-conv", None, 3), ("mooncake-prefix", None, 2), ("kv-pressure", 150, 3)])
-def test_shipped_scenarios_run_every_policy(tmp_path, shared_data, scenario, n, runs):
-    """Every shipped scenario that reads shared data (or compares runs) runs under
+def test_shipped_scenarios_run_every_policy(tmp_path, scenario, n, runs):
+    """Every shipped scenario that reads data/ (or compares runs) runs under
     each of its policies."""
     extra = ["--set", f"workload.num_requests={n}"] if n else ["--set", "workload.limit=150"]
     r = latsim("run", f"scenarios/{scenario}.yaml", "--out", tmp_path, *extra)

@@ -3,7 +3,8 @@
 Every recorded array, the ITL histogram (sums over the same flushes), the time
 series, the step, cost-model, connection and KV tallies and the end of the run must
 be *identical* to ``loop="simpy"`` on random configurations of what it compiles:
-fifo, chunked prefill and priority classes with aging, several replicas, round-robin,
+every built-in policy (fifo, chunked prefill, priority classes with aging, the weighted
+fair score), several replicas, round-robin,
 random and least-outstanding routing, paged and contiguous memory, watermarks, tight
 limits, ties in time, keep-alive pools, a clock stop, and memory pressure (preemption by
 recompute and by swap, both victim rules). Its cost lookups are checked against
@@ -21,17 +22,18 @@ from hypothesis import strategies as st
 pytest.importorskip("numba")
 
 from conftest import REPO, make_profile, make_scenario  # noqa: E402
-from test_fastloop import PRESSURE, _scenario, assert_identical, pressure_scenario  # noqa: E402
-from simulator.loops import compiled
+from loopcheck import (POLICIES, PRESSURE, assert_identical, loop_scenario,  # noqa: E402
+                       pressure_scenario)
+from simulator.loops import compiled  # noqa: E402
 from simulator.cost.profile import ProfileCostModel, load_profile  # noqa: E402
-from simulator.loops.fast.loop import Unsupported  # noqa: E402
+from simulator.loops.simulate import Unsupported  # noqa: E402
 from simulator.report.recorder import ItlHistogram  # noqa: E402
 from simulator.loops.simulate import simulate  # noqa: E402
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(n=st.integers(1, 150), seed=st.integers(0, 10_000),
-       policy=st.sampled_from(["chunked", "fifo", "priority_aging"]),
+       policy=st.sampled_from(POLICIES),
        replicas=st.integers(1, 3), aging=st.sampled_from([0.05, 1.0, 30.0]),
        router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
        alloc=st.sampled_from(["paged", "contiguous"]), max_len=st.sampled_from([None, 400]),
@@ -46,7 +48,7 @@ from simulator.loops.simulate import simulate  # noqa: E402
 def test_compiled_loop_is_the_simpy_model_bit_for_bit(flush, series_cap, **cfg):
     """Tiny ITL and time-series buffers exercise every hand-over to Python (the ITL sum
     is formed per flush, so SimPy's histogram flushes as often)."""
-    sc = _scenario(noise=False, **cfg)
+    sc = loop_scenario(noise=False, **cfg)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ItlHistogram, "FLUSH", flush)
         mp.setattr(compiled, "SERIES_CAP", series_cap)
@@ -73,11 +75,11 @@ def test_under_memory_pressure_the_compiled_loop_preempts_as_simpy_does(flush, *
 
 def test_compiled_loop_runs_the_common_configurations():
     """Not vacuous: with room to spare every policy, router and allocation compiles."""
-    for policy, router, alloc in itertools.product(("chunked", "fifo", "priority_aging"),
+    for policy, router, alloc in itertools.product(POLICIES,
                                                    ("round_robin", "least_outstanding",
                                                     "random"),
                                                    ("paged", "contiguous")):
-        sc = _scenario(300, 3, policy, 2, router, alloc, None, 0.0, 20000, 16, 256, None,
+        sc = loop_scenario(300, 3, policy, 2, router, alloc, None, 0.0, 20000, 16, 256, None,
                        "poisson", 20.0, "wan", False, None, True, 300, 60)
         res = simulate(sc, loop="compiled")
         assert res.meta["loop"] == "compiled", (policy, router, alloc)
@@ -88,22 +90,52 @@ def test_compiled_loop_runs_the_common_configurations():
     ({"engine": {"policy": "chunked", "kv": {"num_blocks": 4096, "prefix_caching": True}}},
      "prefix caching"),
 ])
-def test_what_the_compiled_loop_leaves_out_runs_on_the_python_loop(over, why):
+def test_what_the_compiled_loop_leaves_out_runs_on_simpy(over, why):
     sc = make_scenario(**over)
     with pytest.raises(Unsupported, match=why):
         simulate(sc, loop="compiled")
-    simulate(make_scenario(), loop="compiled")
-    assert simulate(sc).meta["loop"] == "fast"
+    assert simulate(sc).meta["loop"] == f"simpy ({why})"
 
 
-def test_cost_noise_runs_on_the_python_loop():
+def test_cost_noise_runs_on_simpy():
     sc = make_scenario()
     sc.model.cost.noise = True
     with pytest.raises(Unsupported, match="cost noise"):
         simulate(sc, loop="compiled")
 
 
-def test_without_numba_auto_uses_the_python_loop(monkeypatch):
+def test_a_policy_with_kernels_it_does_not_know_runs_on_simpy(tmp_path):
+    """A user's policy with its own fill rule: SimPy runs it; auto says why."""
+    from simulator.config.scenario import validate_scenario
+    mod = tmp_path / "halfbudget.py"
+    mod.write_text(HALF_BUDGET_POLICY)
+    data = make_scenario().model_dump(mode="json")
+    data["plugins"] = [str(mod)]
+    data["engine"]["policy"] = "half_budget"
+    sc = validate_scenario(data)
+    with pytest.raises(Unsupported, match="kernels the compiled loop does not know"):
+        simulate(sc, loop="compiled")
+
+
+HALF_BUDGET_POLICY = """
+from simulator.model.policies.chunked import ChunkedPolicy
+from simulator.model.scheduling import register_policy
+
+
+def fill_half(budget, chunk, max_seqs, n_running, free, n_dec, pre_rem, n_pre, cand_rem,
+              cand_need, n_cand, out_pre, out_cand):
+    return ChunkedPolicy.fill_kernel(budget // 2, chunk, max_seqs, n_running, free, n_dec,
+                                     pre_rem, n_pre, cand_rem, cand_need, n_cand, out_pre,
+                                     out_cand)
+
+
+@register_policy("half_budget")
+class HalfBudget(ChunkedPolicy):
+    fill_kernel = fill_half
+"""
+
+
+def test_without_numba_auto_uses_simpy(monkeypatch):
     real = compiled.importlib.util.find_spec
     monkeypatch.setattr(compiled.importlib.util, "find_spec",
                         lambda name, *a: None if name == "numba" else real(name, *a))
@@ -111,9 +143,9 @@ def test_without_numba_auto_uses_the_python_loop(monkeypatch):
                                  "arrival": {"kind": "poisson", "rate": 5.0},
                                  "prompt_tokens": {"kind": "constant", "value": 20},
                                  "output_tokens": {"kind": "constant", "value": 2}})
-    with pytest.raises(Unsupported, match=r"numba is not installed \(pip install latsim\[fast\]\)"):
+    with pytest.raises(Unsupported, match=r"numba is not installed"):
         simulate(sc, loop="compiled")
-    assert simulate(sc).meta["loop"] == "fast"
+    assert simulate(sc).meta["loop"] == "simpy (numba is not installed)"
 
 
 def test_auto_compiles_large_runs_only_whatever_ran_before():
@@ -122,7 +154,7 @@ def test_auto_compiles_large_runs_only_whatever_ran_before():
     assert compiled.worth_compiling(compiled.COMPILE_MIN_REQUESTS)
     simulate(make_scenario(), loop="compiled")
     assert not compiled.worth_compiling(compiled.COMPILE_MIN_REQUESTS - 1)
-    assert simulate(make_scenario()).meta["loop"] == "fast"
+    assert simulate(make_scenario()).meta["loop"].startswith("simpy (")
 
 
 def _cost_models():
@@ -186,9 +218,9 @@ def test_cli_compiled_loop_gives_the_same_requests_csv(tmp_path):
     a = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "a",
                "--set", "workload.num_requests=300", "--loop", "compiled")
     b = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "b",
-               "--set", "workload.num_requests=300", "--loop", "python")
+               "--set", "workload.num_requests=300", "--loop", "simpy")
     assert a.returncode == b.returncode == 0, a.stderr + b.stderr
-    assert "(compiled)" in a.stdout and "(fast)" in b.stdout
+    assert "(compiled)" in a.stdout and "(simpy)" in b.stdout
     assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
     bad = latsim("run", "scenarios/quickstart.yaml", "--loop", "compiled",
                  "--set", "engine.kv.prefix_caching=true")
@@ -200,7 +232,7 @@ def test_cli_compiled_loop_gives_the_same_requests_csv(tmp_path):
 def test_a_larger_run_samples_on_an_interval_and_runs_long_epochs():
     """Over 5,000 requests the time series is sampled on an interval, and long outputs
     make epochs of more than 32 steps (numpy's formula in ``decode_times``)."""
-    sc = _scenario(6000, 11, "chunked", 2, "least_outstanding", "paged", None, 0.0, 4000, 32,
+    sc = loop_scenario(6000, 11, "chunked", 2, "least_outstanding", "paged", None, 0.0, 4000, 32,
                    512, None, "poisson", 30.0, "wan", False, None, True, 300, 400)
     res = simulate(sc, loop="compiled")
     assert res.meta["loop"] == "compiled"
@@ -247,7 +279,7 @@ def test_outputs_longer_than_an_epoch_cap():
 
 
 @pytest.mark.parametrize("victim", ["priority", "latest"])
-@pytest.mark.parametrize("policy", ["chunked", "fifo", "priority_aging"])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_tied_arrivals_under_memory_pressure(tmp_path, victim, policy, preemption):
     """Requests arriving together (a trace's tied timestamps, no network): victims and

@@ -17,7 +17,9 @@ from real_engine.model import build_model  # noqa: E402
 from real_engine.runner import run_trace  # noqa: E402
 from simulator.model.kv.blocks import blocks_for, request_blocks  # noqa: E402
 from simulator.model.kv.space import KVRules  # noqa: E402
-from simulator.model.scheduling import POLICIES, StepPlan, make_policy  # noqa: E402
+from simulator.model.scheduling import StepPlan, make_policy, policy_names  # noqa: E402
+
+BUILTIN = policy_names()
 
 torch.set_num_threads(1)   # 2 shared cores: one thread is faster and steadier
 
@@ -60,7 +62,7 @@ def test_block_sizes():
     assert request_blocks(10, 7) == 2
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", BUILTIN)
 def test_policies_complete_with_exact_outputs(model, policy):
     reqs = random_reqs(14, model.cfg.vocab, seed=1)
     e = engine(model, policy)

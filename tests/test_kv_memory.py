@@ -197,7 +197,7 @@ def test_preemption_loses_no_request_and_modes_agree(policy, preemption, caching
 
 
 @pytest.mark.parametrize("policy", ["fifo", "chunked"])
-@pytest.mark.parametrize("loop,mode", [("python", "auto"), ("simpy", "auto"), ("simpy", "slow")])
+@pytest.mark.parametrize("loop,mode", [("simpy", "auto"), ("simpy", "slow")])
 def test_recomputed_tokens_exclude_a_readmission_prefix_hit(monkeypatch, loop, mode, policy):
     """``recomputed_tokens`` is the KV dropped by recompute preemptions that had to be
     prefilled again: the part a re-admission's prefix hit recovers is not counted.
@@ -303,8 +303,8 @@ def test_random_workloads_keep_block_invariants(monkeypatch, n, blocks, seed, po
 
 
 # -- prefix caching on Mooncake hash ids -------------------------------------------------------
-def _mooncake(shared_data, limit, num_blocks):
-    path = shared_data / "mooncake" / "conversation_trace.jsonl"
+def _mooncake(data_dir, limit, num_blocks):
+    path = data_dir / "mooncake" / "conversation_trace.jsonl"
     wl = {"kind": "trace", "path": str(path), "limit": limit}
     from conftest import ZERO_NET, ZERO_STREAM
     sc = make_scenario(workload=wl, network=dict(ZERO_NET), stream=dict(ZERO_STREAM),
@@ -320,8 +320,8 @@ def _mooncake_requests(res):
              int(wl.prompt_tokens[i]), int(wl.output_tokens[i])) for i in range(len(wl))]
 
 
-def test_mooncake_unlimited_cache_hits_equal_offline_count(shared_data):
-    sc = _mooncake(shared_data, 600, 2_000_000)
+def test_mooncake_unlimited_cache_hits_equal_offline_count(data_dir):
+    sc = _mooncake(data_dir, 600, 2_000_000)
     res = simulate(sc)
     hits = looked = 0
     seen = set()
@@ -401,15 +401,15 @@ def _offline_lru(reqs, capacity):
     return hits
 
 
-def test_mooncake_finite_cache_hits_equal_offline_lru_replay(shared_data):
+def test_mooncake_finite_cache_hits_equal_offline_lru_replay(data_dir):
     cap = 12_000
-    res = simulate(_mooncake(shared_data, 600, cap))
+    res = simulate(_mooncake(data_dir, 600, cap))
     reqs = _mooncake_requests(res)
     assert not requests_table(res)["rejected"].any()
     st_ = res.meta["kv"]
     assert st_["evictions"] > 0          # the cache really was too small
     assert st_["hit_blocks"] == _offline_lru(reqs, cap)
-    unlimited = simulate(_mooncake(shared_data, 600, 2_000_000)).meta["kv"]["hit_blocks"]
+    unlimited = simulate(_mooncake(data_dir, 600, 2_000_000)).meta["kv"]["hit_blocks"]
     assert st_["hit_blocks"] < unlimited
 
 
@@ -590,18 +590,18 @@ def test_random_workloads_epochs_equal_step_by_step(n, blocks, seed, policy, pre
     assert s.itl.n == a.itl.n and abs(s.itl.total - a.itl.total) < 1e-6
 
 
-def test_trace_system_prompts_and_their_conflict_with_prefix_hashes(shared_data):
+def test_trace_system_prompts_and_their_conflict_with_prefix_hashes(data_dir):
     from simulator.workload import build_workload
     from simulator.workload.traces import TraceWorkload
-    azure = shared_data / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    azure = data_dir / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
     cfg = TraceWorkload(path=str(azure), limit=50,
                         classes=[{"name": "bot", "share": 1, "system_prompt_tokens": 300}])
-    wl = build_workload(cfg, np.random.default_rng(0), shared_data)
+    wl = build_workload(cfg, np.random.default_rng(0), data_dir)
     plain = build_workload(TraceWorkload(path=str(azure), limit=50), np.random.default_rng(0),
-                           shared_data)
+                           data_dir)
     assert (wl.prompt_tokens == plain.prompt_tokens + 300).all()
     assert (wl.shared_prefix_tokens == 300).all()
-    moon = TraceWorkload(path=str(shared_data / "mooncake" / "conversation_trace.jsonl"),
+    moon = TraceWorkload(path=str(data_dir / "mooncake" / "conversation_trace.jsonl"),
                          limit=20, classes=[{"name": "bot", "system_prompt_tokens": 300}])
     with pytest.raises(LatsimError, match="prefix hashes"):
-        build_workload(moon, np.random.default_rng(0), shared_data)
+        build_workload(moon, np.random.default_rng(0), data_dir)

@@ -40,18 +40,19 @@ def run(
     policies: Optional[str] = typer.Option(None, "--policies",
                                            help="comma-separated policies to compare"),
     plots: bool = typer.Option(False, "--plots", help="also write PNG plots to --out"),
-    loop: str = typer.Option("auto", "--loop", help="auto: the fastest loop that applies "
-                             "(compiled, then the SimPy-free one; same results); python: "
-                             "never the compiled one; compiled: insist on it; simpy: SimPy"),
+    loop: str = typer.Option("auto", "--loop", help="auto: the compiled loop where it covers "
+                             "the run and the run is large enough, else SimPy (same "
+                             "results; the run line says which and why); compiled: insist "
+                             "on it; simpy: SimPy"),
 ) -> None:
     """Simulate a scenario and print P50/P90/P99 latencies and the E2E breakdown."""
     try:
-        if loop not in ("auto", "python", "compiled", "simpy"):
-            raise LatsimError("must be 'auto', 'python', 'compiled' or 'simpy'",
+        if loop not in ("auto", "compiled", "simpy"):
+            raise LatsimError("must be 'auto', 'compiled' or 'simpy'",
                               source="--loop", value=loop, has_value=True)
         from simulator.config.scenario import load_scenario
         from simulator.cost import load_profile, profile_search_dirs, resolve_profile_path
-        from simulator.loops.fast.loop import Unsupported
+        from simulator.loops.simulate import Unsupported
         from simulator.report.output import print_run, run_outputs, series_table, write_run
         from simulator.loops.simulate import simulate
         from simulator.workload import build_workload
@@ -71,7 +72,7 @@ def run(
         wl_rng = np.random.default_rng(np.random.SeedSequence(s).spawn(4)[0])
         wl = build_workload(sc.workload, wl_rng, base)
         profile = None
-        if sc.model.cost.kind == "profile":
+        if getattr(sc.model.cost, "path", None) is not None:
             profile = load_profile(resolve_profile_path(sc.model.cost.path,
                                                         profile_search_dirs(base)))
         outs, tables, series = {}, {}, {}
@@ -117,9 +118,8 @@ def profile(
     """Measure the real engine's step costs and write a profile (needs the engine extra)."""
     try:
         rp = _engine_import("real_engine.profile").run_profile
-        if device not in ("cpu", "cuda"):
-            raise LatsimError("must be cpu or cuda", source="--device", value=device,
-                              has_value=True)
+        from simulator.cli.serve import check_engine_flags
+        check_engine_flags(model, device)
         prof = rp(model, device, out, quick=quick, repeats=repeats, warmup=warmup,
                   time_budget_s=time_budget_s)
         console.print(f"profile: {len(prof['prefill'])} prefill, {len(prof['decode'])} decode, "
@@ -235,7 +235,9 @@ def _engine_import(name: str):
 
 
 def _mount() -> None:
+    from simulator.cli.data import data
     from simulator.cli.plan import plan, sweep
+    from simulator.cli.policies import policies
     from simulator.cli.report import report
     from simulator.cli.serve import bench, serve
     from simulator.cli.trace import trace_app
@@ -244,6 +246,8 @@ def _mount() -> None:
     app.command("report")(report)
     app.command("serve")(serve)
     app.command("bench")(bench)
+    app.command("data")(data)
+    app.command("policies")(policies)
     app.add_typer(trace_app, name="trace", help="Summarise and convert request traces.")
 
 

@@ -16,12 +16,12 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from simulator.config import plugins  # noqa: F401  (registers the built-in plug-ins)
+from simulator.config.plugins import load_plugins  # (importing registers the built-ins)
 from simulator.config.wire import NetworkConfig, StreamConfig  # noqa: F401  (part of the tree)
 from simulator.errors import LatsimError
 from simulator.config.pluginfield import plugin
 from simulator.config.registry import COST_MODELS, ROUTERS, WORKLOADS
-from simulator.model.scheduling import check_policy_name
+from simulator.model.scheduling import check_policy_name, make_policy, policy_class
 from simulator.workload.classes import SLO
 
 
@@ -73,17 +73,65 @@ class KVConfig(_Strict):
         return self
 
 
+def _policy_spec(data: Any) -> Any:
+    """``policy: {kind: name, param: value, ...}`` -> ``policy: name`` plus
+    ``policy_params`` (the same thing, flat enough for ``--set`` and sweep axes)."""
+    if isinstance(data, dict) and isinstance(data.get("policy"), dict):
+        data = dict(data)
+        spec = dict(data["policy"])
+        kind = spec.pop("kind", None)
+        if not isinstance(kind, str):
+            raise ValueError("policy: a mapping needs a 'kind' naming the policy")
+        data["policy"] = kind
+        data["policy_params"] = {**(data.get("policy_params") or {}), **spec}
+    return data
+
+
+def _check_policy_params(name: str, params: dict) -> None:
+    """The named policy takes these parameters (its own ``Params``)."""
+    cls = policy_class(name)
+    try:
+        cls.Params(**params)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        msg = "unknown parameter" if err["type"] == "extra_forbidden" else \
+            err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"policy {name!r}, parameter {key!r}: {msg}") from None
+
+
 class EngineConfig(_Strict):
-    """One replica's engine: scheduling policy and its limits."""
+    """One replica's engine: scheduling policy and its limits. ``policy`` is a
+    registered policy's name, or ``{kind: name, ...its parameters}``."""
 
     policy: str = "chunked"
+    policy_params: dict[str, Any] = Field(default_factory=dict,
+                                          description="the policy's own parameters")
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
-    chunk_size: Optional[int] = Field(None, ge=1, description="max prefill chunk (default: budget)")
-    aging_s: float = Field(30.0, gt=0, description="priority_aging: one class per aging_s waited")
+    chunk_size: Optional[int] = Field(None, ge=1, description="max prefill chunk (default: "
+                                      "budget), for policies that chunk")
+    aging_s: float = Field(30.0, gt=0, description="priority_aging: one class per aging_s "
+                           "waited (its default)")
     kv: KVConfig = Field(default_factory=KVConfig)
 
+    _spec = model_validator(mode="before")(classmethod(lambda cls, v: _policy_spec(v)))
     _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
+
+    @model_validator(mode="after")
+    def _params(self):
+        _check_policy_params(self.policy, self.policy_params)
+        return self
+
+
+def engine_policy(eng: EngineConfig, name: Optional[str] = None):
+    """The ``Policy`` an engine config describes (``name`` overrides its policy; the
+    engine's ``policy_params`` then apply only if they name the same policy)."""
+    name = name or eng.policy
+    return make_policy(name, max_num_seqs=eng.max_num_seqs,
+                       max_num_batched_tokens=eng.max_num_batched_tokens,
+                       params=eng.policy_params if name == eng.policy else None,
+                       chunk_size=eng.chunk_size, aging_s=eng.aging_s)
 
 
 class ModelShape(_Strict):
@@ -127,6 +175,9 @@ class Scenario(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     slo: SLO = Field(default_factory=SLO, description="default SLO for classes without one")
+    plugins: list[str] = Field(default_factory=list, description="modules to import before "
+                               "the rest is read (a user's policies, workloads, routers): "
+                               "import paths, or .py files relative to the scenario")
     policies: Optional[list[Union[str, "PolicyRun"]]] = Field(
         None, description="run each of these: a policy name, or {policy, label, engine "
                           "fields to override for that run}")
@@ -153,10 +204,14 @@ class Scenario(_Strict):
         runs = []
         for p in self.policies:
             if isinstance(p, str):
-                eng = self.engine.model_copy(update={"policy": p})
+                same = p == self.engine.policy
+                eng = self.engine.model_copy(update={
+                    "policy": p, "policy_params": self.engine.policy_params if same else {}})
                 label = p
             else:
                 data = self.engine.model_dump()
+                if p.policy != self.engine.policy:
+                    data["policy_params"] = {}
                 data.update(p.model_dump(exclude={"label", "kv"}, exclude_none=True))
                 if p.kv:
                     data["kv"] = {**data["kv"], **p.kv}
@@ -167,9 +222,11 @@ class Scenario(_Strict):
 
 
 class PolicyRun(_Strict):
-    """One entry of ``policies:`` with its own engine settings."""
+    """One entry of ``policies:`` with its own engine settings (``policy``: a name, or
+    ``{kind: name, ...its parameters}``)."""
 
     policy: str
+    policy_params: Optional[dict[str, Any]] = None
     label: Optional[str] = None
     max_num_seqs: Optional[int] = Field(None, ge=1)
     max_num_batched_tokens: Optional[int] = Field(None, ge=1)
@@ -178,7 +235,13 @@ class PolicyRun(_Strict):
     kv: Optional[dict[str, Any]] = Field(None, description="engine.kv fields to change for "
                                          "this run (e.g. preemption, gpu_memory_gb)")
 
+    _spec = model_validator(mode="before")(classmethod(lambda cls, v: _policy_spec(v)))
     _known = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
+
+    @model_validator(mode="after")
+    def _params(self):
+        _check_policy_params(self.policy, self.policy_params or {})
+        return self
 
     @field_validator("kv")
     @classmethod
@@ -256,11 +319,14 @@ def _format_validation(e: ValidationError, source: str, data: dict) -> LatsimErr
     return LatsimError(msg, source=source, field=loc, value=err.get("input"), has_value=True)
 
 
-def validate_scenario(data: Any, source: str = "<scenario>") -> Scenario:
-    """Validate a mapping into a ``Scenario``, or raise a one-line ``LatsimError``."""
+def validate_scenario(data: Any, source: str = "<scenario>",
+                      base_dir: Optional[Path] = None) -> Scenario:
+    """Validate a mapping into a ``Scenario``, or raise a one-line ``LatsimError``. Its
+    ``plugins`` are imported first (``.py`` files relative to ``base_dir``)."""
     if not isinstance(data, dict):
         raise LatsimError("a scenario must be a YAML mapping", source=source,
                           value=type(data).__name__, has_value=True)
+    load_plugins(data.get("plugins"), base_dir, source)
     try:
         return Scenario.model_validate(data)
     except ValidationError as e:
@@ -290,4 +356,5 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> tuple
     if not isinstance(data, dict):
         raise LatsimError("a scenario must be a YAML mapping", source=str(path))
     data = apply_overrides(data, overrides, source=str(path))
-    return validate_scenario(data, source=str(path)), Path(path).resolve().parent
+    base = Path(path).resolve().parent
+    return validate_scenario(data, source=str(path), base_dir=base), base

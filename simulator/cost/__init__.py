@@ -1,4 +1,9 @@
-"""Cost models: step time of an engine iteration. Registered by ``kind``."""
+"""Cost models: step time of an engine iteration. Registered by ``kind``:
+
+- ``profile``: interpolation in a measured profile's table (``profile``);
+- ``fitted``: the physics model (``physics``) with coefficients fitted to a measured
+  profile (``fit``, ``fitted``).
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,6 +31,24 @@ def _build_profile(cfg: ProfileCostConfig, rng, base_dirs: Sequence[Path], profi
 
 
 COST_MODELS.register("profile", ProfileCostConfig, _build_profile)
+
+
+def _build_fitted(cfg, rng, base_dirs: Sequence[Path], profile: dict | None = None):
+    from simulator.cost.fitted import build_fitted
+    return build_fitted(cfg, rng, base_dirs, profile=profile)
+
+
+def _register_fitted() -> None:
+    from simulator.cost.fitted import FittedCostConfig
+    COST_MODELS.register("fitted", FittedCostConfig, _build_fitted)
+
+
+_register_fitted()
+
+
+def profile_path_of(cfg) -> str | None:
+    """The profile a ``model.cost`` config reads, if it reads one (``path``)."""
+    return getattr(cfg, "path", None)
 
 
 def build_cost_model(cfg, rng, base_dirs, profile: dict | None = None):

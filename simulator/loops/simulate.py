@@ -39,10 +39,10 @@ from simulator.wire.network import ConnectionPools, H2Connections, NetworkTiming
 from simulator.report.recorder import Recorder
 from simulator.loops.simpy.replica import Replica, SimSeq
 from simulator.cluster.routers import make_router
-from simulator.model.scheduling import make_policy
+from simulator.config.scenario import engine_policy
 from simulator.wire.stream import DisconnectDraws, StreamTiming, client_downlinks_bps
-from simulator.loops.compiled import Handback, kernel_reason, run_compiled, worth_compiling
-from simulator.loops.fast.loop import FastLoop, Unsupported, unsupported_reason
+from simulator.loops.compiled import (COMPILE_MIN_REQUESTS, Handback, kernel_reason,
+                                      run_compiled, worth_compiling)
 from simulator.wire.per_request import Wire
 from simulator.workload import Workload, build_workload
 
@@ -66,9 +66,13 @@ class Results:
     meta: dict = field(default_factory=dict)
 
 
-# Event loops: ``auto`` (compiled, else fastloop, else SimPy), ``python`` (fastloop,
-# else SimPy), ``fast`` (fastloop only), ``compiled`` (compiled only), ``simpy``.
-LOOPS = ("auto", "python", "simpy", "fast", "compiled")
+# Event loops: ``auto`` (the compiled loop where it covers the run and the run is large
+# enough to be worth loading it, else SimPy), ``compiled`` (compiled only), ``simpy``.
+LOOPS = ("auto", "simpy", "compiled")
+
+
+class Unsupported(Exception):
+    """The loop asked for cannot run this configuration (the message says why)."""
 
 
 def kv_capacity_blocks(scenario: Scenario) -> int:
@@ -106,11 +110,11 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     traffic without rebuilding it). ``mode`` selects the replica's bookkeeping
     (``auto``, ``step``, ``slow``; see ``replica``) - for tests, results do not depend on it.
     ``cost_model``: an object to use instead of building one from ``model.cost`` (one
-    replica only; e.g. ``real_engine.validate.ReplayCost``). ``loop`` (results do not depend on it):
-    ``auto`` runs a configuration the compiled loop covers on it (``compiled``, when
-    ``compiled.worth_compiling``), else one ``fastloop`` covers on that, else SimPy;
-    ``python`` never compiles; ``simpy`` always uses SimPy; ``fast`` and ``compiled``
-    insist on theirs (``fastloop.Unsupported`` if they cannot, or on a hand-back)."""
+    replica only; e.g. ``real_engine.validate.ReplayCost``). ``loop`` (results do not depend
+    on it): ``auto`` runs a configuration the compiled loop covers on it when
+    ``compiled.worth_compiling``, else SimPy, and ``meta["loop"]`` says which and why;
+    ``simpy`` always uses SimPy; ``compiled`` insists (``Unsupported`` if it cannot, or on
+    a hand-back)."""
     if loop not in LOOPS:
         raise ValueError(f"unknown loop {loop!r}; known: {', '.join(LOOPS)}")
     seed = scenario.seed if seed is None else seed
@@ -122,9 +126,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         workload = build_workload(scenario.workload, rng_wl, base_dir or Path.cwd())
     eng = scenario.engine
     pname = policy or eng.policy
-    pol = make_policy(pname, max_num_seqs=eng.max_num_seqs,
-                      max_num_batched_tokens=eng.max_num_batched_tokens,
-                      chunk_size=eng.chunk_size, aging_s=eng.aging_s)
+    pol = engine_policy(eng, pname)
     n_rep = scenario.cluster.replicas
     capacity = kv_capacity_blocks(scenario)
     bs = eng.kv.block_size
@@ -181,67 +183,42 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         res.meta["kv"] = kv_run_stats(stats, costs[0], rec, workload,
                                       eng.chunk_size or eng.max_num_batched_tokens)
         res.meta["loop"] = loop_name
+        res.meta["policy_params"] = pol.params.model_dump(mode="json")
         return res
 
+    why = None
     if loop != "simpy":
-        why = unsupported_reason(pol, kv_args["kv_rules"], rich or topo is not None, mode,
-                                 cost_model, stream.frame_time, costs,
-                                 scenario.cluster.router)
-        try:
-            if why is not None:
-                raise Unsupported(why)
-            if loop == "compiled" or (loop == "auto" and worth_compiling(n)):
-                kwhy = kernel_reason(pol, kv_args["kv_rules"], pools, costs,
-                                     scenario.cluster.router, workload.priority)
-                if kwhy is None:
-                    rec.arrival[:] = workload.arrival_s
-                    try:
-                        end, stats = run_compiled(
-                            rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
-                            capacity=capacity, rules=kv_args["kv_rules"], pools=pools, net=net,
-                            swap=(kv_args["block_bytes"], kv_args["swap_blocks"],
-                                  kv_args["swap_bps"]),
-                            frame_time=stream.frame_time, one_way=stream.one_way,
-                            series_interval=_series_interval(workload),
-                            arrival=workload.arrival_s, prompt=workload.prompt_tokens,
-                            output=workload.output_tokens, priority=workload.priority,
-                            clients=clients,
-                            until=scenario.max_sim_time_s, router=scenario.cluster.router,
-                            router_rng=rng_router)
-                    except Handback as e:
-                        if loop == "compiled":
-                            raise Unsupported(str(e)) from None
-                        # Rebuilt from the seed: the run is what the Python loops make of it.
-                        res = simulate(scenario, seed, base_dir=base_dir, policy=policy,
-                                       workload=workload, profile=profile, mode=mode,
-                                       cost_model=cost_model, loop="python")
-                        res.meta["loop"] += f" (the compiled loop handed back: {e})"
-                        return res
-                    return results(end, stats, "compiled")
-                if loop == "compiled":
-                    raise Unsupported(kwhy)
-            fast = FastLoop(rec=rec, n_replicas=n_rep, policy=pol, costs=costs,
-                            capacity=capacity, rules=kv_args["kv_rules"],
-                            swap=(kv_args["block_bytes"], kv_args["swap_blocks"],
-                                  kv_args["swap_bps"]),
-                            router=make_router(scenario.cluster.router, n_rep, rng_router),
-                            pools=pools, net=net, frame_time=stream.frame_time,
-                            one_way=stream.one_way, series_interval=_series_interval(workload),
-                            arrival=workload.arrival_s, prompt=workload.prompt_tokens,
-                            output=workload.output_tokens, priority=workload.priority,
-                            clients=clients, keys_of=keys_of,
-                            until=scenario.max_sim_time_s)
+        why = kernel_reason(pol, kv_args["kv_rules"], pools, costs, scenario.cluster.router,
+                            workload.priority, rich=rich or topo is not None, mode=mode,
+                            cost_given=cost_model is not None, frame_time=stream.frame_time)
+        if why is None and (loop == "compiled" or worth_compiling(n)):
             rec.arrival[:] = workload.arrival_s
-            end = fast.run()
-        except Unsupported as e:
-            if loop in ("fast", "compiled"):
-                raise
-            # Everything is rebuilt from the seed: the SimPy run is what it would have been.
-            res = simulate(scenario, seed, base_dir=base_dir, policy=policy, workload=workload,
-                           profile=profile, mode=mode, cost_model=cost_model, loop="simpy")
-            res.meta["loop"] = f"simpy ({e})"
-            return res
-        return results(end, [r.stats for r in fast.replicas], "fast")
+            try:
+                end, stats = run_compiled(
+                    rec=rec, n_replicas=n_rep, policy=pol, costs=costs, capacity=capacity,
+                    rules=kv_args["kv_rules"], pools=pools, net=net,
+                    swap=(kv_args["block_bytes"], kv_args["swap_blocks"], kv_args["swap_bps"]),
+                    frame_time=stream.frame_time, one_way=stream.one_way,
+                    series_interval=_series_interval(workload),
+                    arrival=workload.arrival_s, prompt=workload.prompt_tokens,
+                    output=workload.output_tokens, priority=workload.priority,
+                    clients=clients, until=scenario.max_sim_time_s,
+                    router=scenario.cluster.router, router_rng=rng_router)
+            except Handback as e:
+                if loop == "compiled":
+                    raise Unsupported(str(e)) from None
+                # Rebuilt from the seed: the run is what the SimPy model makes of it.
+                res = simulate(scenario, seed, base_dir=base_dir, policy=policy,
+                               workload=workload, profile=profile, mode=mode,
+                               cost_model=cost_model, loop="simpy")
+                res.meta["loop"] = f"simpy (the compiled loop handed back: {e})"
+                return res
+            return results(end, stats, "compiled")
+        if loop == "compiled":
+            raise Unsupported(why)
+        if why is None:
+            why = (f"{n} requests: below {COMPILE_MIN_REQUESTS:,}, where loading the "
+                   f"compiled loop takes longer than running on SimPy")
     replicas = [Replica(env, i, pol, costs[i], capacity, rec, stream.frame_time, stream.one_way,
                         on_finish, series_interval=_series_interval(workload),
                         mode="slow" if rich else mode, streams=rich, **kv_args)
@@ -304,7 +281,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
 
     env.process(arrivals())
     env.run(until=scenario.max_sim_time_s)
-    res = results(env.now, [r.kv.manager.stats for r in replicas], "simpy")
+    res = results(env.now, [r.kv.manager.stats for r in replicas],
+                  "simpy" if why is None else f"simpy ({why})")
     if wire is not None:
         res.meta.update(wire.summary(float(env.now)))
     return res

@@ -25,10 +25,11 @@ from simulator.errors import LatsimError
 
 
 def load_profile_for(scenario, base_dir: Path, cache: dict) -> Optional[dict]:
-    """The profile a scenario's cost model reads, loaded once per path (None if not a profile)."""
+    """The profile a scenario's cost model reads, loaded once per path (None if it reads
+    none)."""
     from simulator.cost import load_profile, profile_search_dirs, resolve_profile_path
     cost = scenario.model.cost
-    if getattr(cost, "kind", None) != "profile":
+    if getattr(cost, "path", None) is None:
         return None
     path = resolve_profile_path(cost.path, profile_search_dirs(base_dir))
     if path not in cache:

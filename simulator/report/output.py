@@ -36,8 +36,9 @@ def run_outputs(res) -> tuple[pd.DataFrame, dict]:
             "cost_lookups": res.cost_lookups,
             "connections": res.connections,
             "sim_end_s": res.sim_end,
-            # ``fast`` (``fastloop``) or ``simpy``, with why the fast loop could not run.
+            # ``compiled`` or ``simpy``, with why the compiled loop did not run.
             "event_loop": res.meta.get("loop", "simpy"),
+            "policy_params": res.meta.get("policy_params", {}),
         },
         "kv": kv_summary(res, df),
     }

@@ -1,23 +1,20 @@
-"""The fast loop, compiled with numba (the optional ``fast`` extra).
+"""The SimPy model's replicas, compiled with numba: the fast event loop.
 
-``fastloop`` replays the SimPy model without SimPy; this package is the same replay
-compiled to machine code, for the configurations large runs use: the three built-in
-policies (fifo, chunked prefill, priority classes with aging), paged or contiguous
-memory with watermarks and preemption (by recompute or swap, either victim rule),
-round-robin, random or least-outstanding routing, keep-alive pools, a measured profile
-without noise, and a clock stop. It runs ``benchmarks/sim_speed.py`` an order of
-magnitude faster than ``fastloop``.
+It runs the configurations large runs use: every policy whose kernels it knows (the
+built-in ones: fifo, chunked prefill, priority classes with aging, the weighted fair
+score), paged or contiguous memory with watermarks and preemption (by recompute or swap,
+either victim rule), round-robin, random or least-outstanding routing, keep-alive pools,
+a measured profile without noise, and a clock stop. The decisions are the very kernels
+the SimPy model calls (policies' fill rules and order keys, ``simulator.model.kv.rules``,
+the cost lookups); the loop keeps the SimPy replica's fast bookkeeping (decode epochs,
+a replica-wide decode tick) on arrays, processes events in SimPy's order, does the same
+floating-point operations in the same order, and feeds the ITL histogram the same
+entries with the same flushes. ``tests/test_compiled.py`` checks its results against
+the SimPy model bit for bit on random configurations.
 
-It is not an approximation either: every decision and formula is ``fastreplica``'s /
-``fastapply``'s, events are processed in SimPy's order, the floating-point operations
-are the same in the same order, and the ITL histogram is fed the same entries with
-the same flushes. ``tests/test_compiled.py`` checks the results against the SimPy
-model bit for bit on random configurations.
-
-What it does not cover is decided before the run (``kernel_reason``): prefix caching,
-cost noise, or numba not installed; those run on ``fastloop``. A
-run that hits an empty plan (an error the SimPy model reports) is handed back mid-run
-(``Handback``) and ``simulate`` runs it again, from the seed, on ``fastloop``.
+What it does not cover is decided before the run (``kernel_reason``); those runs use
+SimPy. A run that hits an empty plan (an error the SimPy model reports) is handed back
+mid-run (``Handback``) and ``simulate`` runs it again, from the seed, on SimPy.
 """
 from __future__ import annotations
 
@@ -27,11 +24,11 @@ from typing import Optional
 
 import numpy as np
 
+from simulator import kernel as _kernel
 from simulator.model.kv.manager import KVStats
 from simulator.cost.profile import ProfileCostModel
 from simulator.wire.network import ConnectionPools
 from simulator.loops.simpy.replica import MAX_EPOCH_STEPS
-from simulator.model.scheduling.policies import ChunkedPolicy, FifoPolicy, PriorityAgingPolicy
 
 __all__ = ["Handback", "kernel_reason", "run_compiled", "worth_compiling"]
 
@@ -57,20 +54,33 @@ def worth_compiling(n_requests: int) -> bool:
     return n_requests >= COMPILE_MIN_REQUESTS
 
 
-def kernel_reason(policy, rules, pools, costs, router: str, priority=None) -> Optional[str]:
-    """Why the compiled loop cannot run this configuration (None if it can); asked
-    after ``fastloop.unsupported_reason`` found the fast loop can."""
+def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
+                  rich: bool = False, mode: str = "auto", cost_given: bool = False,
+                  frame_time: float = 0.0) -> Optional[str]:
+    """Why the compiled loop cannot run this configuration (None if it can)."""
+    from simulator.loops.compiled.queue import policy_ids
     if importlib.util.find_spec("numba") is None:
-        return "numba is not installed (pip install latsim[fast])"
-    if type(policy) not in (ChunkedPolicy, FifoPolicy, PriorityAgingPolicy):
-        return f"policy {policy.name!r}"
+        return "numba is not installed"
+    if not _kernel.ENABLED:
+        return "LATSIM_NO_JIT is set"
+    if mode != "auto":
+        return f"bookkeeping mode {mode!r} was asked for"
+    if rich:
+        return "per-request stream models"
+    if cost_given:
+        return "a cost model passed in"
+    if policy_ids(policy) is None:
+        return f"policy {policy.name!r} has kernels the compiled loop does not know"
+    lim = policy.limits
+    if lim.max_num_seqs > lim.max_num_batched_tokens:
+        return "max_num_seqs above the token budget"
     if rules.prefix_caching and rules.allocation == "paged":
         return "prefix caching"
     if router not in ("round_robin", "least_outstanding", "random"):
         return f"router {router!r}"
     if type(pools) is not ConnectionPools:
         return "HTTP/2 connections"
-    if type(policy) is PriorityAgingPolicy and priority is not None and len(priority):
+    if policy.by_class and priority is not None and len(priority):
         lo, hi = int(np.min(priority)), int(np.max(priority))
         if lo < 0 or hi >= MAX_CLASSES:
             return f"priority classes outside 0..{MAX_CLASSES - 1}"
@@ -79,6 +89,8 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None) -> Op
             return "a cost model other than a profile"
         if c._rng is not None:
             return "cost noise"
+        if frame_time > c.min_step_s:
+            return "frames slower than the fastest step"
     return None
 
 
@@ -99,13 +111,15 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     max_seqs = lim.max_num_seqs
     n = len(arrival)
     bs = rules.block_size
-    aging = type(policy) is PriorityAgingPolicy
+    from simulator.loops.compiled.queue import policy_ids
+    fill_id, order_id = policy_ids(policy)
+    by_class = policy.by_class
     flush = rec.itl.FLUSH
     series_cap = SERIES_CAP
     IP = np.zeros(S.P_NCOLS, dtype=np.int64)
     for col, v in ((S.P_R, R), (S.P_BUDGET, lim.max_num_batched_tokens),
-                   (S.P_MAXSEQS, max_seqs), (S.P_CHUNK, getattr(policy, "chunk_size", 0) or 0),
-                   (S.P_FIFO, type(policy) is FifoPolicy), (S.P_CAPACITY, capacity),
+                   (S.P_MAXSEQS, max_seqs), (S.P_CHUNK, policy.chunk_size),
+                   (S.P_FILL, fill_id), (S.P_CAPACITY, capacity),
                    (S.P_WATERMARK, int(rules.watermark * capacity)),
                    (S.P_PAGED, rules.allocation == "paged"), (S.P_BS, bs),
                    (S.P_MAXLEN, -1 if rules.max_model_len is None else rules.max_model_len),
@@ -113,10 +127,10 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                                  "least_outstanding": S.ROUTER_LEAST}[router]),
                    (S.P_REUSE, bool(pools.reuse)), (S.P_POOLSIZE, pools.size),
                    (S.P_HASUNTIL, until is not None), (S.P_MAXEPOCH, MAX_EPOCH_STEPS),
-                   (S.P_FLUSH, flush), (S.P_SERCAP, series_cap), (S.P_AGING, aging),
+                   (S.P_FLUSH, flush), (S.P_SERCAP, series_cap), (S.P_ORDER, order_id),
+                   (S.P_REQUEUE, policy.requeue), (S.P_TIMEDEP, policy.time_dependent),
                    (S.P_SWAP, rules.preemption == "swap"),
-                   (S.P_VICTIM, S.VICTIM_PRIORITY if rules.victim == "priority"
-                    else S.VICTIM_LATEST),
+                   (S.P_VICTIM, rules.victim == "priority"),
                    (S.P_CPUBLOCKS, swap[1])):
         IP[col] = v
     FP = np.zeros(S.D_NCOLS)
@@ -124,7 +138,6 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                    (S.D_FT, frame_time), (S.D_INTERVAL, series_interval),
                    (S.D_UNTIL, float(until) if until is not None else 0.0),
                    (S.D_KEEPALIVE, pools.keepalive),
-                   (S.D_AGING, policy.aging_s if aging else 1.0),
                    (S.D_BLOCKBYTES, swap[0]), (S.D_SWAPBPS, swap[2])):
         FP[col] = v
 
@@ -133,21 +146,30 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     # ``NetworkTiming.send_time`` of each request, by the method itself (once per length).
     lengths, inverse = np.unique(prompt, return_inverse=True)
     send = np.array([net.send_time(int(p)) for p in lengths], dtype=np.float64)[inverse]
-    # The queue class of each request: its priority with aging, else one FIFO.
-    cls = prio if aging else np.zeros(n, dtype=np.int64)
+    # The queue class of each request: its priority if the order has classes, else one FIFO.
+    cls = prio if by_class else np.zeros(n, dtype=np.int64)
     W = (np.ascontiguousarray(arrival, dtype=np.float64), prompt,
          np.ascontiguousarray(output, dtype=np.int64),
          np.ascontiguousarray(clients, dtype=np.int64), prio, cls, send,
          # ``RandomRouter.pick`` draws ``integers(replicas)`` once per routed request; a
          # generator gives the same numbers drawn one at a time or all at once.
          router_rng.integers(R, size=n) if router == "random" else np.zeros(0, np.int64))
-    n_cls = int(prio.max()) + 1 if aging and n else 1
+    n_cls = int(prio.max()) + 1 if by_class and n else 1
+    # Candidates the fill rule is offered: at most one past the free sequence slots,
+    # offered in doubling batches (so up to twice that).
+    n_cand = 2 * max_seqs + 4
     WQ = (np.full((R, n_cls), -1, dtype=np.int64),      # W_HEAD
           np.full((R, n_cls), -2, dtype=np.int64),      # W_TAIL (-2: class never seen)
           np.zeros((R, n_cls), dtype=np.int64),         # W_LEN
           np.zeros((R, n_cls), dtype=np.int64),         # W_ORDER
           np.zeros(n_cls, dtype=np.int64),              # W_CUR
-          np.zeros(max_seqs + 2, dtype=np.int64))       # W_ADM
+          np.zeros(n_cand, dtype=np.int64),             # W_CAND
+          np.zeros(n_cand, dtype=np.int64),             # W_CREM
+          np.zeros(n_cand, dtype=np.int64),             # W_CNEED
+          np.zeros(n_cand, dtype=np.int64),             # W_COUT
+          np.zeros(max_seqs + 2, dtype=np.int64),       # W_PREM
+          np.zeros(max_seqs + 2, dtype=np.int64),       # W_POUT
+          np.asarray(policy.order_array, dtype=np.float64))   # W_OP
 
     GI = np.zeros(S.G_NCOLS, dtype=np.int64)
     GI[S.G_RR] = -1
@@ -163,6 +185,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     RQ[:, S.Q_PLEN] = prompt
     RQ[:, S.Q_LATE] = -1
     RQ[:, S.Q_FKEY] = -1
+    RQ[:, S.Q_ROUND] = -1
     RQF = np.zeros((n, S.QF_NCOLS))
     RQF[:, S.QF_PREEMPTED_AT] = np.nan          # never preempted
     # The kernel writes the recorder's arrays in place (``state.RECORDED``).

@@ -1,39 +1,29 @@
-"""KV memory under pressure, compiled: ``FastApply._make_room``, ``_preempt`` and
-``_swap_in`` (``replica_memory`` in the fast bookkeeping) on the arrays of ``state``:
-victims by the scenario's rule (``kvspace.select_victim``), preemption by recompute
-or, for a decoder when the CPU swap space has room, by swap, and swapped requests
-coming back oldest first while their blocks fit."""
+"""KV memory under pressure, compiled: the SimPy replica's ``_make_room``, ``_preempt`` and
+``_swap_in`` (fast bookkeeping) on the arrays of ``state``, by the rules of
+``simulator.model.kv.rules``: victims by the scenario's rule, preemption by recompute or,
+for a decoder when the CPU swap space has room, by swap, and swapped requests coming
+back oldest first while their blocks fit."""
 from __future__ import annotations
 
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import dec_remove, join, key_max, lt_add, pre_remove
-from simulator.loops.compiled.replica import swapped_append, waiting_requeue
-
-
-@jit
-def _later(a, b, IP, TS, prio):
-    """True when ``a`` is a later victim than ``b`` (``select_victim``'s keys: the
-    priority class, if the rule says so, then arrival, then request id)."""
-    if IP[S.P_VICTIM] == S.VICTIM_PRIORITY and prio[a] != prio[b]:
-        return prio[a] > prio[b]
-    ea, eb = TS[S.T_ENQ][a], TS[S.T_ENQ][b]
-    if ea != eb:
-        return ea > eb
-    return a > b
+from simulator.loops.compiled.queue import waiting_requeue
+from simulator.loops.compiled.replica import swapped_append
+from simulator.model.kv.rules import (ceil_blocks, later_victim, recompute_loss, swap_in_fits,
+                                      swaps_out)
 
 
 @jit
 def victim(r, RS, IP, DEC, PRE, TS, prio):
-    """``select_victim`` over the running requests."""
+    """``KVSpace.select_victim`` over the running requests (``rules.later_victim``)."""
     best = -1
-    for i in range(RS[r, S.R_ND]):
-        rid = DEC[r, i]
-        if best < 0 or _later(rid, best, IP, TS, prio):
-            best = rid
-    for i in range(RS[r, S.R_NP]):
-        rid = PRE[r, i]
-        if best < 0 or _later(rid, best, IP, TS, prio):
+    by_priority = IP[S.P_VICTIM] != 0
+    enq = TS[S.T_ENQ]
+    for i in range(RS[r, S.R_ND] + RS[r, S.R_NP]):
+        rid = DEC[r, i] if i < RS[r, S.R_ND] else PRE[r, i - RS[r, S.R_ND]]
+        if best < 0 or later_victim(prio[rid], enq[rid], rid, prio[best], enq[best], best,
+                                    by_priority):
             best = rid
     return best
 
@@ -60,15 +50,15 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
             key_max(r, rid, RS, RQ, DEC)
         dec_remove(r, rid, RS, RQ, DEC)
         PHASE[r, RQ[rid, S.Q_PHASE]] -= 1
-        lost = prompt[rid] + gen
+        lost = recompute_loss(True, prompt[rid], gen, RQ[rid, S.Q_PREFILLED])
         # Its context took a block at each boundary up to the last step's.
         held = -(-(key + ticks - 1) // IP[S.P_BS])
         if RQ[rid, S.Q_HELD] > held:
             held = RQ[rid, S.Q_HELD]
-        swap = IP[S.P_SWAP] != 0 and RS[r, S.R_CPU] + held <= IP[S.P_CPUBLOCKS]
+        swap = swaps_out(True, IP[S.P_SWAP] != 0, RS[r, S.R_CPU], held, IP[S.P_CPUBLOCKS])
     else:
         pre_remove(r, rid, RS, PRE)
-        lost = RQ[rid, S.Q_PREFILLED]
+        lost = recompute_loss(False, prompt[rid], RQ[rid, S.Q_GENERATED], RQ[rid, S.Q_PREFILLED])
         held = RQ[rid, S.Q_HELD]
     RS[r, S.R_KV] -= lost
     RQF[rid, S.QF_PREEMPTED_AT] = now
@@ -86,7 +76,7 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
     RS[r, S.R_OUT] += lost
     RQ[rid, S.Q_PLEN] = prompt[rid] + RQ[rid, S.Q_GENERATED]
     RQ[rid, S.Q_PREFILLED] = 0
-    waiting_requeue(r, rid, RS, RQ, WQ, TS, cls, IP[S.P_AGING] != 0)
+    waiting_requeue(r, rid, RS, RQ, WQ, TS, cls, IP[S.P_REQUEUE])
 
 
 @jit
@@ -112,9 +102,9 @@ def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, pro
     while RS[r, S.R_SLEN] and RS[r, S.R_ND] + RS[r, S.R_NP] < IP[S.P_MAXSEQS]:
         rid = RS[r, S.R_SHEAD]
         tokens = prompt[rid] + RQ[rid, S.Q_GENERATED]
-        need = -(-tokens // bs)
-        if need + IP[S.P_WATERMARK] > RS[r, S.R_FREE]:
+        if not swap_in_fits(tokens, bs, IP[S.P_WATERMARK], RS[r, S.R_FREE]):
             break
+        need = ceil_blocks(tokens, bs)
         RS[r, S.R_SHEAD] = RQ[rid, S.Q_NEXT]
         RS[r, S.R_SLEN] -= 1
         RS[r, S.R_FREE] -= need

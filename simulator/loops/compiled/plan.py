@@ -1,45 +1,19 @@
-"""A replica's next step, compiled: ``fastreplica.FastReplica.iterate`` (paged growth
-and the preemptions it forces, swap-ins, the policy's plan and admissions, then a
+"""A replica's next step, compiled: the top of the SimPy replica's loop (paged growth and
+the preemptions it forces, swap-ins, the policy's fill rule and its admissions, then a
 decode epoch, one step, or an iteration that only copies swapped blocks)."""
 from __future__ import annotations
 
 import math
 
-import numpy as np
 
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import clean_top
 from simulator.loops.compiled.cost import decode_ends, step_time
 from simulator.loops.compiled.memory import make_room, swap_in
+from simulator.loops.compiled.queue import begin_candidates, fill, next_candidate, waiting_remove
 from simulator.loops.compiled.replica import adm_blocks, push
-
-
-@jit
-def _candidate(r, now, RS, FP, WQ, TS, prio, aging):
-    """``AgingPriorityQueue.candidates``' next one: the class whose next request has the
-    lowest (priority - floor(wait / aging_s), enqueued), ties to the earlier class in
-    the order; -1 when none is left. Without aging: the one queue's next."""
-    order, cur = WQ[S.W_ORDER], WQ[S.W_CUR]
-    if not aging:
-        return 0 if cur[0] >= 0 else -1
-    best = -1
-    best_k = 0.0
-    best_e = 0.0
-    a = FP[S.D_AGING]
-    for i in range(RS[r, S.R_NCLS]):
-        c = order[r, i]
-        rid = cur[c]
-        if rid < 0:
-            continue
-        e = TS[S.T_ENQ][rid]
-        wait = now - e
-        if not wait > 0.0:
-            wait = 0.0
-        k = prio[rid] - np.floor(wait / a)
-        if best < 0 or k < best_k or (k == best_k and e < best_e):
-            best, best_k, best_e = c, k, e
-    return best
+from simulator.model.kv.rules import epoch_room
 
 
 @jit
@@ -79,95 +53,44 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
     free = 0 if hold else RS[r, S.R_FREE] - IP[S.P_WATERMARK]
     nd0 = RS[r, S.R_ND]
     npre = RS[r, S.R_NP]
-    budget = IP[S.P_BUDGET]
-    maxseqs = IP[S.P_MAXSEQS]
-    nch = 0
-    nadm = 0
-    adm = WQ[S.W_ADM]
-    if IP[S.P_FIFO]:
-        nd = 0
-        used = 0
-        for i in range(npre):
-            rid = PRE[r, i]
-            n = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED]
-            if nch and used + n > budget:
-                break
-            CHR[r, nch] = rid
-            CHN[r, nch] = n
-            nch += 1
-            used += n
-        running = nd0 + npre
-        rid = WQ[S.W_HEAD][r, 0] if RS[r, S.R_WLEN] else -1
-        while rid >= 0:
-            if running >= maxseqs:
-                break
-            need = adm_blocks(rid, IP, RQ, prompt, output)[1]
-            n = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED]
-            if (nch and used + n > budget) or need > free:
-                break
-            CHR[r, nch] = rid
-            CHN[r, nch] = n
-            adm[nadm] = rid
-            nch += 1
-            nadm += 1
-            used += n
-            running += 1
-            free -= need
-            rid = RQ[rid, S.Q_NEXT]
-        if nch == 0:
-            nd = nd0
-    else:
-        nd = nd0
-        left = budget - nd
-        cs = IP[S.P_CHUNK]
-        for i in range(npre):
-            if left <= 0:
-                break
-            rid = PRE[r, i]
-            n = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED]
-            n = n if n < cs else cs
-            n = n if n < left else left
-            CHR[r, nch] = rid
-            CHN[r, nch] = n
-            nch += 1
-            left -= n
-        if left > 0 and RS[r, S.R_WLEN]:
-            running = nd + npre
-            aging = IP[S.P_AGING] != 0
-            cur = WQ[S.W_CUR]
-            for i in range(RS[r, S.R_NCLS] if aging else 1):
-                c = WQ[S.W_ORDER][r, i] if aging else 0
-                cur[c] = WQ[S.W_HEAD][r, c] if WQ[S.W_LEN][r, c] else -1
-            while True:
-                c = _candidate(r, now, RS, FP, WQ, TS, prio, aging)
-                if c < 0:
-                    break
-                rid = cur[c]
-                if left <= 0 or running >= maxseqs:
-                    break
-                need = adm_blocks(rid, IP, RQ, prompt, output)[1]
-                if need > free:
-                    break
-                n = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED]
-                n = n if n < cs else cs
-                n = n if n < left else left
-                CHR[r, nch] = rid
-                CHN[r, nch] = n
-                adm[nadm] = rid
-                nch += 1
-                nadm += 1
-                left -= n
-                running += 1
-                free -= need
-                cur[c] = RQ[rid, S.Q_NEXT]
+    # The policy's fill rule, offered the waiting requests in its order a few at a time
+    # (the protocol of ``simulator.model.scheduling.policy``).
+    CAND, CREM, CNEED, COUT = WQ[S.W_CAND], WQ[S.W_CREM], WQ[S.W_CNEED], WQ[S.W_COUT]
+    PREM, POUT = WQ[S.W_PREM], WQ[S.W_POUT]
+    for i in range(npre):
+        rid = PRE[r, i]
+        PREM[i] = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED]
+    n_wait = RS[r, S.R_WLEN]
+    if n_wait:
+        begin_candidates(r, GI, RS, WQ)
+    cap = CAND.shape[0]
+    k = 1 if n_wait else 0
+    nc = 0
+    while True:
+        while nc < k:
+            rid = next_candidate(r, now, IP[S.P_ORDER], GI, RS, RQ, WQ, TS, prio, output,
+                                 WQ[S.W_OP])
+            CAND[nc] = rid
+            CREM[nc] = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED]
+            CNEED[nc] = adm_blocks(rid, IP, RQ, prompt, output)[1]
+            nc += 1
+        nd, nch, nadm, more = fill(IP[S.P_FILL], IP[S.P_BUDGET], IP[S.P_CHUNK],
+                                   IP[S.P_MAXSEQS], nd0 + npre, free, nd0, PREM, npre, CREM,
+                                   CNEED, nc, POUT, COUT)
+        if not more or k == n_wait or k == cap:
+            break
+        k = min(2 * k, n_wait, cap)
+    for i in range(nch):
+        CHR[r, i] = PRE[r, i]
+        CHN[r, i] = POUT[i]
+    for j in range(nadm):
+        CHR[r, nch + j] = CAND[j]
+        CHN[r, nch + j] = COUT[j]
+    nch += nadm
     for i in range(nadm):
-        # ``_admit``: each admission is its class's head when it leaves (a class's
-        # candidates come in its FIFO order).
-        rid = adm[i]
-        c = cls[rid]
-        WQ[S.W_HEAD][r, c] = RQ[rid, S.Q_NEXT]
-        WQ[S.W_LEN][r, c] -= 1
-        RS[r, S.R_WLEN] -= 1
+        # ``_admit``: allocate its blocks, move it to the prefilling set.
+        rid = CAND[i]
+        waiting_remove(r, rid, RS, RQ, WQ, cls)
         tokens, need = adm_blocks(rid, IP, RQ, prompt, output)
         RS[r, S.R_FREE] -= need
         RQ[rid, S.Q_HELD] = need
@@ -191,18 +114,15 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
             return 0
         return S.Y_EMPTY
     if (nd and nch == 0 and not hold and not copy_s
-            and not (IP[S.P_AGING] and RS[r, S.R_WLEN])):
-        # A decode epoch up to the next finish (aging reorders the queue as time
-        # passes: epochs only while nobody waits).
+            and not (IP[S.P_TIMEDEP] and RS[r, S.R_WLEN])):
+        # A decode epoch up to the next finish (an order that changes with time alone,
+        # as aging, may admit someone at any step: epochs only while nobody waits).
         fh = FH[r]
         clean_top(fh, RQ)
         k = (fh[0] >> 32) - ticks
         if k > IP[S.P_MAXEPOCH]:
             k = IP[S.P_MAXEPOCH]
-        if IP[S.P_PAGED]:
-            free_b = RS[r, S.R_FREE]
-            if nd * (-(-k // bs)) > free_b:
-                k = min(k, bs * (free_b // nd))
+        k = epoch_room(IP[S.P_PAGED] != 0, nd, k, bs, RS[r, S.R_FREE])
         if k > 1:
             if CF[6] != 0.0:
                 ctx0 = float(RS[r, S.R_KEYMAX] + ticks)

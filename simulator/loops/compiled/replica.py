@@ -1,13 +1,11 @@
-"""One replica's bookkeeping, compiled: events, connection pools, admission sizes,
-the waiting and swapped queues, arrivals and epoch cuts (``fastreplica.FastReplica``'s
-``enqueue``/``interrupted``/``rejects``/``adm_blocks``, ``ConnectionPools``,
-``AgingPriorityQueue.push``/``requeue``), on the arrays of ``state``.
+"""One replica's bookkeeping, compiled: events, connection pools, admission sizes, the
+swapped queue, arrivals and epoch cuts (the SimPy replica's ``enqueue`` and epoch
+interrupts, ``KVSpace.fits``/``admission``, ``ConnectionPools``), on the arrays of
+``state``; the waiting queues are ``queue``'s.
 
-Orders that matter are kept: the waiting queues (per class, linked through
-``Q_NEXT``; a class new to a replica goes last in its class order, as in the aging
-queue's dict), the swapped queue (also through ``Q_NEXT``: a request is in one queue at
-a time), the prefilling list (``PRE``, shifted on removal), the finish heap
-``(tick, rid)`` and the ``_last_tok`` entries (``LT_T``/``LT_C``, insertion order).
+Orders that matter are kept: the swapped queue (linked through ``Q_NEXT``: a request is
+in one queue at a time), the prefilling list (``PRE``, shifted on removal), the finish
+heap ``(tick, rid)`` and the ``_last_tok`` entries (``LT_T``/``LT_C``, insertion order).
 The decoders (``DEC``) are a set: nothing reads their order (victims are chosen by a
 key that ends in the request id)."""
 from __future__ import annotations
@@ -17,6 +15,8 @@ import heapq
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.cost import bisect_left, bisect_right
+from simulator.loops.compiled.queue import waiting_append
+from simulator.model.kv.rules import FITS, admission_tokens, ceil_blocks, never_fits
 
 
 @jit
@@ -69,27 +69,17 @@ def release(c, free_at, pooled, IP, IDL, ILEN):
 
 @jit
 def adm_blocks(rid, IP, RQ, prompt, output):
-    """``FastReplica.adm_tokens`` and ``adm_blocks`` (no prefix cache): (tokens, blocks)."""
-    if IP[S.P_PAGED]:
-        tokens = RQ[rid, S.Q_PLEN]
-    elif IP[S.P_MAXLEN] >= 0:
-        tokens = IP[S.P_MAXLEN]
-    else:
-        tokens = prompt[rid] + output[rid]
-    return tokens, -(-tokens // IP[S.P_BS])
+    """``KVSpace.admission_tokens`` and the blocks they take (no prefix cache)."""
+    tokens = admission_tokens(IP[S.P_PAGED] != 0, RQ[rid, S.Q_PLEN], IP[S.P_MAXLEN],
+                              prompt[rid], output[rid])
+    return tokens, ceil_blocks(tokens, IP[S.P_BS])
 
 
 @jit
 def rejects(rid, IP, RQ, prompt, output):
-    """``FastReplica.rejects``: True when ``rid`` can never run here."""
-    total = prompt[rid] + output[rid]
-    if IP[S.P_MAXLEN] >= 0 and total > IP[S.P_MAXLEN]:
-        return True
-    if IP[S.P_PAGED]:
-        need = -(-total // IP[S.P_BS])
-    else:
-        need = adm_blocks(rid, IP, RQ, prompt, output)[1]
-    return need > IP[S.P_CAPACITY] - IP[S.P_WATERMARK]
+    """``KVSpace.fits``: True when ``rid`` can never run here."""
+    return never_fits(IP[S.P_PAGED] != 0, prompt[rid], output[rid], IP[S.P_MAXLEN],
+                      IP[S.P_BS], IP[S.P_CAPACITY], IP[S.P_WATERMARK]) != FITS
 
 
 @jit
@@ -98,54 +88,6 @@ def outstanding(r, now, RS, ENDS):
     if RS[r, S.R_HASENDS] == 0:
         return RS[r, S.R_OUT]
     return RS[r, S.R_OUT] - bisect_right(ENDS[r], RS[r, S.R_EPK], now) * RS[r, S.R_ND]
-
-
-@jit
-def _seen(r, c, RS, WQ):
-    """A class this replica's queue has not held before goes last in its order."""
-    if WQ[S.W_TAIL][r, c] == -2:
-        WQ[S.W_ORDER][r, RS[r, S.R_NCLS]] = c
-        RS[r, S.R_NCLS] += 1
-        WQ[S.W_TAIL][r, c] = -1
-
-
-@jit
-def waiting_append(r, rid, c, RS, RQ, WQ):
-    """``deque.append`` / ``AgingPriorityQueue.push``."""
-    _seen(r, c, RS, WQ)
-    RQ[rid, S.Q_NEXT] = -1
-    if WQ[S.W_LEN][r, c] == 0:
-        WQ[S.W_HEAD][r, c] = rid
-    else:
-        RQ[WQ[S.W_TAIL][r, c], S.Q_NEXT] = rid
-    WQ[S.W_TAIL][r, c] = rid
-    WQ[S.W_LEN][r, c] += 1
-    RS[r, S.R_WLEN] += 1
-
-
-@jit
-def waiting_requeue(r, rid, RS, RQ, WQ, TS, cls, aging):
-    """A request preempted by recompute waits again: at the queue's front
-    (``deque.appendleft``), or, with aging, in its class after every request that
-    arrived no later (``AgingPriorityQueue.requeue``)."""
-    c = cls[rid]
-    _seen(r, c, RS, WQ)
-    prev = -1
-    cur = WQ[S.W_HEAD][r, c] if WQ[S.W_LEN][r, c] else -1
-    if aging:
-        e = TS[S.T_ENQ][rid]
-        while cur >= 0 and TS[S.T_ENQ][cur] <= e:
-            prev = cur
-            cur = RQ[cur, S.Q_NEXT]
-    RQ[rid, S.Q_NEXT] = cur
-    if prev < 0:
-        WQ[S.W_HEAD][r, c] = rid
-    else:
-        RQ[prev, S.Q_NEXT] = rid
-    if cur < 0:
-        WQ[S.W_TAIL][r, c] = rid
-    WQ[S.W_LEN][r, c] += 1
-    RS[r, S.R_WLEN] += 1
 
 
 @jit
@@ -172,7 +114,7 @@ def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
         if not RS[r, S.R_WAKE]:
             RS[r, S.R_WAKE] = 1
             push(heap, GI, now, S.NORMAL, S.EV_WAKE, r, 0)
-    elif RS[r, S.R_INEP] and (IP[S.P_AGING] or (
+    elif RS[r, S.R_INEP] and (IP[S.P_TIMEDEP] or (
             was_empty and RS[r, S.R_ND] + RS[r, S.R_NP] < IP[S.P_MAXSEQS]
             and adm_blocks(rid, IP, RQ, prompt, output)[1]
             <= RS[r, S.R_FREE] - IP[S.P_WATERMARK])):

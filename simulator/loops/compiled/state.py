@@ -2,13 +2,15 @@
 
 Per request (``RQ[rid, Q_*]``), per replica (``RS[r, R_*]`` integers, ``RF[r, F_*]``
 floats), run-wide (``GI[G_*]``, ``GF[H_*]``) and the integer parameters (``IP[P_*]``)
-and float parameters (``FP[D_*]``). The names are those of ``fastreplica``'s fields."""
+and float parameters (``FP[D_*]``). The names follow the SimPy replica's fields."""
 from __future__ import annotations
 
 # Per request, integers (``Q_NEXT`` links the waiting or the swapped queue it is in;
 # ``Q_FKEY`` is its live finish-heap entry, ``tick << 32 | rid``) and floats.
+# ``Q_RESUMED``: it waits among the resumed requests; ``Q_ROUND``: the candidate round
+# that last offered it from there.
 (Q_PREFILLED, Q_GENERATED, Q_KEY, Q_PHASE, Q_HELD, Q_POOLED, Q_NEXT, Q_DPOS, Q_PLEN,
- Q_JOIN, Q_LATE, Q_DECODING, Q_SWAPBLK, Q_FKEY, Q_NCOLS) = range(15)
+ Q_JOIN, Q_LATE, Q_DECODING, Q_SWAPBLK, Q_FKEY, Q_RESUMED, Q_ROUND, Q_NCOLS) = range(17)
 QF_LAST_T, QF_PREEMPTED_AT, QF_NCOLS = range(3)
 # What is recorded per request: the ``Recorder``'s own arrays (``TS[T_*][rid]``).
 (T_ENQ, T_SCHED, T_FIRST, T_FIRSTDEL, T_LAST, T_LASTDEL, T_GEN, T_REPLICA, T_REJ,
@@ -21,7 +23,7 @@ RECORDED = ("enqueued", "scheduled", "first_token", "first_delivered", "last_tok
 (R_TICKS, R_GROWN, R_LATE, R_KEYSUM, R_KEYMAX, R_FREE, R_KV, R_OUT, R_IDLE, R_WAKE,
  R_VER, R_INEP, R_MODE, R_EPK, R_EPM, R_HASENDS, R_NCLS, R_CPU, R_WLEN,
  R_ND, R_NP, R_NCH, R_STEPND, R_NLT, R_ADMISSIONS, R_QUERIED, R_NSER, R_SHEAD, R_STAIL,
- R_SLEN, R_NCOLS) = range(31)
+ R_SLEN, R_RHEAD, R_RLEN, R_NCOLS) = range(33)
 MODE_NONE, MODE_STEP, MODE_EPOCH, MODE_COPY = 0, 1, 2, 3
 
 # Per replica, floats.
@@ -31,25 +33,28 @@ F_EPSTART, F_LASTSAMPLE, F_LASTDEC, F_COPY, F_COPYING, F_NCOLS = range(6)
 # ``G_ITL`` entries buffered, the current flush segment's start, and how many flushes
 # (``ItlHistogram``'s, at the ends of ``ITL[2][:G_NFL]``) wait for Python.
 (G_EID, G_STEPS, G_NEWC, G_REUSEDC, G_NEXT, G_RR, G_ITL, G_ITLSEG, G_NFL, G_RANDOM,
- G_NCOLS) = range(11)
+ G_ROUND, G_NCOLS) = range(12)
 H_STEPTOT, H_T, H_NOW, H_SWAPCOPY, H_NCOLS = range(5)
 
-# Integer parameters.
-(P_R, P_BUDGET, P_MAXSEQS, P_CHUNK, P_FIFO, P_CAPACITY, P_WATERMARK, P_PAGED, P_BS,
+# Integer parameters. The policy: its fill rule and order (numbers in ``queue.FILLS`` /
+# ``ORDERS``), its requeue rule, and whether its order changes with time alone.
+(P_R, P_BUDGET, P_MAXSEQS, P_CHUNK, P_FILL, P_CAPACITY, P_WATERMARK, P_PAGED, P_BS,
  P_MAXLEN, P_ROUTER, P_REUSE, P_POOLSIZE, P_HASUNTIL, P_MAXEPOCH, P_FLUSH, P_SERCAP,
- P_AGING, P_SWAP, P_VICTIM, P_CPUBLOCKS, P_NCOLS) = range(22)
-VICTIM_PRIORITY, VICTIM_LATEST = 0, 1
+ P_ORDER, P_SWAP, P_VICTIM, P_CPUBLOCKS, P_REQUEUE, P_TIMEDEP, P_NCOLS) = range(24)
 ROUTER_RR, ROUTER_LEAST, ROUTER_RANDOM = 0, 1, 2
 
 # Float parameters.
-(D_HANDSHAKE, D_ONEWAY, D_FT, D_INTERVAL, D_UNTIL, D_KEEPALIVE, D_AGING, D_BLOCKBYTES,
- D_SWAPBPS, D_NCOLS) = range(10)
+(D_HANDSHAKE, D_ONEWAY, D_FT, D_INTERVAL, D_UNTIL, D_KEEPALIVE, D_BLOCKBYTES,
+ D_SWAPBPS, D_NCOLS) = range(9)
 
-# The waiting queues (``WQ[W_*]``): per replica and class a FIFO linked through
-# ``Q_NEXT`` (head, tail, length), the classes in the order each replica first saw them
-# (``AgingPriorityQueue``'s dict order; ``R_NCLS`` of them), and scratch rows: each
-# class's next candidate and the step's admissions. Without aging there is one class.
-W_HEAD, W_TAIL, W_LEN, W_ORDER, W_CUR, W_ADM = range(6)
+# The waiting queues (``WQ[W_*]``, see ``queue``): per replica and class a FIFO linked
+# through ``Q_NEXT`` (head, tail, length), the classes in the order each replica first saw
+# them (``R_NCLS`` of them; one class when the order ignores classes), each class's next
+# candidate; the fill rule's scratch: the candidates (request, prefill tokens, blocks),
+# what it gives each, the prefilling requests' tokens left and what it gives each; and the
+# order key's parameters.
+(W_HEAD, W_TAIL, W_LEN, W_ORDER, W_CUR, W_CAND, W_CREM, W_CNEED, W_COUT, W_PREM, W_POUT,
+ W_OP) = range(12)
 
 # Events (as ``fastreplica``: kinds, SimPy's priorities) and what the loop yields.
 URGENT, NORMAL = 0, 1

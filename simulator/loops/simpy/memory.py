@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 
+from simulator.model.kv import rules as kvr
 
 
 class ReplicaMemory:
@@ -118,18 +119,13 @@ class ReplicaMemory:
             self._push_growth(s)
 
     def _epoch_room(self, nd: int, k: int) -> int:
-        """Largest epoch length <= k whose block growth surely fits (paged): each
-        decoder takes at most one block per ``block_size`` steps."""
-        if not self.kv.paged:
-            return k
-        bs = self.kv.bs
-        free = self.kv.manager.num_free
-        if nd * (-(-k // bs)) <= free:
-            return k
-        return min(k, bs * (free // nd))
+        """Largest epoch length <= k whose block growth surely fits (``rules.epoch_room``)."""
+        kv = self.kv
+        return kvr.epoch_room(kv.paged, nd, k, kv.bs, kv.manager.num_free)
 
     def _preempt(self, s, now: float) -> None:
-        """Preempt running request ``s`` now (see module doc)."""
+        """Preempt running request ``s`` now (see module doc; the rules are
+        ``KVSpace.preemption`` / ``release_preempted``)."""
         rec = self.rec
         rid = s.rid
         rec.preemptions[rid] += 1
@@ -143,12 +139,10 @@ class ReplicaMemory:
             self.prefilling.remove(s)
             held_tokens = s.prefilled
         kv = self.kv
-        blocks = kv.manager.blocks_of(rid)
         self.kv_tokens -= held_tokens
         s.preempted_at = now
-        swap = (decoding and kv.rules.preemption == "swap"
-                and self.cpu_used + blocks <= self.cpu_blocks)
-        kv.free(s)
+        swap, blocks = kv.preemption(s, decoding, self.cpu_used, self.cpu_blocks)
+        lost = kv.release_preempted(s, decoding, swap)
         if swap:
             s.where = "s"
             s.swapped_blocks = blocks
@@ -158,30 +152,22 @@ class ReplicaMemory:
             self._copy_s += nbytes / self.swap_bps
             self.swapped.append(s)
             return
-        # Recompute: the KV is gone; prefill again whatever it had computed.
-        lost = held_tokens if decoding else s.prefilled
+        # Recompute: the KV is gone; it prefills again whatever it had computed.
         rec.recomputed_tokens[rid] += lost
-        s.dropped = lost
         self._outstanding += lost
-        if decoding:
-            s.prefill_len = s.prompt_tokens + s.generated
-        s.prefilled = 0
         s.where = "q"
         self.waiting.requeue(s)
 
     def _swap_in(self, now: float) -> None:
         """Bring swapped requests back, oldest first, while their blocks fit."""
         kv = self.kv
-        mgr = kv.manager
         rec = self.rec
         while self.swapped and len(self.decoding) + len(self.prefilling) < self.max_num_seqs:
             s = self.swapped[0]
-            tokens = s.prompt_tokens + s.generated
-            need = -(-tokens // kv.bs)
-            if need + kv.watermark_blocks > mgr.num_free:
+            tokens = kv.swap_in(s)
+            if not tokens:
                 break
             self.swapped.popleft()
-            mgr.allocate(s.rid, tokens)
             self.cpu_used -= s.swapped_blocks
             nbytes = s.swapped_blocks * self.block_bytes
             rec.swapped_bytes[s.rid] += nbytes

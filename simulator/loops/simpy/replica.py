@@ -55,7 +55,7 @@ class SimSeq(Seq):
 
     __slots__ = ("client", "pooled", "depart", "context", "key", "finish_tick", "keys",
                  "where", "ver", "grow_tick", "join_tick", "last_t", "preempted_at",
-                 "swapped_blocks", "dropped", "stream")
+                 "swapped_blocks", "stream")
 
     def __init__(self, rid: int, enqueued: float, prompt_tokens: int, output_tokens: int,
                  priority: int, blocks_needed: int, client: int, pooled: bool) -> None:
@@ -74,7 +74,6 @@ class SimSeq(Seq):
         self.last_t = 0.0      # fast mode: when its last token left the engine
         self.preempted_at = 0.0
         self.swapped_blocks = 0
-        self.dropped = 0       # KV tokens dropped at its last preemption by recompute
         self.stream = None     # optional per-request stream model (``clientstream``)
 
 
@@ -129,7 +128,7 @@ class Replica(ReplicaMemory, ReplicaApply):
             raise ValueError("per-request streams need mode='slow'")
         # Aging reorders the queue as time passes, so a blocked head can change without
         # any event; epochs then run only while nobody waits.
-        self._aging = hasattr(self.waiting, "aging_s")
+        self._aging = policy.time_dependent
         # fast-mode decoder state
         self.ticks = 0
         self._finish_heap: list[tuple[int, int, int, SimSeq]] = []
@@ -294,7 +293,7 @@ class Replica(ReplicaMemory, ReplicaApply):
         """Move the plan's admissions into the running set (``KVSpace.admit_plan``)."""
         rec = self.rec
 
-        def admitted(seq, cached: int) -> None:
+        def admitted(seq, cached: int, recovered: int) -> None:
             rid = seq.rid
             self.waiting.remove(seq)
             if cached:
@@ -306,7 +305,7 @@ class Replica(ReplicaMemory, ReplicaApply):
             else:
                 rec.preempted_s[rid] += now - seq.preempted_at
                 # Dropped KV that a re-admission's prefix hit recovers is not recomputed.
-                rec.recomputed_tokens[rid] -= min(cached, seq.dropped)
+                rec.recomputed_tokens[rid] -= recovered
             seq.where = "p"
             self.prefilling.append(seq)
 

@@ -1,6 +1,8 @@
-"""KV memory rules shared by both executors: what admitting a request takes, how
-much memory it may grow into, and whom to preempt when a running request needs a
-block and none is free.
+"""KV memory as the executors hold it: the rules of ``rules`` bound to a block manager.
+What admitting a request takes, how much memory it may grow into, whom to preempt when
+a running request needs a block and none is free, and what a preemption does to the
+request: the SimPy replica and the real engine both call these methods; the compiled
+loop calls the same ``rules`` kernels on its arrays.
 
 ``KVRules`` is the scenario's ``engine.kv`` in executor terms. ``KVSpace`` binds
 the rules to a block manager (``blockmanager``) and a function naming a request's
@@ -19,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from simulator.model.kv.manager import make_kv_manager
+from simulator.model.kv import rules as kvr
 from simulator.model.kv.blocks import blocks_for
-from simulator.model.scheduling import Seq, StepPlan
+from simulator.model.kv.manager import make_kv_manager
+from simulator.model.scheduling.plan import Seq, StepPlan
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,20 @@ class KVRules:
 
 
 def select_victim(running: Iterable[Seq], order: str) -> Seq:
-    """The request to preempt: ``priority`` = lowest class first (largest priority
-    number), then the latest arrival; ``latest`` = the latest arrival (vLLM's FCFS
-    rule: the request that came last loses its memory first)."""
-    if order == "priority":
-        return max(running, key=lambda s: (s.priority, s.enqueued, s.rid))
-    if order == "latest":
-        return max(running, key=lambda s: (s.enqueued, s.rid))
-    raise ValueError(f"unknown victim order {order!r}")
+    """The request to preempt (``kvr.later_victim``): ``priority`` = lowest class
+    first (largest priority number), then the latest arrival; ``latest`` = the latest
+    arrival."""
+    if order not in ("priority", "latest"):
+        raise ValueError(f"unknown victim order {order!r}")
+    by_priority = order == "priority"
+    best = None
+    for s in running:
+        if best is None or kvr.later_victim(s.priority, s.enqueued, s.rid, best.priority,
+                                              best.enqueued, best.rid, by_priority):
+            best = s
+    if best is None:
+        raise ValueError("no running request to preempt")
+    return best
 
 
 class KVSpace:
@@ -69,24 +78,24 @@ class KVSpace:
                                        track_ids=track_ids)
         self.capacity = capacity_blocks
         self.watermark_blocks = int(rules.watermark * capacity_blocks)
+        self.max_len = -1 if rules.max_model_len is None else rules.max_model_len
         self.keys_of = keys_of if self.manager.prefix_caching else (lambda s: None)
 
     # -- what a request takes --------------------------------------------------------
     def admission_tokens(self, seq: Seq) -> int:
-        """Token slots allocated when ``seq`` is admitted."""
-        if self.paged:
-            return seq.prefill_len
-        r = self.rules.max_model_len
-        return r if r is not None else seq.prompt_tokens + seq.output_tokens
+        """Token slots allocated when ``seq`` is admitted (``rules.admission_tokens``)."""
+        return kvr.admission_tokens(self.paged, seq.prefill_len, self.max_len,
+                                      seq.prompt_tokens, seq.output_tokens)
 
     def fits(self, seq: Seq) -> Optional[str]:
-        """None if ``seq`` can ever run here, else why not (it is then rejected)."""
+        """None if ``seq`` can ever run here, else why not (``kvr.never_fits``)."""
+        why = kvr.never_fits(self.paged, seq.prompt_tokens, seq.output_tokens, self.max_len,
+                               self.bs, self.capacity, self.watermark_blocks)
         total = seq.prompt_tokens + seq.output_tokens
-        r = self.rules.max_model_len
-        if r is not None and total > r:
-            return f"{total} tokens exceed max_model_len {r}"
-        need = blocks_for(total if self.paged else self.admission_tokens(seq), self.bs)
-        if need > self.capacity - self.watermark_blocks:
+        if why == kvr.OVER_MAX_MODEL_LEN:
+            return f"{total} tokens exceed max_model_len {self.max_len}"
+        if why == kvr.OVER_CAPACITY:
+            need = blocks_for(total if self.paged else self.admission_tokens(seq), self.bs)
             return f"needs {need} KV blocks, the cache has {self.capacity}"
         return None
 
@@ -106,6 +115,11 @@ class KVSpace:
         seq.prefilled = cached
         seq.cached_tokens += cached
         return cached
+
+    def recovered(self, seq: Seq, cached: int) -> int:
+        """Of the KV ``seq`` lost at its last preemption by recompute, what the prefix
+        hit ``cached`` of its re-admission recovers (not recomputed after all)."""
+        return kvr.recovered_by_hit(cached, seq.dropped)
 
     def needs_block(self, seq: Seq, context: int) -> bool:
         """Whether ``seq`` needs another block to hold ``context`` tokens."""
@@ -148,11 +162,42 @@ class KVSpace:
             victims.append(victim)
         return victims
 
+    def preemption(self, seq: Seq, decoding: bool, cpu_used: int, cpu_blocks: int) -> tuple:
+        """How ``seq`` is preempted (``rules.swaps_out``): ``(swap, blocks)``, its blocks
+        being what a swap copies. ``cpu_blocks < 0``: unlimited swap space. Decides
+        only; ``release_preempted`` then frees the blocks (after a swap's copy)."""
+        blocks = self.manager.blocks_of(seq.rid)
+        return bool(kvr.swaps_out(decoding, self.rules.preemption == "swap", cpu_used,
+                                  blocks, cpu_blocks)), blocks
+
+    def release_preempted(self, seq: Seq, decoding: bool, swapped: bool) -> int:
+        """Free a preempted request's blocks. Recomputed (not ``swapped``): it will
+        prefill again what its KV held (``rules.recompute_loss``: a decoder its prompt and
+        generated tokens), from zero; returns those tokens (0 for a swap)."""
+        self.free(seq)
+        if swapped:
+            return 0
+        lost = kvr.recompute_loss(decoding, seq.prompt_tokens, seq.generated, seq.prefilled)
+        seq.dropped = lost
+        if decoding:
+            seq.prefill_len = seq.prompt_tokens + seq.generated
+        seq.prefilled = 0
+        return lost
+
+    def swap_in(self, seq: Seq) -> int:
+        """Bring a swapped-out request's blocks back if they fit now
+        (``rules.swap_in_fits``); returns its tokens, or 0 if they do not fit."""
+        tokens = seq.prompt_tokens + seq.generated
+        if not kvr.swap_in_fits(tokens, self.bs, self.watermark_blocks, self.manager.num_free):
+            return 0
+        self.manager.allocate(seq.rid, tokens)
+        return tokens
+
     def admit_plan(self, plan: StepPlan, lookup: Callable[[int], Seq],
-                   admitted: Callable[[Seq, int], None]) -> StepPlan:
+                   admitted: Callable[[Seq, int, int], None]) -> StepPlan:
         """Allocate the blocks of the plan's admissions, in order, and call
-        ``admitted(seq, cached_tokens)`` for each (the executor moves it to its running
-        set). A policy prices admissions against the cache as it was before this
+        ``admitted(seq, cached_tokens, recovered)`` for each (the executor moves it to its
+        running set; ``recovered``: see ``recovered``). A policy prices admissions against the cache as it was before this
         step; an earlier admission of the same step can evict a cached block a later
         one counted on. That one then prefills from its smaller hit (same chunk
         size), or, if its blocks no longer fit, stays waiting and its chunk is
@@ -167,7 +212,7 @@ class KVSpace:
             cached = self.admit(seq)
             if seq.prefilled + chunk[rid] > seq.prefill_len:
                 raise RuntimeError(f"plan over-prefills request {rid}")
-            admitted(seq, cached)
+            admitted(seq, cached, self.recovered(seq, cached))
         if dropped:
             plan = StepPlan(decode=plan.decode,
                             prefill=tuple(c for c in plan.prefill if c[0] not in dropped),

@@ -26,7 +26,7 @@ class Seq:
     __slots__ = (
         "rid", "enqueued", "priority", "prompt_tokens", "output_tokens",
         "prefilled", "generated", "blocks_needed", "cached_tokens", "payload",
-        "prefill_len",
+        "prefill_len", "dropped",
     )
 
     def __init__(self, rid: int, enqueued: float, prompt_tokens: int, output_tokens: int,
@@ -45,6 +45,7 @@ class Seq:
         # Tokens to prefill before decoding: the prompt, or after a preemption by
         # recompute the prompt plus the tokens generated so far (their KV was dropped).
         self.prefill_len = prompt_tokens
+        self.dropped = 0             # KV tokens dropped at its last preemption by recompute
 
     @property
     def remaining_prefill(self) -> int:

@@ -1,114 +1,131 @@
-"""Waiting-queue disciplines, as small pure selectors (Ciw style).
+"""The waiting queue: the requests not yet admitted, in a policy's discipline order.
 
-A queue holds the requests not yet admitted. ``candidates(now)`` yields them in
-the order the discipline would admit them *at time now*, without mutating the
-queue; the executor removes the ones a plan admits.
+The order itself is the policy's (``Policy.order_kernel``, a key: lower first, ties to
+the earlier arrival; ``Policy.requeue``: where a preempted request waits again). This
+container only keeps it cheap to follow: one FIFO per priority class (or one FIFO for
+the whole queue when the order ignores classes), whose heads are compared by key at
+each decision, plus the "resumed" requests of an order whose key depends on progress,
+each compared with the heads (see ``policy``). ``candidates(now)`` yields the requests
+in the order the discipline would admit them at ``now``, without mutating the queue;
+the executor removes the ones a plan admits.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Iterator
 
 from simulator.model.scheduling.plan import Seq
+from simulator.model.scheduling.policy import REQUEUE_ARRIVAL, REQUEUE_FRONT
+
+__all__ = ["WaitingQueue", "progress_of"]
 
 
-class FifoQueue:
-    """First come, first served by the time a request reached the replica."""
-
-    __slots__ = ("_q",)
-
-    def __init__(self) -> None:
-        self._q: deque[Seq] = deque()
-
-    def push(self, seq: Seq) -> None:
-        self._q.append(seq)
-
-    def requeue(self, seq: Seq) -> None:
-        """A preempted request goes back to the head (it arrived before anyone waiting)."""
-        self._q.appendleft(seq)
-
-    def remove(self, seq: Seq) -> None:
-        # Admission nearly always takes the head, so this is O(1) in practice.
-        if self._q and self._q[0] is seq:
-            self._q.popleft()
-        else:
-            self._q.remove(seq)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def candidates(self, now: float) -> Iterator[Seq]:
-        return iter(self._q)
+def progress_of(seq: Seq) -> float:
+    """A waiting request's progress: output tokens generated before it was preempted,
+    over its output tokens (what the ``fair_score`` key rewards)."""
+    return seq.generated / seq.output_tokens if seq.output_tokens else 0.0
 
 
-class AgingPriorityQueue:
-    """Priority classes with aging: effective key ``priority - floor(wait / aging_s)``.
+class WaitingQueue:
+    """The waiting queue of one replica or engine (see module doc)."""
 
-    Lower key is served first (P0 before P1 before P2); ties go to the earlier
-    arrival. The key is recomputed at every decision from ``now``. Within one
-    class every request ages at the same rate, so FIFO order inside a class is
-    always key order; the best candidate is therefore among the class heads, and
-    ordering the whole queue needs only a merge of per-class FIFOs, not a sort.
-    """
+    __slots__ = ("_key", "_p", "_requeue", "_by_class", "_classes", "_resumed", "_n")
 
-    __slots__ = ("aging_s", "_classes", "_n")
-
-    def __init__(self, aging_s: float) -> None:
-        if not aging_s > 0:
-            raise ValueError(f"aging_s must be > 0, got {aging_s}")
-        self.aging_s = aging_s
-        self._classes: dict[int, deque[Seq]] = {}
+    def __init__(self, policy) -> None:
+        self._key = policy.order_kernel
+        self._p = policy.order_array
+        self._requeue = policy.requeue
+        self._by_class = policy.by_class
+        # class -> FIFO, in the order the queue first held each class (ties between
+        # classes' heads go to the earlier class in this order).
+        self._classes: dict[int, deque] = {}
+        self._resumed: list[Seq] = []
         self._n = 0
 
-    def push(self, seq: Seq) -> None:
-        q = self._classes.get(seq.priority)
+    def _fifo(self, seq: Seq) -> deque:
+        c = seq.priority if self._by_class else 0
+        q = self._classes.get(c)
         if q is None:
-            q = self._classes[seq.priority] = deque()
-        q.append(seq)
+            q = self._classes[c] = deque()
+        return q
+
+    def push(self, seq: Seq) -> None:
+        """A request reaches the queue."""
+        self._fifo(seq).append(seq)
         self._n += 1
 
     def requeue(self, seq: Seq) -> None:
-        """A preempted request rejoins its class in arrival order (it keeps ``enqueued``,
-        so it also keeps the aging it earned)."""
-        q = self._classes.get(seq.priority)
-        if q is None:
-            q = self._classes[seq.priority] = deque()
-        i = 0
-        while i < len(q) and q[i].enqueued <= seq.enqueued:
-            i += 1
-        q.insert(i, seq)
+        """A request preempted by recompute waits again, where the policy says."""
         self._n += 1
+        if self._requeue == REQUEUE_FRONT:
+            self._fifo(seq).appendleft(seq)
+        elif self._requeue == REQUEUE_ARRIVAL:
+            q = self._fifo(seq)
+            i = 0
+            while i < len(q) and q[i].enqueued <= seq.enqueued:
+                i += 1
+            q.insert(i, seq)
+        else:
+            # Newest first: the order ties between resumed requests are offered in.
+            self._resumed.insert(0, seq)
 
     def remove(self, seq: Seq) -> None:
-        q = self._classes[seq.priority]
-        if q and q[0] is seq:
-            q.popleft()
+        if self._resumed and seq in self._resumed:
+            self._resumed.remove(seq)
         else:
-            q.remove(seq)
+            q = self._classes[seq.priority if self._by_class else 0]
+            # Admission nearly always takes a head, so this is O(1) in practice.
+            if q and q[0] is seq:
+                q.popleft()
+            else:
+                q.remove(seq)
         self._n -= 1
 
     def __len__(self) -> int:
         return self._n
 
+    def __iter__(self) -> Iterator[Seq]:
+        """Every waiting request (in no particular order)."""
+        for q in self._classes.values():
+            yield from q
+        yield from self._resumed
+
     def key(self, seq: Seq, now: float) -> tuple[float, float]:
-        """Effective priority of ``seq`` at ``now`` (lower is served first)."""
-        wait = max(0.0, now - seq.enqueued)
-        return (seq.priority - math.floor(wait / self.aging_s), seq.enqueued)
+        """``seq``'s place in the order at ``now`` (lower first)."""
+        if self._key is None:
+            return (0.0, seq.enqueued)
+        return (self._key(seq.priority, seq.enqueued, progress_of(seq), now, self._p),
+                seq.enqueued)
 
     def candidates(self, now: float) -> Iterator[Seq]:
-        heads = {p: 0 for p, q in self._classes.items() if q}
-        while heads:
-            best_p = None
-            best_key = None
-            for p, i in heads.items():
-                k = self.key(self._classes[p][i], now)
+        """The waiting requests in the order the discipline admits them at ``now``: the
+        lowest (key, arrival) among the classes' next requests and the resumed ones not
+        yet offered; ties to the earlier class, then to a class over a resumed request."""
+        if len(self._classes) <= 1 and not self._resumed:
+            # One FIFO: its order is the key's order (see module doc).
+            for q in self._classes.values():
+                yield from q
+            return
+        heads = {c: 0 for c, q in self._classes.items() if q}
+        resumed = list(self._resumed)
+        while heads or resumed:
+            best = best_key = None
+            for c, i in heads.items():
+                k = self.key(self._classes[c][i], now)
                 if best_key is None or k < best_key:
-                    best_key, best_p = k, p
-            q = self._classes[best_p]
-            i = heads[best_p]
+                    best_key, best = k, c
+            r_best = -1
+            for j, s in enumerate(resumed):
+                k = self.key(s, now)
+                if best_key is None or k < best_key:
+                    best_key, r_best = k, j
+            if r_best >= 0:
+                yield resumed.pop(r_best)
+                continue
+            q = self._classes[best]
+            i = heads[best]
             yield q[i]
             if i + 1 < len(q):
-                heads[best_p] = i + 1
+                heads[best] = i + 1
             else:
-                del heads[best_p]
+                del heads[best]

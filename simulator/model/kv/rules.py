@@ -1,0 +1,100 @@
+"""The KV memory rules, each written once as a ``@kernel`` every executor calls: the
+SimPy replica and the real engine (through ``space.KVSpace``), and the compiled loop.
+
+- admission: the token slots a request takes when admitted (``paged``: what it must
+  prefill; ``contiguous``: ``max_model_len``, or its own prompt + output) and whether it
+  can ever run in a cache of this size;
+- preemption: whom to preempt (``later_victim``: the lowest class, if the rule says so,
+  then the latest arrival, then the highest request id), whether a victim is swapped
+  out or recomputed, and what a recompute loses and later wins back from a prefix hit;
+- swap-in: whether a swapped request's blocks fit now;
+- decode epochs: how many decode steps surely fit in the free blocks.
+
+``max_model_len < 0`` stands for "not set"; a swap space ``< 0`` for "unlimited".
+"""
+from __future__ import annotations
+
+from simulator.kernel import kernel
+
+# ``never_fits`` answers.
+FITS, OVER_MAX_MODEL_LEN, OVER_CAPACITY = 0, 1, 2
+
+
+@kernel
+def ceil_blocks(tokens, block_size):
+    """Blocks holding ``tokens`` KV entries."""
+    return -(-tokens // block_size)
+
+
+@kernel
+def admission_tokens(paged, prefill_len, max_model_len, prompt, output):
+    """Token slots allocated when a request is admitted."""
+    if paged:
+        return prefill_len
+    if max_model_len >= 0:
+        return max_model_len
+    return prompt + output
+
+
+@kernel
+def never_fits(paged, prompt, output, max_model_len, block_size, capacity, watermark_blocks):
+    """``FITS`` if a request can ever run in this cache, else why not."""
+    total = prompt + output
+    if max_model_len >= 0 and total > max_model_len:
+        return OVER_MAX_MODEL_LEN
+    tokens = total if paged else admission_tokens(paged, prompt, max_model_len, prompt, output)
+    if ceil_blocks(tokens, block_size) > capacity - watermark_blocks:
+        return OVER_CAPACITY
+    return FITS
+
+
+@kernel
+def later_victim(prio_a, enq_a, rid_a, prio_b, enq_b, rid_b, by_priority):
+    """True when request a is preempted before request b: the larger priority number
+    first (if ``by_priority``), then the later arrival, then the larger id (vLLM's
+    FCFS rule is the later arrival: the request that came last loses its memory
+    first)."""
+    if by_priority and prio_a != prio_b:
+        return prio_a > prio_b
+    if enq_a != enq_b:
+        return enq_a > enq_b
+    return rid_a > rid_b
+
+
+@kernel
+def swaps_out(decoding, swap_rule, cpu_used, blocks, cpu_blocks):
+    """Whether a victim is swapped out (else recomputed): a decoder, under the swap
+    rule, whose blocks fit in the CPU swap space left."""
+    return decoding and swap_rule and (cpu_blocks < 0 or cpu_used + blocks <= cpu_blocks)
+
+
+@kernel
+def recompute_loss(decoding, prompt, generated, prefilled):
+    """KV tokens a preemption by recompute drops, to be prefilled again: a decoder's
+    prompt and generated tokens, a prefilling request's computed ones."""
+    return prompt + generated if decoding else prefilled
+
+
+@kernel
+def recovered_by_hit(cached, dropped):
+    """Of the KV a recompute dropped, what a re-admission's prefix hit recovers (it is
+    not prefilled again, so not counted as recomputed)."""
+    return cached if cached < dropped else dropped
+
+
+@kernel
+def swap_in_fits(tokens, block_size, watermark_blocks, free_blocks):
+    """Whether a swapped-out request's blocks fit back now (the watermark kept free)."""
+    return ceil_blocks(tokens, block_size) + watermark_blocks <= free_blocks
+
+
+@kernel
+def epoch_room(paged, n_decode, k, block_size, free_blocks):
+    """The longest run of decode-only steps, up to ``k``, whose block growth surely
+    fits: each decoder takes at most one block per ``block_size`` steps."""
+    if not paged:
+        return k
+    if n_decode * ceil_blocks(k, block_size) <= free_blocks:
+        return k
+    room = block_size * (free_blocks // n_decode)
+    return room if room < k else k

@@ -1,0 +1,6 @@
+"""The built-in scheduling policies, one module each (importing this package registers
+them): ``fifo``, ``chunked``, ``priority_aging`` and ``fair_score``. A user's policy is a
+module like these, named in a scenario's ``plugins:`` list."""
+from simulator.model.policies import chunked, fair_score, fifo, priority_aging  # noqa: F401
+
+__all__ = ["chunked", "fair_score", "fifo", "priority_aging"]

@@ -1,0 +1,203 @@
+"""A scheduling policy: a *fill rule* and a *queue discipline*, registered by name.
+
+One engine step is a token budget filled with work (see ``plan``). A policy says how:
+
+- its **fill rule** (a ``@kernel``) decides how many decodes the step runs, how many
+  tokens each running prefill advances by, and which of the waiting requests, offered
+  in the discipline's order, it admits and with how many tokens;
+- its **queue discipline** (an order-key ``@kernel`` and a requeue rule) orders the
+  waiting requests: lower key first, ties to the earlier arrival.
+
+Both are pure functions of numbers and arrays. ``Policy.schedule`` calls them for the
+SimPy replica and the real engine; the compiled loop calls the very same kernels on its
+own arrays. A policy is one module under ``simulator.model.policies`` (or a user's own
+module, loaded by import path) that subclasses ``Policy`` and registers itself with
+``@register_policy(name)``, with its own pydantic ``Params``.
+
+The fill rule's protocol. The executor offers the candidates lazily: the first ``k``
+waiting requests in queue order, with their prefill tokens (after a prefix-cache hit)
+and the KV blocks admitting each would take. The rule returns ``(n_decode, n_prefill,
+n_admit, more)``: decode the first ``n_decode`` decoders, advance the first
+``n_prefill`` prefilling requests by ``out_pre[i]`` tokens, admit the first ``n_admit``
+candidates with ``out_cand[j]`` tokens each; ``more`` is True when the rule used up the
+candidates it was given without a limit stopping it, so the executor offers more (all
+of them if it must) and asks again. A rule is pure, so asking again is safe; offering
+candidates a few at a time keeps a step's cost independent of the queue's length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from simulator.model.scheduling.plan import EMPTY_PLAN, SchedulerState, StepPlan, admission_cost
+
+__all__ = ["Limits", "Policy", "PolicyParams", "POLICIES", "register_policy", "policy_names",
+           "policy_class", "make_policy", "check_policy_name", "REQUEUE_FRONT",
+           "REQUEUE_ARRIVAL", "REQUEUE_RESUMED"]
+
+# Where a request preempted by recompute waits again (a discipline's requeue rule):
+# at the very front of the queue (vLLM's ``appendleft``), in its class in arrival order
+# (it keeps the waiting time it earned), or among the "resumed" requests, which are
+# compared with the classes' heads by key at every decision (for an order whose key
+# depends on a request's progress, where arrival order within a class is not key order).
+REQUEUE_FRONT, REQUEUE_ARRIVAL, REQUEUE_RESUMED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Engine limits a policy must respect."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+class PolicyParams(BaseModel):
+    """A policy's own parameters (subclassed by each policy; unknown keys are errors).
+    A field left ``None`` takes the engine's field of the same name, if it has one
+    (``engine.chunk_size``, ``engine.aging_s``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Policy:
+    """Base class of scheduling policies (see module doc). Subclasses set ``name``,
+    ``Params``, ``fill_kernel``, ``order_kernel``, ``requeue`` and ``by_class``, and may
+    override ``order_params`` (the numbers ``order_kernel`` reads)."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+    fill_kernel: ClassVar[Any] = None       # the fill rule (a @kernel)
+    order_kernel: ClassVar[Any] = None      # the queue's order key (a @kernel)
+    requeue: ClassVar[int] = REQUEUE_FRONT
+    by_class: ClassVar[bool] = False        # one FIFO per priority class (else one FIFO)
+    time_dependent: ClassVar[bool] = False  # the order changes with time alone (aging)
+
+    def __init__(self, limits: Limits = Limits(), params: Optional[PolicyParams] = None,
+                 **values) -> None:
+        self.limits = limits
+        self.params = params if params is not None else self.Params(**values)
+        cs = getattr(self.params, "chunk_size", None)
+        self.chunk_size = int(cs) if cs is not None else limits.max_num_batched_tokens
+        self._order = np.asarray(self.order_params(), dtype=np.float64)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.limits}, {self.params!r})"
+
+    # -- what the queue discipline reads ------------------------------------------------
+    def order_params(self) -> list[float]:
+        """The numbers ``order_kernel`` reads (``p`` in its signature)."""
+        return [0.0]
+
+    @property
+    def order_array(self) -> np.ndarray:
+        return self._order
+
+    def new_queue(self):
+        """An empty waiting queue ordered by this policy's discipline."""
+        from simulator.model.scheduling.queues import WaitingQueue
+        return WaitingQueue(self)
+
+    # -- the decision ------------------------------------------------------------------
+    def schedule(self, state: SchedulerState) -> StepPlan:
+        """The step to run now: the fill rule over the state (see module doc). Pure: it
+        reads the state and mutates nothing."""
+        lim = self.limits
+        dec, pre = state.decoding, state.prefilling
+        n_pre = len(pre)
+        pre_rem = np.fromiter((s.remaining_prefill for s in pre), np.int64, n_pre)
+        out_pre = np.zeros(n_pre, np.int64)
+        n_wait = len(state.waiting)
+        cands: list = []
+        rem: list[int] = []
+        need: list[int] = []
+        it = iter(state.waiting.candidates(state.now)) if n_wait else None
+        k = min(n_wait, 1)
+        while True:
+            while len(cands) < k:
+                seq = next(it)
+                cached, blocks = admission_cost(seq, state)
+                cands.append(seq)
+                rem.append(seq.remaining_prefill - cached)
+                need.append(blocks)
+            out_cand = np.zeros(len(cands), np.int64)
+            nd, npc, na, more = self.fill_kernel(
+                lim.max_num_batched_tokens, self.chunk_size, lim.max_num_seqs,
+                state.num_running, state.free_blocks, len(dec), pre_rem, n_pre,
+                np.asarray(rem, np.int64), np.asarray(need, np.int64), len(cands),
+                out_pre, out_cand)
+            if not more or k == n_wait:
+                break
+            k = min(2 * k, n_wait)
+        if not nd and not npc and not na:
+            return EMPTY_PLAN
+        chunks = [(pre[i].rid, int(out_pre[i])) for i in range(npc)]
+        chunks += [(cands[j].rid, int(out_cand[j])) for j in range(na)]
+        return StepPlan(decode=tuple(s.rid for s in dec[:nd]), prefill=tuple(chunks),
+                        admit=tuple(cands[j].rid for j in range(na)))
+
+
+# -- the registry ----------------------------------------------------------------------
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(name: str):
+    """Class decorator: register a ``Policy`` subclass under ``name`` (unique)."""
+
+    def deco(cls: type[Policy]) -> type[Policy]:
+        if name in POLICIES and POLICIES[name] is not cls:
+            raise RuntimeError(f"policy {name!r} registered twice")
+        if not (isinstance(cls, type) and issubclass(cls, Policy)):
+            raise TypeError(f"policy {name!r} must subclass simulator.model.scheduling.Policy")
+        cls.name = name
+        # Kernels are plain functions held by the class, never methods.
+        for attr in ("fill_kernel", "order_kernel"):
+            v = cls.__dict__.get(attr)
+            if v is not None and not isinstance(v, staticmethod):
+                setattr(cls, attr, staticmethod(v))
+        if cls.fill_kernel is None:
+            raise TypeError(f"policy {name!r} has no fill_kernel")
+        POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+def _builtins() -> None:
+    import simulator.model.policies  # noqa: F401  (registers the built-in policies)
+
+
+def policy_names() -> list[str]:
+    _builtins()
+    return sorted(POLICIES)
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The class registered as ``name``; ``ValueError`` listing the known ones."""
+    _builtins()
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    return cls
+
+
+def check_policy_name(name: str) -> str:
+    """``name`` if it is a registered policy, else ``ValueError`` listing the known ones."""
+    policy_class(name)
+    return name
+
+
+def make_policy(name: str, *, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                params: Optional[dict] = None, **engine_defaults) -> Policy:
+    """Build the policy registered as ``name``: its ``Params`` from ``params``, with any
+    field left unset taken from ``engine_defaults`` by name (``chunk_size``, ``aging_s``:
+    the engine-level settings), then the field's own default."""
+    cls = policy_class(name)
+    values = dict(params or {})
+    for f in cls.Params.model_fields:
+        if values.get(f) is None and engine_defaults.get(f) is not None:
+            values[f] = engine_defaults[f]
+    return cls(Limits(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+               cls.Params(**values))
