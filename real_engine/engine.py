@@ -1,6 +1,6 @@
 """Continuous batching over the simulator's scheduling policies, on a real model.
 
-``EngineCore`` is the real executor of DESIGN.md §2: it holds the requests
+``EngineCore`` is the real executor of the simulator's policies: it holds the requests
 (``simulator.model.scheduling.Seq``), a waiting queue made by ``policy.new_queue()``
 and the running lists ``decoding``/``prefilling``; each ``step()`` snapshots a
 ``SchedulerState``, asks the policy for a ``StepPlan`` -- the very objects the
@@ -59,6 +59,7 @@ from simulator.model.kv.blocks import request_blocks
 from simulator.model.kv.space import KVRules, KVSpace
 from simulator.model.kv.prefixkeys import keys_from_tokens
 from simulator.model.scheduling import SchedulerState, Seq, StepPlan
+from simulator.model.warmup import warm_up as warm_up_kernels
 
 from real_engine.engine_memory import EngineMemory
 from real_engine.graphs import DecodeGraphs
@@ -167,6 +168,8 @@ class EngineCore(EngineMemory):
             raise ValueError(f"unknown victim order {kv_rules.victim!r}")
         self.model = model
         self.policy = policy
+        # The scheduling and memory rules are compiled kernels: load them before serving.
+        warm_up_kernels()
         self.device = model.device
         bs = kv_rules.block_size
         n = num_blocks or default_num_blocks(model, bs)

@@ -60,17 +60,22 @@ def cache_dir(root: Path = _ROOT, dirs=KERNEL_DIRS) -> Optional[str]:
 CACHE_DIR = cache_dir() if ENABLED else None
 
 
-def kernel(f):
+def kernel(f=None, *, inline: bool = False):
     """Compile ``f`` with ``numba.njit(cache=True)`` into ``CACHE_DIR`` (numba picks a
     function's cache folder when it is decorated; the setting is restored right after),
-    or return it unchanged when numba is off (see module doc)."""
+    or return it unchanged when numba is off (see module doc). ``@kernel(inline=True)``
+    inlines a small kernel into its compiled callers (a call's argument passing costs
+    more than a lookup or a comparison does)."""
+    if f is None:
+        return lambda g: kernel(g, inline=inline)
     if not ENABLED:
         return f
+    opts = {"inline": "always"} if inline else {}
     if CACHE_DIR is None:
-        return numba.njit(f)
+        return numba.njit(**opts)(f)
     old = _numba_config.CACHE_DIR
     _numba_config.CACHE_DIR = CACHE_DIR
     try:
-        return numba.njit(cache=True)(f)
+        return numba.njit(cache=True, **opts)(f)
     finally:
         _numba_config.CACHE_DIR = old

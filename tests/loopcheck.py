@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from conftest import ZERO_NET, make_scenario
+from conftest import REPO, ZERO_NET, make_scenario
 from simulator.report.recorder import TIMESTAMPS
 
-POLICIES = ["chunked", "fifo", "priority_aging", "fair_score"]
+POLICIES = ["chunked", "fifo", "priority_aging", "fair_score", "static"]
 
 ARRAYS = TIMESTAMPS + ("replica", "new_connection", "rejected", "generated", "preemptions",
                        "recomputed_tokens", "preempted_s", "cached_tokens", "swapped_bytes")
@@ -53,7 +53,7 @@ def assert_identical(a, b, same_books: bool = True) -> None:
 def loop_scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, blocks, max_seqs,
               budget, chunk, arrival, rate, net, noise, until, reuse, prompt_hi, out_hi,
               aging=1.0, preemption="recompute", victim="priority", swap_gb=4.0,
-              caching=False, sys_prompt=0):
+              caching=False, sys_prompt=0, cost="profile"):
     arr = ({"kind": "poisson", "rate": rate} if arrival == "poisson" else
            {"kind": "gamma", "rate": rate, "burstiness": 0.3} if arrival == "gamma" else
            {"kind": "constant", "rate": rate})
@@ -73,11 +73,29 @@ def loop_scenario(n, seed, policy, replicas, router, alloc, max_len, watermark, 
                   "swap_space_gb": swap_gb,
                   "prefix_caching": caching and alloc == "paged"}}
     extra = {"max_sim_time_s": until} if until else {}
+    if cost != "profile":
+        extra["model"] = {"cost": {"kind": cost, "path": str(REPO / "profiles" /
+                                                            "h200-llama3-8b-refbench.json")}}
     sc = make_scenario(seed=seed, workload=wl, engine=eng, network=network,
                        cluster={"replicas": replicas, "router": router}, **extra)
     if noise:
         sc.model.cost.noise = True
     return sc
+
+
+# The configurations every loop runs (the equivalence tests draw from them).
+BROAD = dict(
+    n=st.integers(1, 150), seed=st.integers(0, 10_000), policy=st.sampled_from(POLICIES),
+    replicas=st.integers(1, 3), aging=st.sampled_from([0.05, 1.0, 30.0]),
+    router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
+    alloc=st.sampled_from(["paged", "contiguous"]), max_len=st.sampled_from([None, 400]),
+    watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([40, 200, 4000]),
+    max_seqs=st.sampled_from([1, 4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
+    chunk=st.sampled_from([None, 16, 100]),
+    arrival=st.sampled_from(["poisson", "gamma", "constant"]),
+    rate=st.sampled_from([2.0, 40.0, 400.0]), net=st.sampled_from(["zero", "wan"]),
+    reuse=st.booleans(), prompt_hi=st.sampled_from([40, 300]),
+    out_hi=st.sampled_from([2, 60, 200]))
 
 
 # Memory-pressure configurations (few blocks, long outputs), shared with test_compiled.
@@ -89,7 +107,8 @@ PRESSURE = dict(
     chunk=st.sampled_from([None, 16]), rate=st.sampled_from([30.0, 400.0]),
     net=st.sampled_from(["zero", "wan"]), out_hi=st.sampled_from([60, 200]),
     aging=st.sampled_from([0.05, 1.0]), victim=st.sampled_from(["priority", "latest"]),
-    preemption=st.sampled_from(["recompute", "swap"]), swap_gb=st.sampled_from([0.0, 0.01, 4.0]))
+    preemption=st.sampled_from(["recompute", "swap"]), swap_gb=st.sampled_from([0.0, 0.01, 4.0]),
+    cost=st.sampled_from(["profile", "fitted"]))
 
 
 def pressure_scenario(n, seed, policy, replicas, router, watermark, blocks, max_seqs, budget,

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 pytest.importorskip("numba")
 
 from conftest import REPO, make_profile, make_scenario  # noqa: E402
-from loopcheck import (POLICIES, PRESSURE, assert_identical, loop_scenario,  # noqa: E402
-                       pressure_scenario)
+from loopcheck import (BROAD, POLICIES, PRESSURE, assert_identical,  # noqa: E402
+                       loop_scenario, pressure_scenario)
 from simulator.loops import compiled  # noqa: E402
 from simulator.cost.profile import ProfileCostModel, load_profile  # noqa: E402
 from simulator.loops.simulate import Unsupported  # noqa: E402
@@ -32,19 +32,9 @@ from simulator.loops.simulate import simulate  # noqa: E402
 
 
 @settings(max_examples=80, deadline=None, derandomize=True)
-@given(n=st.integers(1, 150), seed=st.integers(0, 10_000),
-       policy=st.sampled_from(POLICIES),
-       replicas=st.integers(1, 3), aging=st.sampled_from([0.05, 1.0, 30.0]),
-       router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
-       alloc=st.sampled_from(["paged", "contiguous"]), max_len=st.sampled_from([None, 400]),
-       watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([40, 200, 4000]),
-       max_seqs=st.sampled_from([1, 4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
-       chunk=st.sampled_from([None, 16, 100]),
-       arrival=st.sampled_from(["poisson", "gamma", "constant"]),
-       rate=st.sampled_from([2.0, 40.0, 400.0]), net=st.sampled_from(["zero", "wan"]),
-       until=st.sampled_from([None, 0.7, 5.0]), reuse=st.booleans(),
-       prompt_hi=st.sampled_from([40, 300]), out_hi=st.sampled_from([2, 60, 200]),
-       flush=st.sampled_from([3, 64, ItlHistogram.FLUSH]), series_cap=st.sampled_from([2, 4096]))
+@given(**BROAD, until=st.sampled_from([None, 0.7, 5.0]),
+       flush=st.sampled_from([3, 64, ItlHistogram.FLUSH]), series_cap=st.sampled_from([2, 4096]),
+       cost=st.sampled_from(["profile", "fitted"]))
 def test_compiled_loop_is_the_simpy_model_bit_for_bit(flush, series_cap, **cfg):
     """Tiny ITL and time-series buffers exercise every hand-over to Python (the ITL sum
     is formed per flush, so SimPy's histogram flushes as often)."""
@@ -158,31 +148,32 @@ def test_auto_compiles_large_runs_only_whatever_ran_before():
 
 
 def _cost_models():
+    from simulator.cost.fitted import FittedCostModel
     for p in sorted((REPO / "profiles").glob("*.json")):
         yield ProfileCostModel(load_profile(p))
+        yield FittedCostModel(load_profile(p))
     yield ProfileCostModel(make_profile(
         prefill=((16, 0, 2.0), (256, 0, 9.0), (256, 1024, 12.0), (64, 2048, 6.0)),
         decode=((1, 64, 1.5), (8, 64, 2.5), (8, 1024, 4.0), (32, 512, 6.0)),
         mixed=((8, 512, 128, 0, 10.0),), padded=True), scale=1.3)
 
 
-@pytest.mark.parametrize("cm", list(_cost_models()), ids=lambda c: c.profile["meta"].get(
-    "source", "synthetic")[:20])
+@pytest.mark.parametrize("cm", list(_cost_models()), ids=lambda c: (
+    type(c).__name__[:7] + ":" + c.profile["meta"].get("source", "synthetic")[:20]))
 def test_compiled_cost_lookups_are_the_cost_model(cm):
-    """Step times, long and short decode epochs (numpy's interpolation formula), and
-    the lookup and extrapolation counts, below, inside and above the measured range."""
+    """The compiled loop's step times and decode epochs call the cost model's own
+    kernels with its arguments: the same seconds, lookups and extrapolations as the
+    Python model, below, inside and above the measured range."""
     from simulator.loops.compiled.cost import decode_ends, pack_cost, step_time
     rng = np.random.default_rng(7)
     max_batch = 300
-    CF, PT, DT, ET, G, YB, SL, BEY = pack_cost(cm, max_batch)
+    PACK = pack_cost(cm)
     CL = np.zeros(2, dtype=np.int64)
     chp = np.zeros(8, dtype=np.int64)
     chf = np.zeros(8, dtype=np.bool_)
     chn = np.zeros(8, dtype=np.int64)
-    # Mostly inside the measured contexts (where the two interpolation formulas differ
-    # in the last bit now and then), some beyond them.
-    top = int(G[-1] * 1.2)
-    for _ in range(600):
+    top = 9000
+    for _ in range(300):
         nd = int(rng.integers(0, max_batch + 1))
         ctx_max = int(rng.integers(1, top))
         ctx_sum = nd * int(rng.integers(1, ctx_max + 1))
@@ -195,22 +186,32 @@ def test_compiled_cost_lookups_are_the_cost_model(cm):
         before = (cm.lookups, cm.extrapolations)
         want = cm.step_time(nd, ctx_max, ctx_sum, parts)
         CL[:] = 0
-        got = step_time(CF, PT, DT, ET, CL, nd, ctx_max, ctx_sum, chn, chp, chf, nch)
+        got = step_time(*PACK, CL, nd, ctx_max, ctx_sum, chn, chp, chf, nch)
         assert got == want
         assert (CL[0], CL[1]) == (cm.lookups - before[0], cm.extrapolations - before[1])
         if nd == 0:
             continue
         k = int(rng.choice([2, 31, 32, 33, 500, 4096]))
         ctx0 = float(rng.integers(1, top)) if cm.padded else float(rng.uniform(1, top))
-        # From 0 the ends keep every bit of each step's time; from later they are sums.
         now = 0.0 if rng.integers(2) else float(rng.uniform(0, 1000))
         before = (cm.lookups, cm.extrapolations)
         want = list(itertools.accumulate(cm.decode_times(nd, ctx0, k), initial=now))[1:]
         ends = np.zeros(k)
         CL[:] = 0
-        decode_ends(CF, G, YB, SL, BEY, CL, nd, ctx0, k, now, ends)
+        decode_ends(*PACK, CL, nd, ctx0, k, now, ends, np.zeros(4096),
+                    np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.bool_))
         assert ends.tolist() == want
         assert (CL[0], CL[1]) == (cm.lookups - before[0], cm.extrapolations - before[1])
+
+
+def test_profile_decode_epochs_are_single_steps():
+    """A decode epoch's step times are the single step's (the same kernel): a run of k
+    decode-only steps equals k calls of ``step_time`` at growing context."""
+    for cm in _cost_models():
+        nd, ctx_max = 24, 700
+        times = cm.decode_times(nd, float(ctx_max), 40)
+        single = [cm.step_time(nd, ctx_max + j, nd * (ctx_max + j), ()) for j in range(40)]
+        np.testing.assert_allclose(times, single, rtol=1e-12)
 
 
 def test_cli_compiled_loop_gives_the_same_requests_csv(tmp_path):

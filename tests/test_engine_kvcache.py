@@ -597,7 +597,8 @@ def test_engine_and_simulator_make_the_same_memory_decisions(model, policy, rule
     prefix hit is not recomputed, in both), and are handed the very same plans."""
     reqs = _workload(model)
     pre, plans, steps, cached, redo = _engine_run(model, reqs, rules, policy, 10, swap_blocks)
-    assert pre.sum() > 0 or rules.watermark > 0
+    # (A static batch is admitted only into an empty engine and grows within it here.)
+    assert pre.sum() > 0 or rules.watermark > 0 or policy == "static"
     if rules.prefix_caching:
         assert cached.sum() > 0
     for mode in ("slow", "step"):

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO, make_scenario
-from loopcheck import POLICIES, PRESSURE, assert_identical, loop_scenario, pressure_scenario
+from loopcheck import (BROAD, POLICIES, PRESSURE, assert_identical, loop_scenario,
+                       pressure_scenario)
 from simulator.loops.simulate import Unsupported, simulate
 
 
@@ -31,18 +32,7 @@ def _modes_agree(sc):
 
 
 @settings(max_examples=70, deadline=None, derandomize=True)
-@given(n=st.integers(1, 150), seed=st.integers(0, 10_000),
-       policy=st.sampled_from(POLICIES), replicas=st.integers(1, 3),
-       router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
-       alloc=st.sampled_from(["paged", "contiguous"]), max_len=st.sampled_from([None, 400]),
-       watermark=st.sampled_from([0.0, 0.05]), blocks=st.sampled_from([40, 200, 4000]),
-       max_seqs=st.sampled_from([1, 4, 16, 64]), budget=st.sampled_from([32, 128, 512]),
-       chunk=st.sampled_from([None, 16, 100]),
-       arrival=st.sampled_from(["poisson", "gamma", "constant"]),
-       rate=st.sampled_from([2.0, 40.0, 400.0]), net=st.sampled_from(["zero", "wan"]),
-       reuse=st.booleans(), prompt_hi=st.sampled_from([40, 300]), out_hi=st.sampled_from([2, 60, 200]),
-       aging=st.sampled_from([0.05, 1.0, 30.0]),
-       preemption=st.sampled_from(["recompute", "swap"]),
+@given(**BROAD, preemption=st.sampled_from(["recompute", "swap"]),
        victim=st.sampled_from(["priority", "latest"]), caching=st.booleans(),
        sys_prompt=st.sampled_from([0, 40, 100]))
 def test_simpy_tick_bookkeeping_is_the_per_request_one_bit_for_bit(**cfg):

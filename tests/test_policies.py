@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import REPO, ZERO_NET, make_scenario
+from conftest import REPO, make_scenario
 from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
 from simulator.loops.simulate import simulate
@@ -138,20 +138,11 @@ def test_fair_key_is_the_seeds_score():
     assert fair_key(2, 0.0, 0.5, 4.0, p) == pytest.approx(-(0.4 - 2.0 + 0.25))
 
 
-def _fair_scenario(policy: dict):
-    return validate_scenario({
-        "name": "fair", "seed": 3,
-        "workload": {"kind": "synthetic", "num_requests": 2000,
-                     "arrival": {"kind": "poisson", "rate": 12.5},
-                     "prompt_tokens": {"kind": "constant", "value": 400},
-                     "output_tokens": {"kind": "constant", "value": 120},
-                     "classes": [{"name": "P0", "share": 0.6}, {"name": "P1", "share": 0.25},
-                                 {"name": "P2", "share": 0.15}]},
-        "network": dict(ZERO_NET), "stream": {"frame_overhead_bytes": 0, "bytes_per_token": 0},
-        "engine": {"policy": policy, "max_num_seqs": 16, "max_num_batched_tokens": 512,
-                   "kv": {"num_blocks": 16384}},
-        "model": {"cost": {"kind": "profile",
-                           "path": str(REPO / "profiles/h200-llama3-8b-refbench.json")}}})
+def _fair_runs():
+    """``scenarios/fairness-overload.yaml``: its runs by label."""
+    from simulator.config.scenario import load_scenario
+    sc, base = load_scenario(REPO / "scenarios" / "fairness-overload.yaml")
+    return {label: simulate(run, base_dir=base) for label, run in sc.policy_runs()}
 
 
 def _overtaken(res, low: int, high: int, gap: float, cap: float = np.inf) -> int:
@@ -175,8 +166,8 @@ def test_fair_score_bounds_starvation_one_class_apart():
     priority (aging off) breaks that thousands of times on the same traffic, and
     two classes apart the cap (1.5 < 2) leaves the bound out, as the seed's numbers
     imply: P2 still waits behind P0 requests that came much later."""
-    fair = simulate(_fair_scenario({"kind": "fair_score"}))
-    strict = simulate(_fair_scenario({"kind": "priority_aging", "aging_s": 1e6}))
+    runs = _fair_runs()
+    fair, strict = runs["fair_score"], runs["strict-priority"]
     wait = fair.rec.scheduled - fair.rec.enqueued
     assert np.nanmax(wait[fair.workload.priority == 2]) > 12.0      # the bound is exercised
     for low, high in ((1, 0), (2, 1)):
@@ -199,3 +190,30 @@ def test_fair_score_protects_progress_of_a_preempted_request():
     q.push(fresh)
     q.requeue(resumed)
     assert [s.rid for s in q.candidates(3.0)] == [1, 0]
+
+
+def test_static_batching_admits_only_into_an_empty_engine():
+    """``static``: a batch is admitted only when the engine is empty, and nobody joins it
+    in flight: every admission happens at a moment no earlier-admitted request is still
+    running, and a batch holds at most ``batch_size`` requests."""
+    sc = make_scenario(engine={"policy": {"kind": "static", "batch_size": 8},
+                               "max_num_seqs": 32, "max_num_batched_tokens": 256,
+                               "kv": {"num_blocks": 4096}})
+    res = simulate(sc)
+    s, last = res.rec.scheduled, res.rec.last_token
+    assert not np.isnan(last).any()
+    batches = {}
+    for t in np.unique(s):
+        members = np.where(s == t)[0]
+        batches[t] = members
+        assert len(members) <= 8
+        # Everyone admitted before ``t`` had produced its last token by ``t``.
+        earlier = s < t
+        assert np.all(last[earlier] <= t + 1e-12)
+    assert max(len(m) for m in batches.values()) == 8     # batches do fill up
+    # Continuous batching on the same traffic admits into a running engine.
+    cont = simulate(make_scenario(engine={"policy": "chunked", "max_num_seqs": 8,
+                                          "max_num_batched_tokens": 256,
+                                          "kv": {"num_blocks": 4096}}))
+    s2, last2 = cont.rec.scheduled, cont.rec.last_token
+    assert any(np.any((s2 < t) & (last2 > t)) for t in np.unique(s2))

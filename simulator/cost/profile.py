@@ -14,7 +14,7 @@ A step's time is looked up from what the engine was measured to take:
   ``host_overhead_ms``); the host cost is paid once, not once per part, and
   ``alpha`` is fitted by least squares to the profile's ``mixed`` rows (1 when
   there are none). Adding the parts' times naively would count the fixed cost
-  twice (DESIGN.md §7).
+  twice.
 
 The profile's ``engine.bookkeeping_ms`` (host work per step outside the timed rows:
 scheduling, applying results) is added to every step.
@@ -27,7 +27,6 @@ and small steps sit on the engine's fixed floor.
 """
 from __future__ import annotations
 
-import bisect
 import json
 import math
 from pathlib import Path
@@ -36,7 +35,8 @@ from typing import Literal, Optional, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from simulator.errors import LatsimError
+import simulator.cost.table as T
+from simulator.errors import LatsimError, read_text
 
 
 class ProfileCostConfig(BaseModel):
@@ -48,75 +48,6 @@ class ProfileCostConfig(BaseModel):
     noise: bool = Field(False, description="multiply each step by seeded log-normal noise "
                                             "fitted to the profile's p10/p90 spread")
     scale: float = Field(1.0, gt=0, description="multiply every step time (what-if)")
-
-
-class _Curve:
-    """Piecewise-linear y(x) on sorted knots, linear extrapolation beyond both ends."""
-
-    __slots__ = ("x", "y", "lo", "hi")
-
-    def __init__(self, x: Sequence[float], y: Sequence[float]) -> None:
-        order = np.argsort(x)
-        self.x = [float(x[i]) for i in order]
-        self.y = [float(y[i]) for i in order]
-        self.lo = self.x[0]
-        self.hi = self.x[-1]
-
-    def vec(self, q: np.ndarray) -> tuple[np.ndarray, int]:
-        """Vectorised ``__call__``: values and how many queries lay above the range."""
-        x, y = self.x, self.y
-        out = np.interp(q, x, y)  # holds the end values outside the range
-        above = q > x[-1]
-        n_above = int(above.sum())
-        if n_above and len(x) > 1:
-            slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-            out = np.where(above, y[-1] + slope * (q - x[-1]), out)
-        return out, n_above
-
-    def __call__(self, q: float) -> tuple[float, bool]:
-        x, y = self.x, self.y
-        n = len(x)
-        if q <= x[0]:
-            # Below the smallest measured size the step only gets smaller work; at that
-            # size engines are already at their fixed host floor, so hold the value.
-            return y[0], False
-        if n == 1:
-            return y[0], q != x[0]
-        if q >= x[-1]:
-            i, out = n - 1, q > x[-1]
-        else:
-            i, out = bisect.bisect_right(x, q), False
-        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
-        return y0 + (y1 - y0) * (q - x0) / (x1 - x0), out
-
-
-class _Table2D:
-    """y(a, b): a curve in ``b`` for each measured ``a``, linear across ``a``."""
-
-    def __init__(self, a: Sequence[float], b: Sequence[float], y: Sequence[float]) -> None:
-        levels: dict[float, tuple[list, list]] = {}
-        for ai, bi, yi in zip(a, b, y):
-            levels.setdefault(float(ai), ([], []))
-            levels[float(ai)][0].append(bi)
-            levels[float(ai)][1].append(yi)
-        self.a = sorted(levels)
-        self.curves = [_Curve(*levels[k]) for k in self.a]
-
-    def __call__(self, qa: float, qb: float) -> tuple[float, bool]:
-        a = self.a
-        if len(a) == 1 or qa <= a[0]:
-            return self.curves[0](qb)
-        j = bisect.bisect_left(a, qa)
-        if j < len(a) and a[j] == qa:
-            return self.curves[j](qb)  # a measured level: no blending with a neighbour
-        if qa >= a[-1]:
-            i, out = len(a) - 1, qa > a[-1]
-        else:
-            i, out = bisect.bisect_right(a, qa), False
-        y0, o0 = self.curves[i - 1](qb)  # noqa: E501  (scalar path)
-        y1, o1 = self.curves[i](qb)
-        a0, a1 = a[i - 1], a[i]
-        return y0 + (y1 - y0) * (qa - a0) / (a1 - a0), out or o0 or o1
 
 
 def resolve_profile_path(path: str, base_dirs: Sequence[Path]) -> Path:
@@ -133,54 +64,99 @@ def resolve_profile_path(path: str, base_dirs: Sequence[Path]) -> Path:
     raise LatsimError("profile file not found", source=str(path), field="model.cost.path")
 
 
+MAX_PROFILE_BYTES = 64 * 2**20   # measured profiles are KBs
+_MAX_SIZE = 1e9                  # chunk, prior, batch, context: tokens or requests
+_MAX_MS = 1e7                    # a step of ~3 hours is a broken row, not a measurement
+
+
+def _number(v, c: str) -> bool:
+    """A usable value for column ``c``: a finite non-negative number within range (a
+    positive one for ``ms``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    if c == "ms":
+        return 0 < v <= _MAX_MS
+    return 0 <= v <= _MAX_SIZE
+
+
 def load_profile(path: Path) -> dict:
-    """Read and check a profile JSON; one-line errors naming file and field."""
+    """Read and check a profile JSON; one-line errors naming file and field. Every row
+    the cost model reads (``prefill``, ``decode`` and, when present, ``decode_eager``,
+    ``prefill_partial`` and ``mixed``) must hold finite numbers in range: a NaN step
+    time is an error here, not a poisoned run."""
+    text = read_text(path, max_bytes=MAX_PROFILE_BYTES, what="profile")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise LatsimError(f"invalid JSON at line {e.lineno}: {e.msg}", source=str(path)) from None
+    except RecursionError:
+        raise LatsimError("invalid JSON: nested too deeply", source=str(path)) from None
     if not isinstance(data, dict) or data.get("format") != "latsim-profile/1":
         raise LatsimError("not a latsim profile (format must be 'latsim-profile/1')",
                           source=str(path), field="format",
                           value=data.get("format") if isinstance(data, dict) else None,
                           has_value=True)
-    need = {"prefill": ("chunk", "prior", "ms"), "decode": ("batch", "context", "ms")}
-    for section, cols in need.items():
+    # section -> (required columns, optional columns); the first two sections must be there.
+    sections = {"prefill": (("chunk", "prior", "ms"), ()),
+                "decode": (("batch", "context", "ms"), ()),
+                "decode_eager": (("batch", "context", "ms"), ()),
+                "prefill_partial": (("chunk", "ms"), ("prior",)),
+                "mixed": (("batch", "context", "chunk", "ms"), ("prior",))}
+    for section, (cols, opt) in sections.items():
         rows = data.get(section)
+        needed = section in ("prefill", "decode")
+        if not needed and rows in (None, []):
+            continue
         if not isinstance(rows, list) or not rows:
-            raise LatsimError("section missing or empty", source=str(path), field=section)
+            raise LatsimError("section missing or empty" if needed else "must be a list of rows",
+                              source=str(path), field=section)
         for i, r in enumerate(rows):
-            for c in cols:
+            for c in (*cols, *opt):
                 v = r.get(c) if isinstance(r, dict) else None
-                if not isinstance(v, (int, float)) or v < 0 or (c == "ms" and v <= 0):
-                    raise LatsimError("missing or invalid number", source=str(path),
-                                      field=f"{section}[{i}].{c}", value=v, has_value=True)
+                if v is None and c in opt:
+                    continue
+                if not _number(v, c):
+                    raise LatsimError("missing or invalid number" + (
+                        " (finite, > 0 and at most 1e7 ms)" if c == "ms" else
+                        " (finite, >= 0 and at most 1e9)"), source=str(path),
+                        field=f"{section}[{i}].{c}", value=v, has_value=True)
+    # The tables interpolate between distinct points: a repeated point divides by zero.
+    for section, keys in (("prefill", ("prior", "chunk")), ("decode", ("batch", "context")),
+                          ("decode_eager", ("batch", "context"))):
+        seen: dict = {}
+        for i, r in enumerate(data.get(section) or []):
+            k = tuple(float(r[c]) for c in keys)
+            if k in seen:
+                raise LatsimError(f"repeats {section}[{seen[k]}] (the same {keys[0]} and "
+                                  f"{keys[1]}): each row must be a distinct point",
+                                  source=str(path), field=f"{section}[{i}]",
+                                  value={c: r[c] for c in keys}, has_value=True)
+            seen[k] = i
     eng = data.setdefault("engine", {})
+    if not isinstance(eng, dict):
+        raise LatsimError("must be a mapping", source=str(path), field="engine",
+                          value=eng, has_value=True)
     if eng.get("decode_attention", "paged") not in ("paged", "padded"):
         raise LatsimError("must be 'paged' or 'padded'", source=str(path),
                           field="engine.decode_attention", value=eng.get("decode_attention"),
                           has_value=True)
+    for key in ("bookkeeping_ms", "host_overhead_ms"):
+        v = eng.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or not 0 <= v <= _MAX_MS):
+            raise LatsimError("must be a finite number of ms >= 0", source=str(path),
+                              field=f"engine.{key}", value=v, has_value=True)
     return data
 
 
-def _table_vec(t: _Table2D, qa: float, qb: np.ndarray) -> tuple[np.ndarray, int]:
-    """``_Table2D`` at one ``qa`` for many ``qb``: values and above-range count."""
-    a = t.a
-    if len(a) == 1 or qa <= a[0]:
-        return t.curves[0].vec(qb)
-    j = bisect.bisect_left(a, qa)
-    if j < len(a) and a[j] == qa:
-        return t.curves[j].vec(qb)
-    i = len(a) - 1 if qa >= a[-1] else bisect.bisect_right(a, qa)
-    y0, o0 = t.curves[i - 1].vec(qb)
-    y1, o1 = t.curves[i].vec(qb)
-    w = (qa - a[i - 1]) / (a[i] - a[i - 1])
-    n_out = len(qb) if qa > a[-1] else max(o0, o1)
-    return y0 + (y1 - y0) * w, n_out
+# Batch sizes whose decode curve is blended once per model (``table.blend``); a larger
+# batch reads the table itself.
+BLEND_BATCHES = 1025
 
 
 class ProfileCostModel:
-    """Step time (seconds) of a ``StepPlan``-shaped step, from a measured profile."""
+    """Step time (seconds) of a ``StepPlan``-shaped step, from a measured profile. The
+    lookups are ``table``'s kernels (the compiled event loop calls the same ones)."""
 
     def __init__(self, profile: dict, *, scale: float = 1.0, noise: bool = False,
                  rng: Optional[np.random.Generator] = None) -> None:
@@ -188,15 +164,15 @@ class ProfileCostModel:
         eng = profile.get("engine", {})
         self.padded = eng.get("decode_attention", "paged") == "padded"
         pre, dec = profile["prefill"], profile["decode"]
-        self._prefill = _Table2D([r["prior"] for r in pre], [r["chunk"] for r in pre],
-                                 [r["ms"] for r in pre])
-        self._decode = _Table2D([r["batch"] for r in dec], [r["context"] for r in dec],
-                                [r["ms"] for r in dec])
+        self.PT = T.pack_table([r["prior"] for r in pre], [r["chunk"] for r in pre],
+                               [r["ms"] for r in pre])
+        self.DT = T.pack_table([r["batch"] for r in dec], [r["context"] for r in dec],
+                               [r["ms"] for r in dec])
         # An engine that graphs pure-decode steps runs any step holding a prefill chunk
         # eagerly: the decode part of such a step costs what the eager rows say.
         eager = profile.get("decode_eager") or []
-        self._decode_eager = (_Table2D([r["batch"] for r in eager], [r["context"] for r in eager],
-                                       [r["ms"] for r in eager]) if eager else self._decode)
+        self.ET = (T.pack_table([r["batch"] for r in eager], [r["context"] for r in eager],
+                                [r["ms"] for r in eager]) if eager else self.DT)
         # Prefill rows time a chunk that completes its prompt (LM head + a sampled token);
         # ``prefill_partial`` rows time the same chunk leaving its prompt unfinished. Their
         # median difference is what a non-final chunk does not pay.
@@ -207,23 +183,56 @@ class ProfileCostModel:
         self._min_ms = float(min(all_ms))
         host = eng.get("host_overhead_ms")
         self.floor_ms = float(host) if host else float(min(all_ms))
-        self.alpha, self.mixed_residuals = self._fit_alpha(profile.get("mixed") or [])
         self.scale = scale
-        self._decode_curves: dict = {}
-        self.extrapolations = 0
-        self.lookups = 0
+        self.CF = np.zeros(T.C_NCONST)
+        self.CF[T.C_BK] = self.bookkeeping_ms
+        self.CF[T.C_LMHEAD] = self.lm_head_ms
+        self.CF[T.C_FLOOR] = self.floor_ms
+        self.CF[T.C_MIN] = self._min_ms
+        self.CF[T.C_SCALE] = scale
+        self.CF[T.C_PADDED] = 1.0 if self.padded else 0.0
+        self.alpha, self.mixed_residuals = self._fit_alpha(profile.get("mixed") or [])
+        self.CF[T.C_ALPHA] = self.alpha
+        # The three tables stacked, as the kernels take them (``table.pack_tables``), and
+        # the decode table blended per batch size (``table.blend``).
+        stacked = T.pack_tables(self.PT, self.DT, self.ET)
+        self.tables = stacked + T.blended(stacked, BLEND_BATCHES)
+        self.CL = np.zeros(2, dtype=np.int64)      # lookups, extrapolations
+        self._n = np.zeros(8, dtype=np.int64)
+        self._p = np.zeros(8, dtype=np.int64)
+        self._f = np.zeros(8, dtype=np.bool_)
         self._rng = rng if noise else None
         self.noise_sigma = self._fit_noise(pre + dec) if noise else 0.0
 
+    # -- counts -------------------------------------------------------------------------
+    @property
+    def lookups(self) -> int:
+        return int(self.CL[0])
+
+    @lookups.setter
+    def lookups(self, v: int) -> None:
+        self.CL[0] = v
+
+    @property
+    def extrapolations(self) -> int:
+        return int(self.CL[1])
+
+    @extrapolations.setter
+    def extrapolations(self, v: int) -> None:
+        self.CL[1] = v
+
     # -- fitting ---------------------------------------------------------------
+    def _row(self, tab, qa: float, qb: float) -> float:
+        return float(T.table(tab[0], tab[1], tab[2], tab[3], float(qa), float(qb))[0])
+
     def _fit_alpha(self, mixed: list) -> tuple[float, list]:
         """Least-squares share of the fixed cost saved per extra part, from mixed rows."""
         if not mixed:
             return 1.0, []
         excess = []
         for r in mixed:
-            d, _ = self._decode_eager(r["batch"], r["context"])
-            p, _ = self._prefill(r.get("prior", 0), r["chunk"])
+            d = self._row(self.ET, r["batch"], r["context"])
+            p = self._row(self.PT, r.get("prior", 0), r["chunk"])
             excess.append(d + p - r["ms"])
         # alpha < 0: a mixed step costs more than its parts (e.g. graphed decode rows, eager
         # mixed steps); alpha > 1 would save more than the whole floor, which is not physical.
@@ -248,111 +257,64 @@ class ProfileCostModel:
 
     # -- lookups -----------------------------------------------------------------
     def prefill_ms(self, chunk: int, prior: int) -> float:
-        y, out = self._prefill(prior, chunk)
-        self.lookups += 1
-        self.extrapolations += out
-        return y
+        """A profile row's time: one chunk that completes its prompt, nothing else."""
+        y, out = T.table(*self.PT, float(prior), float(chunk))
+        self.CL[0] += 1
+        self.CL[1] += out
+        return float(y)
 
     def decode_ms(self, batch: int, context: float) -> float:
-        y, out = self._decode(batch, context)
-        self.lookups += 1
-        self.extrapolations += out
-        return y
+        """A profile row's time: ``batch`` decodes at ``context``, nothing else."""
+        y, out = T.table(*self.DT, float(batch), float(context))
+        self.CL[0] += 1
+        self.CL[1] += out
+        return float(y)
+
+    def _noisy(self, ms):
+        if self._rng is not None and self.noise_sigma > 0:
+            s = self.noise_sigma
+            if np.ndim(ms):
+                z = self._rng.standard_normal(len(ms))
+                return ms * np.exp(s * z - 0.5 * s ** 2)
+            return ms * math.exp(s * self._rng.standard_normal() - 0.5 * s ** 2)
+        return ms
 
     def step_time(self, n_decode: int, decode_ctx_max: int, decode_ctx_sum: int,
                   chunks: Sequence[tuple]) -> float:
         """Seconds for one step: ``n_decode`` decodes and prefill parts, each
-        ``(chunk, prior)`` or ``(chunk, prior, completes_prompt)``."""
-        parts = 0
-        ms = self.bookkeeping_ms
-        if n_decode:
-            ctx = decode_ctx_max if self.padded else decode_ctx_sum / n_decode
-            if chunks:
-                y, out = self._decode_eager(n_decode, ctx)
-                self.lookups += 1
-                self.extrapolations += out
-                ms += y
-            else:
-                ms += self.decode_ms(n_decode, ctx)
-            parts = 1
-        for c in chunks:
-            # (chunk, prior) or (chunk, prior, completes_prompt); a non-final chunk skips
-            # the LM head the prefill rows include.
-            ms += self.prefill_ms(c[0], c[1])
-            if len(c) > 2 and not c[2]:
-                ms -= self.lm_head_ms
-            parts += 1
-        if parts > 1:
-            ms -= self.alpha * self.floor_ms * (parts - 1)
-        if ms < self._min_ms:
-            ms = self._min_ms   # no step is cheaper than the cheapest one measured
-        ms *= self.scale
-        if self._rng is not None and self.noise_sigma > 0:
-            ms *= math.exp(self.noise_sigma * self._rng.standard_normal()
-                           - 0.5 * self.noise_sigma ** 2)
-        return ms / 1000.0
+        ``(chunk, prior)`` or ``(chunk, prior, completes_prompt)`` (``table.step_ms``)."""
+        k = len(chunks)
+        if k > len(self._n):
+            self._n = np.zeros(2 * k, dtype=np.int64)
+            self._p = np.zeros(2 * k, dtype=np.int64)
+            self._f = np.zeros(2 * k, dtype=np.bool_)
+        n, p, f = self._n, self._p, self._f
+        for i, c in enumerate(chunks):
+            n[i] = c[0]
+            p[i] = c[1]
+            f[i] = bool(c[2]) if len(c) > 2 else True
+        ms = T.step_ms(self.CF, *self.tables, self.CL, n_decode, decode_ctx_max,
+                       decode_ctx_sum, n, p, f, k)
+        return self._noisy(ms) / 1000.0
 
     @property
     def min_step_s(self) -> float:
         """A lower bound on any step's time (s): the floor, shrunk for noise (5 sigma)."""
         return self._min_ms * self.scale / 1000.0 * math.exp(-5 * self.noise_sigma)
 
-    def _blended_decode(self, batch: int) -> tuple:
-        """The decode table blended at this batch size, once: knots, values (numpy and
-        lists), the slope above the last knot, and whether the batch lies beyond."""
-        curve = self._decode_curves.get(batch)
-        if curve is None:
-            grid = np.unique(np.concatenate([np.asarray(c.x) for c in self._decode.curves]))
-            y, _ = _table_vec(self._decode, float(batch), grid)
-            slope = float((y[-1] - y[-2]) / (grid[-1] - grid[-2])) if len(grid) > 1 else 0.0
-            curve = self._decode_curves[batch] = (grid, y, slope, batch > self._decode.a[-1],
-                                                  grid.tolist(), y.tolist())
-        return curve
-
     def decode_times(self, batch: int, ctx0: float, k: int) -> list:
         """Seconds of ``k`` consecutive decode-only steps of ``batch`` requests whose
         (longest, if padded; mean, if paged) context is ``ctx0`` at the first step and
-        grows by one per step - exactly what ``k`` calls of ``step_time`` would give."""
-        x, y, slope, beyond, xl, yl = self._blended_decode(batch)
-        bk, mn, sc = self.bookkeeping_ms, self._min_ms, self.scale / 1000.0
-        self.lookups += k
-        if k <= 32 and self._rng is None:
-            # Short epochs are the common case: plain Python beats numpy's call overhead.
-            out = []
-            n_out = 0
-            lo, hi = xl[0], xl[-1]
-            for j in range(k):
-                q = ctx0 + j
-                if q <= lo:
-                    v = yl[0]
-                elif q >= hi:
-                    v = yl[-1] + slope * (q - hi)
-                    n_out += q > hi
-                else:
-                    i = bisect.bisect_right(xl, q)
-                    x0, y0 = xl[i - 1], yl[i - 1]
-                    v = y0 + (yl[i] - y0) * (q - x0) / (xl[i] - x0)
-                v += bk
-                out.append((v if v > mn else mn) * sc)
-            self.extrapolations += k if beyond else n_out
-            return out
-        ctx = ctx0 + np.arange(k, dtype=np.float64)
-        ms = np.interp(ctx, x, y) + bk
-        n_out = k if beyond else 0
-        if ctx[-1] > x[-1]:
-            above = ctx > x[-1]
-            ms = np.where(above, y[-1] + slope * (ctx - x[-1]) + bk, ms)
-            n_out = k if beyond else int(above.sum())
-        self.extrapolations += n_out
-        ms = np.maximum(ms, mn) * self.scale
-        if self._rng is not None and self.noise_sigma > 0:
-            z = self._rng.standard_normal(k)
-            ms = ms * np.exp(self.noise_sigma * z - 0.5 * self.noise_sigma ** 2)
-        return (ms / 1000.0).tolist()
+        grows by one per step: ``k`` calls of ``step_time`` (``table.decode_run_ms``)."""
+        out = np.empty(k)
+        T.decode_run_ms(self.CF, *self.tables, self.CL, batch, ctx0, batch * ctx0, k, out,
+                        self._n, self._f)
+        return (self._noisy(out) / 1000.0).tolist()
 
     def describe(self) -> dict:
         """What the model fitted, for the run's summary."""
         return {
+            "kind": "profile",
             "decode_attention": "padded" if self.padded else "paged",
             "floor_ms": round(self.floor_ms, 4),
             "alpha": round(self.alpha, 4),

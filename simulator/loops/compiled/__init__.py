@@ -26,7 +26,7 @@ import numpy as np
 
 from simulator import kernel as _kernel
 from simulator.model.kv.manager import KVStats
-from simulator.cost.profile import ProfileCostModel
+from simulator.loops.compiled.cost import cost_kind
 from simulator.wire.network import ConnectionPools
 from simulator.loops.simpy.replica import MAX_EPOCH_STEPS
 
@@ -56,8 +56,10 @@ def worth_compiling(n_requests: int) -> bool:
 
 def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
                   rich: bool = False, mode: str = "auto", cost_given: bool = False,
-                  frame_time: float = 0.0) -> Optional[str]:
-    """Why the compiled loop cannot run this configuration (None if it can)."""
+                  frame_time: float = 0.0, traffic: Optional[str] = None) -> Optional[str]:
+    """Why the compiled loop cannot run this configuration (None if it can).
+    ``traffic``: the traffic control the scenario asks for (admission, clients,
+    autoscaling, utilisation series), which only the SimPy gateway models."""
     from simulator.loops.compiled.queue import policy_ids
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed"
@@ -67,6 +69,8 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         return f"bookkeeping mode {mode!r} was asked for"
     if rich:
         return "per-request stream models"
+    if traffic:
+        return traffic
     if cost_given:
         return "a cost model passed in"
     if policy_ids(policy) is None:
@@ -85,9 +89,9 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         if lo < 0 or hi >= MAX_CLASSES:
             return f"priority classes outside 0..{MAX_CLASSES - 1}"
     for c in costs:
-        if type(c) is not ProfileCostModel:
-            return "a cost model other than a profile"
-        if c._rng is not None:
+        if cost_kind(c) is None:
+            return f"cost model {type(c).__name__}"
+        if getattr(c, "_rng", None) is not None or getattr(c, "noise", None) is not None:
             return "cost noise"
         if frame_time > c.min_step_s:
             return "frames slower than the fastest step"
@@ -118,7 +122,9 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     series_cap = SERIES_CAP
     IP = np.zeros(S.P_NCOLS, dtype=np.int64)
     for col, v in ((S.P_R, R), (S.P_BUDGET, lim.max_num_batched_tokens),
-                   (S.P_MAXSEQS, max_seqs), (S.P_CHUNK, policy.chunk_size),
+                   (S.P_MAXSEQS, max_seqs), (S.P_CHUNK, policy.fill_limits()[1]),
+                   (S.P_FILLBUDGET, policy.fill_limits()[0]),
+                   (S.P_FILLSEQS, policy.fill_limits()[2]),
                    (S.P_FILL, fill_id), (S.P_CAPACITY, capacity),
                    (S.P_WATERMARK, int(rules.watermark * capacity)),
                    (S.P_PAGED, rules.allocation == "paged"), (S.P_BS, bs),
@@ -129,6 +135,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                    (S.P_HASUNTIL, until is not None), (S.P_MAXEPOCH, MAX_EPOCH_STEPS),
                    (S.P_FLUSH, flush), (S.P_SERCAP, series_cap), (S.P_ORDER, order_id),
                    (S.P_REQUEUE, policy.requeue), (S.P_TIMEDEP, policy.time_dependent),
+                   (S.P_PADDED, bool(costs[0].padded)),
                    (S.P_SWAP, rules.preemption == "swap"),
                    (S.P_VICTIM, rules.victim == "priority"),
                    (S.P_CPUBLOCKS, swap[1])):
@@ -210,7 +217,9 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     # epoch's gaps, and recomputed prefills' gaps; plus what waits for a flush.
     cap = flush + MAX_EPOCH_STEPS + 2 * width + 16
     ITL = (np.zeros(cap), np.zeros(cap, dtype=np.int64), np.zeros(2 * width + 16, dtype=np.int64))
-    COST = pack_cost(costs[0], max_seqs) + (np.zeros((R, 2), dtype=np.int64),)
+    # The cost model's arrays, the lookup counts per replica, epoch scratch, empty chunks.
+    COST = pack_cost(costs[0]) + (np.zeros((R, 2), dtype=np.int64), np.zeros(MAX_EPOCH_STEPS),
+                                  np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.bool_))
 
     itl = rec.itl
 
@@ -260,7 +269,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     rec.swap_copy_s += float(GF[S.H_SWAPCOPY])
     pools.new_connections += int(GI[S.G_NEWC])
     pools.reused_connections += int(GI[S.G_REUSEDC])
-    CL = COST[-1]
+    CL = COST[11]
     stats = []
     for r in range(R):
         costs[r].lookups += int(CL[r, 0])

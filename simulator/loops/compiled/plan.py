@@ -19,20 +19,27 @@ from simulator.model.kv.rules import epoch_room
 @jit
 def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, PRE, CHR, CHN,
          CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output, COST):
-    """``FastReplica.iterate``: plan the next step at ``now`` (or go idle). Returns 0,
-    or ``Y_EMPTY`` when the plan is empty (the run is then handed back)."""
-    CF, PT, DT, ET, G, YB, SL, BEY, CL = COST
+    """The top of the SimPy replica's loop: plan the next step at ``now`` (or go idle) and
+    schedule its end. In order: memory (a block for each decoder crossing a boundary,
+    preempting victims while blocks are short; swapped requests back before anyone new);
+    the policy's fill rule, offered the waiting requests in its order a few at a time
+    (the protocol of ``simulator.model.scheduling.policy``), and its admissions; then a
+    decode epoch, one step, or an iteration that only copies swapped blocks. Returns 0,
+    or ``Y_EMPTY`` when the plan is empty (the run is then handed back).
+
+    One kernel, not three: numba passes the state's tuples of arrays by value on every
+    call, and the split version of this, the hottest function, ran the speed benchmark
+    at half the speed."""
+    KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL, EBUF, Z, F = COST
     if (RS[r, S.R_ND] == 0 and RS[r, S.R_NP] == 0 and RS[r, S.R_WLEN] == 0
             and RS[r, S.R_SLEN] == 0):
         RS[r, S.R_IDLE] = 1
         return 0
     ticks = RS[r, S.R_TICKS]
     bs = IP[S.P_BS]
-    hold = False
     RF[r, S.F_COPY] = 0.0
+    hold = False
     if IP[S.P_PAGED]:
-        # ``_make_room``: a block for each decoder crossing a boundary now, preempting
-        # victims while the free blocks are too few.
         fresh = ticks > RS[r, S.R_GROWN]
         due = RS[r, S.R_LATE]
         if fresh:
@@ -45,16 +52,12 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
                 due = make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio,
                                 DEC, PRE, PHASE, LT_T, LT_C, prompt, output)
             RS[r, S.R_FREE] -= due
-    # Swapped requests come back before anyone new; a step that preempted, or that
-    # left someone swapped out, admits nobody.
     if RS[r, S.R_SLEN] and not hold:
         swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output)
     hold = hold or RS[r, S.R_SLEN] > 0
     free = 0 if hold else RS[r, S.R_FREE] - IP[S.P_WATERMARK]
     nd0 = RS[r, S.R_ND]
     npre = RS[r, S.R_NP]
-    # The policy's fill rule, offered the waiting requests in its order a few at a time
-    # (the protocol of ``simulator.model.scheduling.policy``).
     CAND, CREM, CNEED, COUT = WQ[S.W_CAND], WQ[S.W_CREM], WQ[S.W_CNEED], WQ[S.W_COUT]
     PREM, POUT = WQ[S.W_PREM], WQ[S.W_POUT]
     for i in range(npre):
@@ -74,8 +77,8 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
             CREM[nc] = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED]
             CNEED[nc] = adm_blocks(rid, IP, RQ, prompt, output)[1]
             nc += 1
-        nd, nch, nadm, more = fill(IP[S.P_FILL], IP[S.P_BUDGET], IP[S.P_CHUNK],
-                                   IP[S.P_MAXSEQS], nd0 + npre, free, nd0, PREM, npre, CREM,
+        nd, nch, nadm, more = fill(IP[S.P_FILL], IP[S.P_FILLBUDGET], IP[S.P_CHUNK],
+                                   IP[S.P_FILLSEQS], nd0 + npre, free, nd0, PREM, npre, CREM,
                                    CNEED, nc, POUT, COUT)
         if not more or k == n_wait or k == cap:
             break
@@ -124,11 +127,12 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
             k = IP[S.P_MAXEPOCH]
         k = epoch_room(IP[S.P_PAGED] != 0, nd, k, bs, RS[r, S.R_FREE])
         if k > 1:
-            if CF[6] != 0.0:
+            if IP[S.P_PADDED]:
                 ctx0 = float(RS[r, S.R_KEYMAX] + ticks)
             else:
                 ctx0 = (RS[r, S.R_KEYSUM] + nd * ticks) / nd
-            decode_ends(CF, G, YB, SL, BEY, CL[r], nd, ctx0, k, now, ENDS[r])
+            decode_ends(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL[r], nd, ctx0, k, now,
+                        ENDS[r], EBUF, Z, F)
             RS[r, S.R_INEP] = 1
             RS[r, S.R_HASENDS] = 1
             RS[r, S.R_MODE] = S.MODE_EPOCH
@@ -148,7 +152,8 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
         rid = CHR[r, i]
         CHP[i] = RQ[rid, S.Q_PREFILLED]
         CHF[i] = RQ[rid, S.Q_PREFILLED] + CHN[r, i] >= RQ[rid, S.Q_PLEN]
-    dt = step_time(CF, PT, DT, ET, CL[r], nd, ctx_max, ctx_sum, CHN[r], CHP, CHF, nch) + copy_s
+    dt = step_time(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL[r], nd, ctx_max, ctx_sum,
+                   CHN[r], CHP, CHF, nch) + copy_s
     GI[S.G_STEPS] += 1
     GF[S.H_STEPTOT] += dt
     GF[S.H_SWAPCOPY] += copy_s

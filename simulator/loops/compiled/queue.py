@@ -17,9 +17,10 @@ from simulator.model.policies.chunked import fill_chunked
 from simulator.model.policies.fair_score import fair_key
 from simulator.model.policies.fifo import fill_whole_prompts
 from simulator.model.policies.priority_aging import aging_key
+from simulator.model.policies.static import fill_static
 from simulator.model.scheduling.policy import REQUEUE_ARRIVAL, REQUEUE_FRONT
 
-FILLS = (fill_whole_prompts, fill_chunked)
+FILLS = (fill_whole_prompts, fill_chunked, fill_static)
 ORDERS = (None, aging_key, fair_key)          # None: arrival order (one FIFO)
 
 
@@ -37,6 +38,9 @@ def fill(fill_id, budget, chunk, max_seqs, n_running, free, n_dec, pre_rem, n_pr
     if fill_id == 0:
         return fill_whole_prompts(budget, chunk, max_seqs, n_running, free, n_dec, pre_rem,
                                   n_pre, cand_rem, cand_need, n_cand, out_pre, out_cand)
+    if fill_id == 2:
+        return fill_static(budget, chunk, max_seqs, n_running, free, n_dec, pre_rem, n_pre,
+                           cand_rem, cand_need, n_cand, out_pre, out_cand)
     return fill_chunked(budget, chunk, max_seqs, n_running, free, n_dec, pre_rem, n_pre,
                         cand_rem, cand_need, n_cand, out_pre, out_cand)
 

@@ -144,6 +144,11 @@ class Replica(ReplicaMemory, ReplicaApply):
         self._series = rec.series[index]
         self._series_interval = series_interval
         self._last_sample = -float("inf")
+        # Work done, read by utilisation series and queue-wait estimates: seconds in
+        # steps, steps run, and an optional ``report.utilization.UtilTracker``.
+        self.busy_s = 0.0
+        self.steps_run = 0
+        self.util = None
         self.process = env.process(self._run())
 
     @property
@@ -235,6 +240,9 @@ class Replica(ReplicaMemory, ReplicaApply):
                     # Only a swap copy this iteration: charge it, then plan again.
                     yield env.timeout(self._copy_s)
                     rec.swap_copy_s += self._copy_s
+                    self.busy_s += self._copy_s
+                    if self.util is not None:
+                        self.util.idle_copy(self._copy_s)
                     continue
                 # Only waiting requests that cannot be admitted and nothing running: the
                 # enqueue-time check rejects requests larger than the cache, so this is a
@@ -277,6 +285,10 @@ class Replica(ReplicaMemory, ReplicaApply):
                 rec.steps += 1
                 rec.step_time_total += dt
                 rec.swap_copy_s += self._copy_s
+                self.busy_s += dt
+                self.steps_run += 1
+                if self.util is not None:
+                    self.util.step(dt, nd, ctx_sum, chunks)
                 yield env.timeout(dt)
                 t = env.now
                 if self.fast:
@@ -288,6 +300,8 @@ class Replica(ReplicaMemory, ReplicaApply):
                 self._finish_due(t)
             if env.now - self._last_sample >= self._series_interval:
                 self._sample(env.now)
+                if self.util is not None:
+                    self.util.sample(env.now)
 
     def _admit(self, plan: StepPlan, now: float) -> StepPlan:
         """Move the plan's admissions into the running set (``KVSpace.admit_plan``)."""
@@ -337,6 +351,10 @@ class Replica(ReplicaMemory, ReplicaApply):
         self._epoch_ends = None
         self.rec.steps += m
         self.rec.step_time_total += ends[m - 1] - now
+        self.busy_s += ends[m - 1] - now
+        self.steps_run += m
+        if self.util is not None:
+            self.util.decode_run(ends[m - 1] - now, m, nd, self._key_sum + nd * self.ticks)
         gaps = [ends[i + 1] - ends[i] for i in range(m - 1)] if m > 1 else None
         self._decode_fast(env.now, m, ends[0], gaps)
         if self.kv.paged:

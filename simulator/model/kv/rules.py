@@ -98,3 +98,17 @@ def epoch_room(paged, n_decode, k, block_size, free_blocks):
         return k
     room = block_size * (free_blocks // n_decode)
     return room if room < k else k
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every memory rule now (a real engine calls
+    this before serving, so its first steps do not pay for it)."""
+    ceil_blocks(1, 16)
+    admission_tokens(True, 1, -1, 1, 1)
+    never_fits(True, 1, 1, -1, 16, 1, 0)
+    later_victim(0, 0.0, 0, 0, 0.0, 1, True)
+    swaps_out(True, True, 0, 1, -1)
+    recompute_loss(True, 1, 1, 1)
+    recovered_by_hit(0, 0)
+    swap_in_fits(1, 16, 0, 1)
+    epoch_room(True, 1, 1, 16, 1)

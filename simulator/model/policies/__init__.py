@@ -1,6 +1,6 @@
 """The built-in scheduling policies, one module each (importing this package registers
-them): ``fifo``, ``chunked``, ``priority_aging`` and ``fair_score``. A user's policy is a
+them): ``fifo``, ``chunked``, ``priority_aging``, ``fair_score`` and ``static``. A user's policy is a
 module like these, named in a scenario's ``plugins:`` list."""
-from simulator.model.policies import chunked, fair_score, fifo, priority_aging  # noqa: F401
+from . import chunked, fair_score, fifo, priority_aging, static  # noqa: F401
 
-__all__ = ["chunked", "fair_score", "fifo", "priority_aging"]
+__all__ = ["chunked", "fair_score", "fifo", "priority_aging", "static"]

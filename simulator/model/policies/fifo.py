@@ -15,13 +15,11 @@ from simulator.model.scheduling.policy import REQUEUE_FRONT, Policy, PolicyParam
 
 
 @kernel
-def fill_whole_prompts(budget, chunk, max_seqs, n_running, free, n_dec, pre_rem, n_pre,
-                       cand_rem, cand_need, n_cand, out_pre, out_cand):
-    """The fill rule of ``fifo`` (protocol in ``scheduling.policy``): whole prompts
-    while they fit, else every decode. ``chunk`` is not used."""
+def prefill_whole(budget, pre_rem, n_pre, out_pre):
+    """The running prefills, each whole, while they fit in ``budget`` (the first one
+    always): ``(prefills taken, tokens used)``."""
     used = 0
     npc = 0
-    # A request left mid-prefill (only if an executor split it) finishes first.
     for i in range(n_pre):
         n = pre_rem[i]
         if npc and used + n > budget:
@@ -29,6 +27,16 @@ def fill_whole_prompts(budget, chunk, max_seqs, n_running, free, n_dec, pre_rem,
         out_pre[i] = n
         used += n
         npc += 1
+    return npc, used
+
+
+@kernel
+def fill_whole_prompts(budget, chunk, max_seqs, n_running, free, n_dec, pre_rem, n_pre,
+                       cand_rem, cand_need, n_cand, out_pre, out_cand):
+    """The fill rule of ``fifo`` (protocol in ``scheduling.policy``): whole prompts
+    while they fit, else every decode. ``chunk`` is not used."""
+    # A request left mid-prefill (only if an executor split it) finishes first.
+    npc, used = prefill_whole(budget, pre_rem, n_pre, out_pre)
     na = 0
     running = n_running
     more = True

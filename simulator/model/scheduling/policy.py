@@ -100,11 +100,26 @@ class Policy:
         from simulator.model.scheduling.queues import WaitingQueue
         return WaitingQueue(self)
 
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) this policy's kernels now, so that a real
+        engine's first step does not pay for it (it can take a second, and would show
+        as a late first step)."""
+        z = np.zeros(1, np.int64)
+        budget, chunk, max_seqs = self.fill_limits()
+        self.fill_kernel(budget, chunk, max_seqs, 0, 0, 0, z, 0, z, z, 0, z, z)
+        if self.order_kernel is not None:
+            self.order_kernel(0, 0.0, 0.0, 0.0, self._order)
+
     # -- the decision ------------------------------------------------------------------
+    def fill_limits(self) -> tuple[int, int, int]:
+        """``(budget, chunk, max_seqs)`` the fill rule is called with (a policy may fill
+        within tighter limits than the engine's, e.g. a static batch size)."""
+        return self.limits.max_num_batched_tokens, self.chunk_size, self.limits.max_num_seqs
+
     def schedule(self, state: SchedulerState) -> StepPlan:
         """The step to run now: the fill rule over the state (see module doc). Pure: it
         reads the state and mutates nothing."""
-        lim = self.limits
+        budget, chunk, max_seqs = self.fill_limits()
         dec, pre = state.decoding, state.prefilling
         n_pre = len(pre)
         pre_rem = np.fromiter((s.remaining_prefill for s in pre), np.int64, n_pre)
@@ -124,8 +139,8 @@ class Policy:
                 need.append(blocks)
             out_cand = np.zeros(len(cands), np.int64)
             nd, npc, na, more = self.fill_kernel(
-                lim.max_num_batched_tokens, self.chunk_size, lim.max_num_seqs,
-                state.num_running, state.free_blocks, len(dec), pre_rem, n_pre,
+                budget, chunk, max_seqs, state.num_running, state.free_blocks, len(dec),
+                pre_rem, n_pre,
                 np.asarray(rem, np.int64), np.asarray(need, np.int64), len(cands),
                 out_pre, out_cand)
             if not more or k == n_wait:
