@@ -2,7 +2,10 @@
 
 - ``profile``: interpolation in a measured profile's table (``profile``);
 - ``fitted``: the physics model (``physics``) with coefficients fitted to a measured
-  profile (``fit``, ``fitted``).
+  profile (``fit``, ``fitted``);
+- ``roofline``: the same physics model with its constants from the GPU and model
+  catalogues and default efficiencies, optionally calibrated to a few measured rows
+  (``roofline``).
 """
 from __future__ import annotations
 
@@ -44,6 +47,19 @@ def _register_fitted() -> None:
 
 
 _register_fitted()
+
+
+def _build_roofline(cfg, rng, base_dirs: Sequence[Path], profile: dict | None = None):
+    from simulator.cost.roofline.model import build_roofline
+    return build_roofline(cfg, rng, base_dirs, profile=profile)
+
+
+def _register_roofline() -> None:
+    from simulator.cost.roofline.model import RooflineCostConfig
+    COST_MODELS.register("roofline", RooflineCostConfig, _build_roofline)
+
+
+_register_roofline()
 
 
 def profile_path_of(cfg) -> str | None:

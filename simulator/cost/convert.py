@@ -1,7 +1,13 @@
-"""Convert the H200 reference-bench step costs (``h200-refbench/profile.csv``) to a
-latsim profile. The CSV's columns and the engine it measured are described in
+"""Convert the H200 reference-bench step costs (``data/h200-refbench/profile.csv``) to
+a latsim profile. The CSV's columns and the engine it measured are described in
 that folder's README; the facts that matter for cost are carried over: decode
 attention padded to the longest context, and no CUDA graphs (host-bound floor).
+
+The shipped ``profiles/h200-llama3-8b-refbench.json`` is this conversion plus one
+calibration step, the engine facts measured on the engine's two recorded runs
+(``simulator.cost.calibration``; the command is in ``profiles/README.md``): the
+profile equals ``calibrate.apply_calibration(refbench_to_profile(csv),
+profile["meta"]["calibration"])``.
 """
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ def refbench_to_profile(csv_path: str | Path) -> dict:
         "format": "latsim-profile/1",
         "meta": {
             "hardware": "NVIDIA H200 141GB (132 SMs), 16 host cores",
-            "source": "shared/data/h200-refbench/profile.csv (reference eager engine, "
+            "source": "data/h200-refbench/profile.csv (reference eager engine, "
                       "measured 2026-11-30; see that folder's README)",
             "model": REFBENCH_MODEL,
             "dtype": "bf16",

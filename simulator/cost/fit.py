@@ -4,14 +4,14 @@ Every row of the profile (``prefill``, ``decode``, ``mixed``, and the optional
 ``decode_eager`` and ``prefill_partial``) is one measured step. The non-negative
 coefficients (host milliseconds, efficiencies, one-block rates, transition
 exponents, the kernels' device floor) are fitted to all of them at once by minimising
-a robust (Huber) loss of the relative error, ``log(predicted / measured)``, with a
-projected Levenberg-Marquardt solver on the logarithms of the coefficients (so they
-stay positive and within physical bounds), plus a weak pull towards typical values
-that only decides what the rows leave open. numpy only.
+a robust (Huber) loss of the relative error, ``log(predicted / measured)``, with the
+projected Levenberg-Marquardt solver (``simulator.cost.solve``) on the logarithms of
+the coefficients (so they stay positive and within physical bounds), plus a weak pull
+towards typical values that only decides what the rows leave open. numpy only.
 
 - Targets: timing noise only ever adds time, so a row measured slower than a row
   that holds at least its work carries noise, not cost: each row's median is capped
-  by the rows that dominate it (``monotone_envelope``).
+  by the rows that dominate it (``rows.monotone_envelope``).
 - Weights: a row whose repeats spread widely (p10 to p90) pulls less.
 - Where decode attention spills into a further wave of thread blocks is a step
   function of the batch, chosen on a grid; a profile measured at powers of two
@@ -22,7 +22,8 @@ that only decides what the rows leave open. numpy only.
 A profile that lacks the rows a term needs does not fit that term: it is tied to a
 stated neighbour or fixed at a stated default, and ``FitResult.fallbacks`` says why.
 The report gives the in-sample and leave-one-out relative errors per row kind, both
-against the measured medians and against the capped ones.
+against the measured medians and against the capped ones. A fit stored in the
+profile (``meta.fit``) is ``simulator.cost.fitstore``'s.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from simulator.cost import physics as ph
+from simulator.cost.rows import (KINDS, Rows, dominates, monotone_envelope, predict_rows,
+                                 profile_rows)
+from simulator.cost.solve import solve
 
 # Peak rates of known GPUs (dense bf16 TFLOP/s, memory GB/s). The H200 numbers are
 # the ones measured on the reference H200 (an 8192^3 bf16 matmul; a device-to-device
@@ -85,99 +89,6 @@ HUBER = 0.02            # relative error beyond which a row's pull is capped
 WAVE_BLOCKS_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
 WAVE_COST_GRID = (0.5, 1.0)
 WAVE_GAIN = 0.02        # a wave limit must lower the loss by this share to be adopted
-KINDS = ("prefill", "decode", "mixed", "decode_eager", "prefill_partial")
-
-
-@dataclass
-class Rows:
-    """Profile rows as arrays of single-chunk steps (``rows_ms``'s arguments)."""
-
-    kind: np.ndarray
-    nd: np.ndarray
-    ctx_max: np.ndarray
-    ctx_sum: np.ndarray
-    chn: np.ndarray
-    chp: np.ndarray
-    chf: np.ndarray
-    has_chunk: np.ndarray
-    eager: np.ndarray
-    ms: np.ndarray
-    p10: np.ndarray
-    p90: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.ms)
-
-    def subset(self, m) -> "Rows":
-        return Rows(**{k: getattr(self, k)[m] for k in self.__dataclass_fields__})
-
-
-def profile_rows(profile: dict) -> Rows:
-    """Every measured row of a profile as one step (module doc)."""
-    cols: dict = {k: [] for k in Rows.__dataclass_fields__}
-
-    def add(kind, nd, ctx, n, prior, final, eager, r):
-        cols["kind"].append(kind)
-        cols["nd"].append(int(nd))
-        cols["ctx_max"].append(int(ctx) if nd else 0)
-        cols["ctx_sum"].append(int(nd) * int(ctx) if nd else 0)
-        cols["chn"].append(int(n))
-        cols["chp"].append(int(prior))
-        cols["chf"].append(bool(final))
-        cols["has_chunk"].append(n > 0)
-        cols["eager"].append(bool(eager))
-        ms = float(r["ms"])
-        cols["ms"].append(ms)
-        cols["p10"].append(float(r.get("p10") or ms))
-        cols["p90"].append(float(r.get("p90") or ms))
-
-    for r in profile.get("prefill") or []:
-        add("prefill", 0, 0, r["chunk"], r.get("prior", 0), True, False, r)
-    for r in profile.get("prefill_partial") or []:
-        add("prefill_partial", 0, 0, r["chunk"], r.get("prior", 0), False, False, r)
-    for r in profile.get("decode") or []:
-        add("decode", r["batch"], r["context"], 0, 0, False, False, r)
-    for r in profile.get("decode_eager") or []:
-        add("decode_eager", r["batch"], r["context"], 0, 0, False, True, r)
-    for r in profile.get("mixed") or []:
-        add("mixed", r["batch"], r["context"], r["chunk"], r.get("prior", 0), True, False, r)
-    return Rows(kind=np.array(cols["kind"]), nd=np.array(cols["nd"], np.int64),
-                ctx_max=np.array(cols["ctx_max"], np.int64),
-                ctx_sum=np.array(cols["ctx_sum"], np.int64),
-                chn=np.array(cols["chn"], np.int64), chp=np.array(cols["chp"], np.int64),
-                chf=np.array(cols["chf"], np.bool_),
-                has_chunk=np.array(cols["has_chunk"], np.bool_),
-                eager=np.array(cols["eager"], np.bool_), ms=np.array(cols["ms"]),
-                p10=np.array(cols["p10"]), p90=np.array(cols["p90"]))
-
-
-def _dominates(rows: Rows, s: int, r: int, graphs: bool) -> bool:
-    """Whether step ``s`` holds at least the work of step ``r`` (``monotone_envelope``)."""
-    if rows.nd[r] > 0 and (rows.nd[s] < rows.nd[r] or rows.ctx_max[s] < rows.ctx_max[r]):
-        return False
-    if rows.has_chunk[r] and not (rows.has_chunk[s] and rows.chn[s] >= rows.chn[r]
-                                  and rows.chp[s] >= rows.chp[r]
-                                  and (rows.chf[s] or not rows.chf[r])):
-        return False
-    g_s = graphs and rows.nd[s] > 0 and not rows.has_chunk[s] and not rows.eager[s]
-    g_r = graphs and rows.nd[r] > 0 and not rows.has_chunk[r] and not rows.eager[r]
-    # A graph replay is cheaper than the same step run eagerly.
-    return not (g_s and not g_r)
-
-
-def monotone_envelope(rows: Rows, graphs: bool) -> np.ndarray:
-    """Each row's time, capped by every row that holds at least its work (as many
-    decodes at at least its context, a chunk at least as large after at least as long
-    a prefix, completing if it completes, eager if it is eager): such a step can only
-    cost more, and timing noise only ever adds time, so a row measured slower than a
-    step that does more carries noise, not cost. Returns the capped times."""
-    n = len(rows)
-    out = rows.ms.copy()
-    for r in range(n):
-        for s in range(n):
-            if s != r and rows.ms[s] < out[r] and _dominates(rows, s, r, graphs):
-                out[r] = rows.ms[s]
-    return out
 
 
 def hardware_of(profile: dict) -> tuple[dict, str]:
@@ -308,19 +219,13 @@ def plan_terms(rows: Rows, c: np.ndarray) -> tuple[list, dict, dict]:
     return free, ties, why
 
 
-def _apply(c: np.ndarray, free: list, ties: dict, x: np.ndarray) -> np.ndarray:
+def with_log_coefficients(c: np.ndarray, free: list, ties: dict, x: np.ndarray) -> np.ndarray:
+    """A copy of ``c`` with the coefficients ``free`` set to ``exp(x)`` and each tied
+    one (``ties``: ``{tied: source}``) to its source's value."""
     out = c.copy()
     out[free] = np.exp(x)
     for k, v in ties.items():
         out[k] = out[v]
-    return out
-
-
-def predict_rows(c: np.ndarray, rows: Rows) -> np.ndarray:
-    """Modelled milliseconds of every row (no bookkeeping, no scale: as profiled)."""
-    out = np.empty(len(rows))
-    ph.rows_ms(c, rows.nd, rows.ctx_max, rows.ctx_sum, rows.chn, rows.chp, rows.chf,
-               rows.has_chunk, rows.eager, out)
     return out
 
 
@@ -334,11 +239,12 @@ def row_scale(rows: Rows) -> np.ndarray:
 
 
 def _solve(c, free, ties, rows, x0, lo, hi, iters=200):
-    """Projected Levenberg-Marquardt on log-coefficients with Huber-weighted log errors,
-    plus a weak pull of every coefficient towards its default (``PRIOR``), which only
-    decides between coefficients the rows cannot tell apart."""
+    """``solve`` (the shared solver, with its defaults: they are this fit's) on the
+    log-coefficients ``free``: Huber-weighted log errors of the rows (``row_scale``),
+    plus a weak pull of every coefficient towards its default (``PRIOR``, Huber-capped
+    like the rows), which only decides between coefficients the rows cannot tell
+    apart. Returns ``(x, residuals, loss)``."""
     logm = np.log(rows.ms)
-    x = np.clip(x0.copy(), lo, hi)
     scale = row_scale(rows)
     default = {p[0]: np.log(p[1]) for p in PARAMS}
     xp = np.array([default[i] for i in free])
@@ -347,62 +253,11 @@ def _solve(c, free, ties, rows, x0, lo, hi, iters=200):
                    for i in free])
 
     def resid(xv):
-        pred = predict_rows(_apply(c, free, ties, xv), rows)
+        pred = predict_rows(with_log_coefficients(c, free, ties, xv), rows)
         return np.concatenate([(np.log(np.maximum(pred, 1e-12)) - logm) * scale,
                                pw * (xv - xp)])
 
-    def huber_w(r):
-        a = np.abs(r)
-        return np.where(a <= HUBER, 1.0, HUBER / np.maximum(a, 1e-300))
-
-    def loss(r):
-        a = np.abs(r)
-        return float(np.sum(np.where(a <= HUBER, 0.5 * a * a, HUBER * (a - 0.5 * HUBER))))
-
-    r = resid(x)
-    f = loss(r)
-    lam = 1e-3
-    eps = 1e-6
-    for _ in range(iters):
-        w = huber_w(r)
-        J = np.empty((len(r), len(x)))
-        for j in range(len(x)):
-            xp = x.copy()
-            step = eps if xp[j] + eps <= hi[j] else -eps
-            xp[j] += step
-            J[:, j] = (resid(xp) - r) / step
-        sw = np.sqrt(w)
-        A = J * sw[:, None]
-        g = A.T @ (r * sw)
-        H = A.T @ A
-        # Coordinates pinned at a bound with the gradient pushing outwards stay there.
-        pinned = ((x <= lo + 1e-12) & (g > 0)) | ((x >= hi - 1e-12) & (g < 0))
-        improved = False
-        for _ in range(12):
-            M = H + lam * np.diag(np.diag(H) + 1e-9)
-            M[pinned, :] = 0.0
-            M[:, pinned] = 0.0
-            M[pinned, pinned] = 1.0
-            gg = np.where(pinned, 0.0, g)
-            try:
-                dx = -np.linalg.solve(M, gg)
-            except np.linalg.LinAlgError:
-                dx = -gg / (np.diag(M) + 1e-9)
-            xn = np.clip(x + dx, lo, hi)
-            rn = resid(xn)
-            fn = loss(rn)
-            if fn < f:
-                improved = True
-                break
-            lam *= 10.0
-        if not improved:
-            break
-        done = f - fn < 1e-10 * max(f, 1e-12)
-        x, r, f = xn, rn, fn
-        lam = max(lam / 10.0, 1e-9)
-        if done:
-            break
-    return x, r, f
+    return solve(resid, x0, lo, hi, huber=HUBER, iters=iters)
 
 
 @dataclass
@@ -419,29 +274,43 @@ class FitResult:
     targets: np.ndarray = None       # what was fitted: the medians capped by the envelope
     cv_capped: np.ndarray = None     # leave-one-out error against the capped median
     errors: dict = field(default_factory=dict)
+    source: str = "fitted to the profile's rows"
 
     def coefficients(self) -> dict:
         """The fitted coefficients by name (physical units)."""
         return {ph.NAMES[p[0]]: float(self.c[p[0]]) for p in PARAMS}
 
 
-def _stats(e: np.ndarray) -> dict:
-    a = np.abs(e[np.isfinite(e)])
+def error_stats(err) -> dict:
+    """``n``, median, 90th percentile and maximum of absolute relative errors (the
+    finite ones)."""
+    a = np.abs(np.asarray(err, float))
+    a = a[np.isfinite(a)]
     if not len(a):
         return {"n": 0}
     return {"n": int(len(a)), "median": float(np.median(a)),
             "p90": float(np.percentile(a, 90)), "max": float(a.max())}
 
 
+HOST_TERMS = (ph.C_H_STEP, ph.C_H_DECODE, ph.C_H_CHUNK, ph.C_H_PREFIX, ph.C_H_GRAPH)
+
+
 def _restarts(free: list, x0: np.ndarray) -> list:
     """Deterministic extra starting points: the kernel floor, the weight-streaming
-    efficiency and the host/device sharpness set low and high in turn."""
+    efficiency and the host/device sharpness set low and high in turn, and the host
+    times scaled up and down (a large host share with a soft overlap and a small one
+    with a hard overlap can meet the same rows: the ridge the restarts are for)."""
     out = []
-    for dph, ew, ps in ((0.05, 0.5, 16.0), (0.5, 0.9, 3.0), (0.25, 0.7, 8.0)):
+    for dph, ew, ps, host in ((0.05, 0.5, 16.0, 1.0), (0.5, 0.9, 3.0, 1.0),
+                              (0.25, 0.7, 8.0, 1.0), (0.25, 0.7, 4.0, 3.0),
+                              (0.25, 0.7, 4.0, 1.0 / 3.0)):
         x = x0.copy()
         for idx, v in ((ph.C_DEV_PER_HOST, dph), (ph.C_E_WEIGHTS, ew), (ph.C_P_STEP, ps)):
             if idx in free:
                 x[free.index(idx)] = np.log(v)
+        for idx in HOST_TERMS:
+            if idx in free:
+                x[free.index(idx)] += np.log(host)
         out.append(x)
     return out
 
@@ -500,7 +369,7 @@ def fit(profile: dict, *, cv: bool = True) -> FitResult:
         why["decode_blocks_per_sm"] = ("no wave limit fits the profile clearly better than "
                                       "none (its batch sizes cannot place a cliff): smooth; "
                                       "set engine.decode_blocks_per_sm to impose one")
-    best_c = _apply(c, free, ties, x)
+    best_c = with_log_coefficients(c, free, ties, x)
     resid = predict_rows(best_c, rows) / rows.ms - 1.0
     cv_res = np.full(len(rows), np.nan)
     cv_cap = np.full(len(rows), np.nan)
@@ -511,7 +380,7 @@ def fit(profile: dict, *, cv: bool = True) -> FitResult:
             train = rows.subset(keep)
             train = _with_ms(train, monotone_envelope(train, graphs))
             xi, _, _ = _solve(c, free, ties, train, x, lo, hi, iters=60)
-            ci = _apply(c, free, ties, xi)
+            ci = with_log_coefficients(c, free, ties, xi)
             pred = predict_rows(ci, rows.subset(~keep))[0]
             cv_res[i] = pred / rows.ms[i] - 1.0
             # The left-out row capped by the rows that hold more work (only those:
@@ -519,7 +388,7 @@ def fit(profile: dict, *, cv: bool = True) -> FitResult:
             cap = rows.ms[i]
             others = np.where(keep)[0]
             for j in others:
-                if rows.ms[j] < cap and _dominates(rows, j, i, graphs):
+                if rows.ms[j] < cap and dominates(rows, j, i, graphs):
                     cap = rows.ms[j]
             cv_cap[i] = pred / cap - 1.0
     hw = hardware_of(profile)[1]
@@ -527,8 +396,9 @@ def fit(profile: dict, *, cv: bool = True) -> FitResult:
                     rows=rows, residuals=resid, cv_residuals=cv_res, targets=target.ms,
                     cv_capped=cv_cap)
     fit_cap = predict_rows(best_c, rows) / target.ms - 1.0
-    res.errors = {k: {"fit": _stats(resid[rows.kind == k]), "cv": _stats(cv_res[rows.kind == k]),
-                      "fit_capped": _stats(fit_cap[rows.kind == k]),
-                      "cv_capped": _stats(cv_cap[rows.kind == k])}
+    res.errors = {k: {"fit": error_stats(resid[rows.kind == k]),
+                      "cv": error_stats(cv_res[rows.kind == k]),
+                      "fit_capped": error_stats(fit_cap[rows.kind == k]),
+                      "cv_capped": error_stats(cv_cap[rows.kind == k])}
                   for k in KINDS if (rows.kind == k).any()}
     return res

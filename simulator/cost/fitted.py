@@ -10,9 +10,16 @@ applied to each step.
 
 Engine facts a profile's rows cannot show are read from its ``engine`` section when
 present: ``bookkeeping_ms`` and ``bookkeeping_seq_ms`` (host time between steps, per
-step and per sequence in it) and ``decode_blocks_per_sm`` / ``decode_wave_cost``
-(where decode attention spills into further waves); ``simulator.cost.runs`` measures
-them on recorded serving runs.
+step and per sequence in it), ``decode_blocks_per_sm`` / ``decode_wave_cost``
+(where decode attention spills into further waves) and ``step_tail`` (what slow
+episodes and stalls add to a typical step on average; applied to every step when the
+step-time noise is off, since the noise draws them otherwise);
+``simulator.cost.calibration`` measures them on recorded serving runs.
+
+A profile may carry its fit in ``meta.fit`` (``latsim fit --write``, or the
+coefficients ``latsim calibrate`` fitted to a recorded run): it is used only while
+its content hash matches the profile's rows, engine facts and the fit's settings;
+otherwise the rows are fitted again (``fitted_constants``).
 
 ``FittedCostConfig`` is the ``model.cost`` section of ``kind: fitted`` and
 ``build_fitted`` builds the model from it (the signature the cost-model registry
@@ -31,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from simulator.cost import physics as ph
 from simulator.cost.fit import FitResult, fit
+from simulator.cost.fitstore import fit_from_dict, stored_fit_state
 from simulator.cost.noise import NoiseModel
 
 _FITS: dict = {}
@@ -48,14 +56,34 @@ class FittedCostConfig(BaseModel):
 
 
 def fitted_constants(profile: dict, *, cv: bool = False) -> FitResult:
-    """The fit of ``profile`` (cached by content: a sweep builds many cost models
-    from one profile and the fit takes a second or two)."""
+    """The fit of ``profile``: the one stored in its ``meta.fit`` when that still
+    matches the profile (``fitstore.stored_fit_state``: same rows, engine facts and fit
+    settings, by content hash; with ``cv``, only if it holds leave-one-out errors),
+    else a fit of its rows. Cached by content: a sweep builds many cost models from
+    one profile and a fit takes a second or two."""
     key = (hashlib.sha256(json.dumps(profile, sort_keys=True, default=str).encode()).hexdigest(),
            cv)
     res = _FITS.get(key)
     if res is None:
-        res = _FITS[key] = fit(profile, cv=cv)
+        res = fit_from_dict(profile)
+        if res is not None and cv and not np.isfinite(res.cv_residuals).any():
+            res = None
+        if res is None:
+            res = fit(profile, cv=cv)
+            state = stored_fit_state(profile)
+            if state == "stale":
+                res.source = ("fitted to the profile's rows (its meta.fit is stale: the rows, "
+                              "engine facts or fit settings changed since it was stored)")
+        _FITS[key] = res
     return res
+
+
+def step_tail(profile: dict) -> float:
+    """The profile's ``engine.step_tail`` (1 when absent or not a sane factor): the mean
+    over the typical time of a real step, measured on recorded runs
+    (``simulator.cost.calibration``)."""
+    v = (profile.get("engine") or {}).get("step_tail")
+    return float(v) if isinstance(v, (int, float)) and 0.5 <= v <= 2.0 else 1.0
 
 
 class FittedCostModel:
@@ -82,7 +110,11 @@ class FittedCostModel:
             c[ph.C_BOOK_MS] = float(bookkeeping_ms)
         if bookkeeping_seq_ms is not None:
             c[ph.C_BOOK_SEQ_MS] = float(bookkeeping_seq_ms)
-        c[ph.C_SCALE] = float(scale)
+        # Real steps come with slow episodes and stalls (``noise``); a fit follows the
+        # typical step. Without noise every step takes on their measured mean
+        # (``engine.step_tail``), so busy time matches; with noise they are drawn.
+        tail = 1.0 if noise else step_tail(profile)
+        c[ph.C_SCALE] = float(scale) * tail
         self.c = c
         self.scale = float(scale)
         self.padded = c[ph.C_PADDED] > 0.0
@@ -182,6 +214,8 @@ class FittedCostModel:
             "decode_attention": "padded" if self.padded else "paged",
             "cuda_graphs": bool(self.c[ph.C_GRAPHS] > 0.0),
             "hardware": f.hardware,
+            "fit_source": f.source,
+            "step_tail": step_tail(self.profile) if self.noise is None else 1.0,
             "coefficients": {k: round(v, 5) for k, v in f.coefficients().items()},
             "decode_blocks_per_sm": float(self.c[ph.C_DEC_BLOCKS_PER_SM]),
             "bookkeeping_ms": float(self.c[ph.C_BOOK_MS]),

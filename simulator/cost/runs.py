@@ -173,63 +173,95 @@ def read_run(folder: str | Path) -> RunSteps:
 
 
 def real_metrics(run: RunSteps) -> dict:
-    """TTFT, TPOT, ITL and E2E percentiles (ms) of the real run, as ``vllm bench
-    serve`` defines them: TTFT = first token - arrival; TPOT = (last - first) /
-    (n - 1) per request with n > 1; ITL = every gap between a request's consecutive
-    tokens, pooled; E2E = last token - arrival; linear interpolation."""
-    tr = run.trace.set_index("request_id")
-    tok = run.tokens.sort_values(["request_id", "token_index"])
-    g = tok.groupby("request_id")["time_s"]
+    """TTFT, TPOT, ITL and E2E percentiles (ms) of the real run (``latency_metrics``)."""
+    tok = run.tokens.rename(columns={"request_id": "rid", "token_index": "index",
+                                     "time_s": "time"})
+    return latency_metrics(dict(zip(run.trace["request_id"], run.trace["arrival_s"])), tok)
+
+
+def latency_metrics(arrival: dict, tok: pd.DataFrame) -> dict:
+    """TTFT, TPOT, ITL and E2E P50/P99 (ms) from every token's time (``tok``: ``rid,
+    index, time``) and each request's ``arrival``, as ``vllm bench serve`` defines
+    them: TTFT = first token - arrival; TPOT = (last - first) / (n - 1) per request
+    with n > 1; ITL = every gap between a request's consecutive tokens, pooled; E2E =
+    last token - arrival; linear interpolation (NaN where there is no value)."""
+    tok = tok.sort_values(["rid", "index"])
+    g = tok.groupby("rid")["time"]
     first, last, n = g.first(), g.last(), g.count()
-    arr = tr.loc[first.index, "arrival_s"]
-    ttft = (first - arr).to_numpy()
-    e2e = (last - arr).to_numpy()
-    m = n > 1
-    tpot = ((last - first)[m] / (n[m] - 1)).to_numpy()
-    t = tok["time_s"].to_numpy()
-    same = tok["request_id"].to_numpy()[1:] == tok["request_id"].to_numpy()[:-1]
-    itl = np.diff(t)[same]
+    arr = np.array([arrival[r] for r in first.index])
+    ttft = first.to_numpy() - arr
+    e2e = last.to_numpy() - arr
+    m = (n > 1).to_numpy()
+    tpot = ((last - first).to_numpy()[m] / (n.to_numpy()[m] - 1))
+    t = tok["time"].to_numpy()
+    r = tok["rid"].to_numpy()
+    itl = np.diff(t)[r[1:] == r[:-1]]
     out = {}
     for name, v in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
-        out[f"median_{name}_ms"] = float(np.percentile(v, 50)) * 1e3
-        out[f"p99_{name}_ms"] = float(np.percentile(v, 99)) * 1e3
+        out[f"median_{name}_ms"] = float(np.percentile(v, 50)) * 1e3 if len(v) else math.nan
+        out[f"p99_{name}_ms"] = float(np.percentile(v, 99)) * 1e3 if len(v) else math.nan
     return out
+
+
+def fit_bookkeeping(seqs, gaps_ms, max_gap_ms: float = 1.0) -> dict:
+    """``gap = a + b * seqs`` by least squares over measured host gaps between busy
+    steps (ms), each with the number of sequences (decodes and chunks) of the step
+    before it; gaps above ``max_gap_ms`` (the engine idled, waiting for an arrival) are
+    left out. Returns ``bookkeeping_ms`` (``a``), ``bookkeeping_seq_ms`` (``b``), both
+    at least 0, and ``n`` (gaps used)."""
+    x = np.asarray(seqs, float)
+    y = np.asarray(gaps_ms, float)
+    ok = np.isfinite(y) & (y < max_gap_ms) & (y >= 0)
+    x, y = x[ok], y[ok]
+    if len(y) < 3:
+        return {"bookkeeping_ms": 0.0, "bookkeeping_seq_ms": 0.0, "n": int(len(y))}
+    if np.ptp(x) == 0:
+        a, b = float(np.mean(y)), 0.0
+    else:
+        a, b = np.linalg.lstsq(np.c_[np.ones_like(x), x], y, rcond=None)[0]
+    if b < 0:
+        # A gap that shrinks with the work done is not bookkeeping per sequence.
+        a, b = float(np.mean(y)), 0.0
+    return {"bookkeeping_ms": float(max(a, 0.0)), "bookkeeping_seq_ms": float(max(b, 0.0)),
+            "n": int(len(y))}
 
 
 def measure_bookkeeping(runs: list) -> dict:
     """Host time between steps (scheduling the next one, applying this one's results),
     which a profile's rows do not include: ``gap = a + b * (sequences in the step)``,
-    least squares over every step's following gap (gaps above 1 ms, when the engine
-    idled waiting for an arrival, left out). Returns ``bookkeeping_ms`` (``a``) and
-    ``bookkeeping_seq_ms`` (``b``)."""
+    least squares over every step's following gap (``fit_bookkeeping``; gaps above
+    1 ms, when the engine idled waiting for an arrival, left out). Returns
+    ``bookkeeping_ms`` (``a``) and ``bookkeeping_seq_ms`` (``b``)."""
     xs, ys = [], []
     for r in runs:
-        g = r.gap_s * 1e3
-        k = r.nd + np.array([len(ch) for ch in r.chunks])
-        ok = np.isfinite(g) & (g < 1.0)
-        xs.append(k[ok])
-        ys.append(g[ok])
-    x = np.concatenate(xs).astype(float)
-    y = np.concatenate(ys)
-    A = np.c_[np.ones_like(x), x]
-    a, b = np.linalg.lstsq(A, y, rcond=None)[0]
-    return {"bookkeeping_ms": float(max(a, 0.0)), "bookkeeping_seq_ms": float(max(b, 0.0))}
+        xs.append(r.nd + np.array([len(ch) for ch in r.chunks]))
+        ys.append(r.gap_s * 1e3)
+    out = fit_bookkeeping(np.concatenate(xs), np.concatenate(ys))
+    return {"bookkeeping_ms": out["bookkeeping_ms"],
+            "bookkeeping_seq_ms": out["bookkeeping_seq_ms"]}
 
 
 def step_arrays(run: RunSteps) -> tuple:
     """A run's steps as the kernel's arguments: ``nd, ctx_max, ctx_sum`` and padded
     ``chn, chp, chf`` (one row per step) with the chunk counts ``nch``."""
-    n = len(run.nd)
-    w = max(1, max(len(ch) for ch in run.chunks))
+    return (run.nd, run.ctx_max, run.ctx_sum) + chunk_arrays(run.chunks)
+
+
+def chunk_arrays(chunks: list) -> tuple:
+    """Steps' prefill chunks (a list per step of ``(n, prior, completes, ...)``) as the
+    kernels take them: ``chn, chp, chf`` padded to the most chunks of a step (one row
+    per step), and the chunk counts ``nch``."""
+    n = len(chunks)
+    w = max(1, max((len(ch) for ch in chunks), default=1))
     chn = np.zeros((n, w), np.int64)
     chp = np.zeros((n, w), np.int64)
     chf = np.zeros((n, w), np.bool_)
     nch = np.zeros(n, np.int64)
-    for i, ch in enumerate(run.chunks):
+    for i, ch in enumerate(chunks):
         nch[i] = len(ch)
-        for j, (a, p, f, _) in enumerate(ch):
-            chn[i, j], chp[i, j], chf[i, j] = a, p, f
-    return run.nd, run.ctx_max, run.ctx_sum, chn, chp, chf, nch
+        for j, c in enumerate(ch):
+            chn[i, j], chp[i, j], chf[i, j] = c[0], c[1], c[2]
+    return chn, chp, chf, nch
 
 
 def predict_steps(c: np.ndarray, run: RunSteps, *, core: bool = True) -> np.ndarray:
@@ -249,34 +281,50 @@ def predict_steps(c: np.ndarray, run: RunSteps, *, core: bool = True) -> np.ndar
     return out
 
 
-def measure_decode_waves(runs: list, profile: dict, *, blocks=(2, 3, 4, 6, 8),
-                         costs=(0.25, 0.5, 0.625, 0.75, 1.0), skip: int = 40) -> dict:
-    """Where decode attention spills into a further wave, from recorded decode-only
-    steps: for each candidate (blocks per SM, wave cost) and for none, the profile is
-    refitted with it and its error on the runs' decode-only steps is measured as the
-    mean over batch sizes of the median log error at that batch size (every batch
-    size counts once, so the cliffs between them decide). The profile's own batch
-    grid cannot place a cliff when it only has powers of two; serving steps of every
-    batch size can. Returns ``decode_blocks_per_sm`` (0: none) and
-    ``decode_wave_cost`` with the score of each candidate."""
+def decode_samples(run: RunSteps, skip: int = 40) -> tuple:
+    """A run's decode-only steps (after the first ``skip``, warm-up) as
+    ``(nd, ctx_max, ctx_sum, measured_ms, extra_ms)``: what ``score_decode_waves``
+    reads. ``extra_ms`` is what the measurement holds beyond the step itself (none
+    here: ``iterations.csv`` times the step alone)."""
+    dec = np.array([not ch for ch in run.chunks]) & (run.nd > 0)
+    dec[:skip] = False
+    idx = np.where(dec)[0]
+    return (run.nd[idx], run.ctx_max[idx], run.ctx_sum[idx], run.dur_s[idx] * 1e3,
+            np.zeros(len(idx)))
+
+
+def score_decode_waves(samples: list, profile: dict, *, blocks=(2, 3, 4, 6, 8),
+                       costs=(0.25, 0.5, 0.625, 0.75, 1.0)) -> dict:
+    """Where decode attention spills into a further wave, from measured decode-only
+    steps (``samples``: one ``decode_samples``-shaped tuple per run): for each
+    candidate (blocks per SM, wave cost) and for none, the profile is refitted with it
+    and its error on the steps is measured as the mean over batch sizes of the median
+    log error at that batch size, less its median over batch sizes (every batch size
+    counts once, so the cliffs between them decide, not the level); the score of several runs is their mean. Returns
+    ``decode_blocks_per_sm`` (0: none) and ``decode_wave_cost`` with the score of each
+    candidate."""
     import copy
 
+    from simulator.cost import physics as ph
     from simulator.cost.fit import fit
 
-    steps = []
-    for r in runs:
-        dec = np.array([not ch for ch in r.chunks]) & (r.nd > 0)
-        dec[:skip] = False
-        steps.append((r, np.where(dec)[0]))
+    z = np.zeros(1, np.int64)
+    f = np.zeros(1, np.bool_)
 
     def score(c):
         errs = []
-        for r, idx in steps:
-            m = predict_steps(c, r)[idx]
-            lr = np.log(m / (r.dur_s[idx] * 1e3))
-            df = pd.DataFrame({"nd": r.nd[idx], "lr": lr})
-            errs.append(np.abs(df.groupby("nd")["lr"].median()).mean())
-        return float(np.mean(errs))
+        for nd, cm, cs, meas, extra in samples:
+            if not len(nd):
+                continue
+            m = np.array([ph.step_core_ms(c, int(a), int(b), int(d), z, z, f, 0, False)
+                          for a, b, d in zip(nd, cm, cs)]) + extra
+            df = pd.DataFrame({"nd": nd, "lr": np.log(m / meas)})
+            by = df.groupby("nd")["lr"].median()
+            # Centred: a level the refit will move anyway (host time, efficiency off
+            # by a few percent) must not pick the cliffs; only how the error changes
+            # from one batch size to the next does.
+            errs.append(np.abs(by - by.median()).mean())
+        return float(np.mean(errs)) if errs else float("nan")
 
     scores = {}
     for occ, kappa in [(0, 1.0)] + [(b, k) for b in blocks for k in costs]:
@@ -289,24 +337,28 @@ def measure_decode_waves(runs: list, profile: dict, *, blocks=(2, 3, 4, 6, 8),
             "scores": {f"{k[0]}x{k[1]}": round(v, 5) for k, v in scores.items()}}
 
 
-def measure_engine_facts(runs: list, profile: dict) -> dict:
-    """The engine facts a profile's rows cannot show but recorded runs do: per-step
-    bookkeeping between steps (``measure_bookkeeping``) and where decode attention
-    spills into further waves (``measure_decode_waves``). Merge the result into the
-    profile's ``engine`` section."""
-    out = measure_bookkeeping(runs)
-    w = measure_decode_waves(runs, profile)
-    out["decode_blocks_per_sm"] = w["decode_blocks_per_sm"]
-    out["decode_wave_cost"] = w["decode_wave_cost"]
-    return out
+def measure_decode_waves(runs: list, profile: dict, *, blocks=(2, 3, 4, 6, 8),
+                         costs=(0.25, 0.5, 0.625, 0.75, 1.0), skip: int = 40) -> dict:
+    """Where decode attention spills into a further wave, from the recorded decode-only
+    steps of ``runs`` (``score_decode_waves`` on their ``decode_samples``). The
+    profile's own batch grid cannot place a cliff when it only has powers of two;
+    serving steps of every batch size can."""
+    return score_decode_waves([decode_samples(r, skip) for r in runs], profile,
+                              blocks=blocks, costs=costs)
 
 
 def step_cells(run: RunSteps) -> np.ndarray:
-    """A label per step grouping steps alike in composition: kind, decode batch (in
-    eights), longest context (in 512s) and prefill tokens (in 256s)."""
-    tok = np.array([sum(c[0] for c in ch) for ch in run.chunks])
+    """A label per step grouping steps alike in composition (``cell_labels``)."""
+    return cell_labels(run.kinds(), run.nd, run.ctx_max, run.chunks)
+
+
+def cell_labels(kinds, nd, ctx_max, chunks) -> np.ndarray:
+    """A label per step grouping steps alike in composition: its kind, decode batch (in
+    eights), longest context (in 512s) and prefill tokens (in 256s, from its
+    ``chunks``)."""
+    tok = np.array([sum(c[0] for c in ch) for ch in chunks], np.int64)
     return np.array([f"{k}|{a}|{b}|{t}" for k, a, b, t in
-                     zip(run.kinds(), run.nd // 8, run.ctx_max // 512, tok // 256)])
+                     zip(kinds, np.asarray(nd) // 8, np.asarray(ctx_max) // 512, tok // 256)])
 
 
 def completes_mask(run: RunSteps) -> np.ndarray:

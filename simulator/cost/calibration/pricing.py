@@ -1,0 +1,143 @@
+"""Pricing a run's steps under a cost model: the physics constants' milliseconds per
+step (``steps_core_book``, ``step_pricer``), any cost model's (``price_steps``,
+``model_pricer``), per measured interval (``predict_intervals``, ``interval_ms``), and
+the model's error on them per kind of step (``step_errors``).
+
+A step's price is ``(core, bookkeeping)``: the step itself and the host bookkeeping
+after it; a ``StepLog`` with ``book_in_step`` counts the bookkeeping inside its steps,
+else in the gap after each.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from simulator.cost import physics as ph
+from simulator.cost.calibration.steplog import StepLog
+from simulator.kernel import kernel
+
+
+@kernel
+def steps_core_book(c, nd, cmax, csum, chn, chp, chf, nch, core, book):
+    """Per step: the step itself (``physics.step_core_ms``) and the host bookkeeping
+    after it, both times the constants' scale, into ``core`` and ``book`` (ms)."""
+    for i in range(nd.shape[0]):
+        core[i] = ph.step_core_ms(c, nd[i], cmax[i], csum[i], chn[i], chp[i], chf[i],
+                                  nch[i], False) * c[ph.C_SCALE]
+        book[i] = (c[ph.C_BOOK_MS] + c[ph.C_BOOK_SEQ_MS] * float(nd[i] + nch[i])) * c[ph.C_SCALE]
+
+
+def step_pricer(c: np.ndarray) -> Callable:
+    """``step_ms`` for ``replay``: ``(core, bookkeeping)`` ms of one step under ``c``."""
+    chn = np.zeros(64, np.int64)
+    chp = np.zeros(64, np.int64)
+    chf = np.zeros(64, np.bool_)
+    sc = float(c[ph.C_SCALE])
+
+    def price(nd, cmax, csum, chunks):
+        k = len(chunks)
+        for i, ch in enumerate(chunks):
+            chn[i], chp[i], chf[i] = ch[0], ch[1], ch[2]
+        core = ph.step_core_ms(c, nd, cmax, csum, chn, chp, chf, k, False) * sc
+        return core, (c[ph.C_BOOK_MS] + c[ph.C_BOOK_SEQ_MS] * (nd + k)) * sc
+
+    return price
+
+
+def predict_intervals(c: np.ndarray, log: StepLog) -> tuple[np.ndarray, np.ndarray]:
+    """The model's milliseconds of every measured interval of ``log`` (its steps, and the
+    bookkeeping gaps it spans), and of every step alone (core, no bookkeeping)."""
+    nd, cm, cs, chn, chp, chf, nch = log.arrays()
+    core = np.empty(len(nd))
+    book = np.empty(len(nd))
+    steps_core_book(c, nd, cm, cs, chn, chp, chf, nch, core, book)
+    cc = np.concatenate([[0.0], np.cumsum(core)])
+    cb = np.concatenate([[0.0], np.cumsum(book)])
+    j, k = log.iv_first, log.iv_last
+    if log.book_in_step:
+        return cc[k + 1] - cc[j] + cb[k + 1] - cb[j], core
+    # The gaps after steps j..k-1 lie inside; the one before j too unless the interval
+    # opens at j's own recorded start.
+    g0 = np.where(log.iv_from_start, j, np.maximum(j - 1, 0))
+    pred = cc[k + 1] - cc[j] + cb[k] - cb[g0]
+    return pred, core
+
+
+def price_steps(cost, log: StepLog) -> tuple[np.ndarray, np.ndarray]:
+    """Any cost model's milliseconds for every step of ``log``: the step with the
+    host bookkeeping after it (what ``step_time`` returns, noise off), and that
+    bookkeeping alone."""
+    c = _physics(cost)
+    if c is not None:
+        nd, cm, cs, chn, chp, chf, nch = log.arrays()
+        core = np.empty(len(nd))
+        book = np.empty(len(nd))
+        steps_core_book(c, nd, cm, cs, chn, chp, chf, nch, core, book)
+        return core + book, book
+    total = np.array([cost.step_time(int(nd), int(a), int(b), [(x[0], x[1], x[2]) for x in ch])
+                      for nd, a, b, ch in zip(log.nd, log.ctx_max, log.ctx_sum, log.chunks)])
+    return total * 1e3, np.full(len(total), _bookkeeping_ms(cost))
+
+
+def interval_ms(log: StepLog, total: np.ndarray, book: np.ndarray) -> np.ndarray:
+    """Model milliseconds of every measured interval from per-step ``total`` (step plus
+    the bookkeeping after it) and ``book`` (``price_steps``): the steps it spans and
+    the gaps between them, plus the gap before its first step unless it opens at that
+    step's own recorded start."""
+    ct = np.concatenate([[0.0], np.cumsum(total)])
+    j, k = log.iv_first, log.iv_last
+    if log.book_in_step:
+        return ct[k + 1] - ct[j]
+    before = np.where(log.iv_from_start | (j == 0), 0.0, book[np.maximum(j - 1, 0)])
+    return ct[k + 1] - ct[j] - book[k] + before
+
+
+def step_errors(pred: np.ndarray, log: StepLog, skip: int = 0) -> dict:
+    """Where a model's error on a run comes from, given its milliseconds of every
+    measured interval (``predict_intervals``, ``interval_ms``): per kind of step
+    (``decode`` only, ``prefill`` only, ``mixed``; ``multi`` for intervals over several
+    steps) the median, p10 and p90 of model / measured time, and the total busy-time
+    bias (sum of model over sum of measured, minus one), over intervals from step
+    ``skip`` on (``median_abs``: median |model / measured - 1|)."""
+    keep = log.iv_first >= skip
+    r = pred[keep] / log.meas_ms[keep]
+    kinds = log.interval_kinds()[keep]
+    out: dict = {}
+    for k in ("decode", "prefill", "mixed", "multi"):
+        sel = kinds == k
+        if sel.sum():
+            v = r[sel]
+            out[k] = {"n": int(sel.sum()), "median": float(np.median(v)),
+                      "p10": float(np.percentile(v, 10)), "p90": float(np.percentile(v, 90))}
+    out["busy_bias"] = float(pred[keep].sum() / log.meas_ms[keep].sum() - 1.0) if keep.any() \
+        else math.nan
+    out["median_abs"] = float(np.median(np.abs(r - 1.0))) if len(r) else math.nan
+    out["intervals"] = int(keep.sum())
+    return out
+
+
+def model_pricer(cost) -> Callable:
+    """``step_ms`` for ``replay`` from any cost model: ``(step, bookkeeping)`` ms."""
+    c = _physics(cost)
+    if c is not None:
+        return step_pricer(c)
+    bk = _bookkeeping_ms(cost)
+
+    def price(nd, cmax, csum, chunks):
+        t = cost.step_time(nd, cmax, csum, [(x[0], x[1], x[2]) for x in chunks]) * 1e3
+        return t - bk, bk
+
+    return price
+
+
+def _physics(cost) -> np.ndarray | None:
+    """The physics constants of a cost model priced by them (None for any other)."""
+    c = getattr(cost, "c", None)
+    return c if isinstance(c, np.ndarray) and c.shape == (ph.N_CONST,) else None
+
+
+def _bookkeeping_ms(cost) -> float:
+    """The host bookkeeping a cost model's ``step_time`` holds after each step (ms)."""
+    return float(getattr(cost, "bookkeeping_ms", 0.0) or 0.0) * float(getattr(cost, "scale", 1.0))

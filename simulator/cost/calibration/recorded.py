@@ -1,0 +1,360 @@
+"""Reading a recorded serving run: what a server really did with some traffic
+(``read_recorded_run``), and which of a scenario's policy runs served it
+(``match_policy``, ``RunCase``).
+
+Two formats are read:
+
+- ``refbench``: the reference engine's run folders (``data/h200-refbench/runs/*``):
+  ``trace.csv``, ``requests.csv`` (with the serving ``policy``), ``tokens.csv`` (every
+  token's time) and, when present, the step log ``iterations.csv`` (its prefill chunks
+  rebuilt by ``runs.read_run``); times on the engine's clock (format in that folder's
+  README).
+- ``bench``: what ``latsim bench --out DIR`` writes against any OpenAI-compatible
+  server: ``requests.csv`` (send time, first and last token of every request and,
+  against ``latsim serve``, the server's enqueue, admission and token times, on the
+  same clock) and ``summary.json``; plus, when present, ``tokens.csv`` (``request_id,
+  token_index, time_s``: every content frame's arrival on the bench clock).
+
+Anything missing or malformed is a one-line ``LatsimError`` naming the file, field and
+value, before any work.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from simulator.cost.runs import latency_metrics, read_run
+from simulator.errors import LatsimError, one_line
+
+
+# The reference engine's policy names -> latsim's.
+RUN_POLICIES = {"fifo": "fifo", "chunked": "chunked", "priority": "priority_aging",
+                "priority_aging": "priority_aging", "fair_score": "fair_score"}
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass
+class RecordedRun:
+    """A recorded serving run (module doc), one row per request in ``rid`` order.
+
+    ``arrival``: when the client sent it (the trace's time for refbench); ``visible``:
+    when the engine's scheduler could first see it (the server's enqueue time when
+    recorded, else the arrival); ``scheduled``: the start of the step that admitted it
+    (NaN: not recorded); ``first_token`` / ``last_token``: the end of the steps that
+    made them, as recorded (NaN: not recorded; client-side frame arrivals when
+    ``token_clock`` is ``client``). ``tokens``: every token's time (``rid, index,
+    time``) when recorded. ``real``: the run's P50/P99 of TTFT, TPOT, ITL and E2E (ms).
+    ``steps``: the step log (``runs.RunSteps``) when the run has one."""
+
+    folder: Path
+    kind: str
+    policy: Optional[str]
+    recorded_policy: Optional[str]
+    rid: np.ndarray
+    arrival: np.ndarray
+    visible: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    priority: np.ndarray
+    scheduled: np.ndarray
+    first_token: np.ndarray
+    last_token: np.ndarray
+    finished: np.ndarray
+    token_clock: str
+    real: dict
+    tokens: Optional[pd.DataFrame] = None
+    steps: object = None
+    notes: list = field(default_factory=list)
+    first_delivered: Optional[np.ndarray] = None
+    last_delivered: Optional[np.ndarray] = None
+
+    @property
+    def name(self) -> str:
+        """The run's name: its folder's."""
+        return self.folder.name
+
+    def __len__(self) -> int:
+        return len(self.rid)
+
+    def requests_table(self) -> pd.DataFrame:
+        """The run as the simulator's per-request table (``requests.csv`` columns that the
+        latency metrics and plots read): times relative to the run's clock, tokens taken
+        as delivered when recorded (engine-side runs) or when their frames arrived."""
+        from simulator.report.metrics import add_derived
+        top = int(self.priority.max()) if len(self.priority) else 0
+        names = np.array([f"P{i}" for i in range(top + 1)], dtype=object)
+        nan = np.full(len(self), np.nan)
+        df = pd.DataFrame({
+            "rid": self.rid, "priority": self.priority, "class": names[self.priority],
+            "prompt_tokens": self.prompt, "output_tokens": self.output, "replica": 0,
+            "new_connection": False, "arrival": self.arrival, "enqueued": self.visible,
+            "scheduled": self.scheduled, "first_token": self.first_token,
+            "last_token": self.last_token,
+            "first_delivered": (self.first_delivered if self.first_delivered is not None
+                                else self.first_token),
+            "last_delivered": np.where(self.finished, self.last_delivered
+                                       if self.last_delivered is not None
+                                       else self.last_token, nan)})
+        df["finished"] = self.finished & np.isfinite(df["last_delivered"].to_numpy())
+        df["rejected"] = False
+        return add_derived(df)
+
+    def itl_values(self) -> Optional[np.ndarray]:
+        """Every gap between consecutive recorded tokens of a request (s), pooled; None
+        when the run records no token times."""
+        if self.tokens is None:
+            return None
+        tok = self.tokens.sort_values(["rid", "index"])
+        r = tok["rid"].to_numpy()
+        return np.diff(tok["time"].to_numpy())[r[1:] == r[:-1]]
+
+    def workload(self):
+        """The run's traffic as a ``Workload`` (its arrivals, lengths and classes)."""
+        from simulator.workload import Workload
+        top = int(self.priority.max()) if len(self.priority) else 0
+        return Workload(arrival_s=self.arrival.astype(float).copy(),
+                        prompt_tokens=self.prompt.astype(np.int64).copy(),
+                        output_tokens=self.output.astype(np.int64).copy(),
+                        priority=self.priority.astype(np.int64).copy(),
+                        class_names=tuple(f"P{i}" for i in range(top + 1)),
+                        meta={"source": str(self.folder)})
+
+
+def _read_csv(path: Path, need: Sequence[str], what: str) -> pd.DataFrame:
+    try:
+        df = pd.read_csv(path)
+    except FileNotFoundError:
+        raise LatsimError("file not found", source=str(path)) from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise LatsimError(f"cannot read {what}: {one_line(str(e), 80)}",
+                          source=str(path)) from None
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise LatsimError(f"missing columns: {', '.join(missing)}", source=str(path),
+                          field=missing[0])
+    for c in need:
+        v = pd.to_numeric(df[c], errors="coerce") if c != "policy" else df[c]
+        if c != "policy" and v.isna().any() and c not in ("enqueued", "scheduled",
+                                                          "first_token", "last_token",
+                                                          "first_delivered",
+                                                          "last_delivered"):
+            i = int(np.where(v.isna())[0][0])
+            raise LatsimError("not a number", source=str(path), field=f"{c} (row {i + 1})",
+                              value=df[c].iloc[i], has_value=True)
+    return df
+
+
+def _read_tokens(path: Path, rids: set) -> pd.DataFrame:
+    tok = _read_csv(path, ("request_id", "token_index", "time_s"), "tokens")
+    tok = tok.rename(columns={"request_id": "rid", "token_index": "index", "time_s": "time"})
+    unknown = set(tok["rid"].unique()) - rids
+    if unknown:
+        raise LatsimError("token of a request the run does not list", source=str(path),
+                          field="request_id", value=min(unknown), has_value=True)
+    return tok[["rid", "index", "time"]].astype({"rid": np.int64, "index": np.int64,
+                                                 "time": float})
+
+
+def read_recorded_run(folder: str | Path) -> RecordedRun:
+    """Read a recorded run folder (module doc); one-line ``LatsimError`` naming the
+    file, field and value for anything missing or malformed, before any work."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise LatsimError("run folder not found", source=str(folder), field="--run")
+    if (folder / "trace.csv").exists() and (folder / "tokens.csv").exists():
+        return _read_refbench(folder)
+    if (folder / "requests.csv").exists():
+        return _read_bench(folder)
+    raise LatsimError("not a recorded run: needs trace.csv, requests.csv and tokens.csv "
+                      "(a refbench run) or the requests.csv of `latsim bench --out`",
+                      source=str(folder), field="--run")
+
+
+def _read_refbench(folder: Path) -> RecordedRun:
+    trace = _read_csv(folder / "trace.csv", ("request_id", "arrival_s", "prompt_tokens",
+                                             "output_tokens"), "trace")
+    reqs = _read_csv(folder / "requests.csv", ("request_id",), "requests")
+    rids = trace["request_id"].to_numpy(np.int64)
+    tok = _read_tokens(folder / "tokens.csv", set(rids.tolist()))
+    if tok.empty:
+        raise LatsimError("the run has no tokens", source=str(folder / "tokens.csv"))
+    order = np.argsort(rids, kind="stable")
+    trace = trace.iloc[order].reset_index(drop=True)
+    rids = rids[order]
+    pol = None
+    if "policy" in reqs.columns and len(reqs):
+        pol = str(reqs["policy"].iloc[0])
+        if pol not in RUN_POLICIES:
+            raise LatsimError("unknown serving policy", source=str(folder / "requests.csv"),
+                              field="policy", value=pol, has_value=True)
+    arrival = trace["arrival_s"].to_numpy(float)
+    r = reqs.set_index("request_id")
+    sched = (r["first_scheduled_s"].reindex(rids).to_numpy(float)
+             if "first_scheduled_s" in r.columns else np.full(len(rids), np.nan))
+    g = tok.groupby("rid")["time"]
+    first = g.min().reindex(rids).to_numpy(float)
+    last = g.max().reindex(rids).to_numpy(float)
+    count = g.count().reindex(rids).fillna(0).to_numpy(np.int64)
+    out = trace["output_tokens"].to_numpy(np.int64)
+    steps = None
+    notes = []
+    if (folder / "iterations.csv").exists():
+        try:
+            steps = read_run(folder)
+        except (KeyError, ValueError, AttributeError) as e:
+            raise LatsimError(f"cannot rebuild the step log: {one_line(str(e), 80)}",
+                              source=str(folder / "iterations.csv")) from None
+    else:
+        notes.append("no iterations.csv: steps rebuilt by replaying the policy")
+    return RecordedRun(
+        folder=folder, kind="refbench", policy=RUN_POLICIES.get(pol) if pol else None,
+        recorded_policy=pol, rid=rids, arrival=arrival, visible=arrival.copy(),
+        prompt=trace["prompt_tokens"].to_numpy(np.int64), output=out,
+        priority=(trace["priority"].to_numpy(np.int64) if "priority" in trace.columns
+                  else np.zeros(len(rids), np.int64)),
+        scheduled=sched, first_token=first, last_token=last, finished=count >= out,
+        token_clock="engine", real=latency_metrics(dict(zip(rids, arrival)), tok),
+        tokens=tok, steps=steps, notes=notes)
+
+
+_BENCH_COLS = ("rid", "prompt_tokens", "output_tokens", "arrival", "first_token",
+               "last_token")
+
+
+def _read_bench(folder: Path) -> RecordedRun:
+    path = folder / "requests.csv"
+    df = _read_csv(path, _BENCH_COLS, "requests")
+    if df.empty:
+        raise LatsimError("the run has no requests", source=str(path))
+    df = df.sort_values("rid", kind="stable").reset_index(drop=True)
+    rids = df["rid"].to_numpy(np.int64)
+    nan = np.full(len(df), np.nan)
+
+    def col(name):
+        return pd.to_numeric(df[name], errors="coerce").to_numpy(float) \
+            if name in df.columns else nan.copy()
+
+    first, last = col("first_token"), col("last_token")
+    fin = (df["finished"].astype(bool).to_numpy() if "finished" in df.columns
+           else np.isfinite(last))
+    frames = col("frames")
+    if not np.isfinite(first).any() or (np.isfinite(frames).any() and np.nansum(frames) == 0):
+        raise LatsimError("the run has no tokens (no request received a content frame)",
+                          source=str(path), field="first_token")
+    enq = col("enqueued")
+    server = bool(np.isfinite(enq).any())
+    tok = None
+    if (folder / "tokens.csv").exists():
+        tok = _read_tokens(folder / "tokens.csv", set(rids.tolist()))
+        if tok.empty:
+            raise LatsimError("the run has no tokens", source=str(folder / "tokens.csv"))
+    arrival = col("arrival")
+    if np.isnan(arrival).any():
+        i = int(np.where(np.isnan(arrival))[0][0])
+        raise LatsimError("not a number", source=str(path), field=f"arrival (row {i + 1})")
+    real = _bench_real(folder, df, tok, dict(zip(rids, arrival)))
+    notes = []
+    if (~fin).any():
+        notes.append(f"{int((~fin).sum())} requests did not finish: replayed as if they "
+                     f"had, without their token times")
+    clock = "server" if server else "client"
+    if tok is not None:
+        clock = "client"
+    policy = None
+    if "policy" in df.columns:
+        p = str(df["policy"].iloc[0])
+        if p not in RUN_POLICIES:
+            raise LatsimError("unknown serving policy", source=str(path), field="policy",
+                              value=p, has_value=True)
+        policy = p
+    return RecordedRun(
+        folder=folder, kind="bench", policy=RUN_POLICIES.get(policy) if policy else None,
+        recorded_policy=policy, rid=rids, arrival=arrival,
+        visible=np.where(np.isfinite(enq), enq, arrival),
+        prompt=df["prompt_tokens"].to_numpy(np.int64),
+        output=df["output_tokens"].to_numpy(np.int64),
+        priority=(pd.to_numeric(df["priority"], errors="coerce").fillna(0).to_numpy(np.int64)
+                  if "priority" in df.columns else np.zeros(len(df), np.int64)),
+        scheduled=col("scheduled"), first_token=np.where(fin | np.isfinite(first), first, nan),
+        last_token=np.where(fin, last, nan), finished=fin, token_clock=clock, real=real,
+        tokens=tok, notes=notes,
+        first_delivered=col("first_delivered") if "first_delivered" in df.columns else None,
+        last_delivered=col("last_delivered") if "last_delivered" in df.columns else None)
+
+
+def _bench_real(folder: Path, df: pd.DataFrame, tok, arrival: dict) -> dict:
+    """The bench run's own P50/P99s: from ``tokens.csv`` when recorded, else from its
+    ``summary.json`` (bench pools every frame gap into ITL there), else from the
+    per-request table (ITL then unknown)."""
+    fin = df[df["finished"].astype(bool)] if "finished" in df.columns else df
+    if tok is not None:
+        keep = set(fin["rid"].tolist())
+        return latency_metrics(arrival, tok[tok["rid"].isin(keep)])
+    sj = folder / "summary.json"
+    if sj.exists():
+        try:
+            s = json.loads(sj.read_text()).get("overall") or {}
+        except (json.JSONDecodeError, AttributeError):
+            raise LatsimError("invalid JSON", source=str(sj)) from None
+        keys = [f"{q}_{m}_ms" for m in METRICS for q in ("median", "p99")]
+        if all(isinstance(s.get(k), (int, float)) for k in keys):
+            return {k: float(s[k]) for k in keys}
+    out = {}
+    for m, c in (("ttft", "ttft"), ("tpot", "tpot"), ("e2el", "e2el")):
+        v = pd.to_numeric(fin[c], errors="coerce").dropna().to_numpy() if c in fin else []
+        out[f"median_{m}_ms"] = float(np.percentile(v, 50)) * 1e3 if len(v) else math.nan
+        out[f"p99_{m}_ms"] = float(np.percentile(v, 99)) * 1e3 if len(v) else math.nan
+    out["median_itl_ms"] = out["p99_itl_ms"] = math.nan
+    return out
+
+
+def match_policy(scenario, run: RecordedRun, source: str, label: Optional[str] = None):
+    """The scenario's policy run (``(label, scenario)``) that served ``run``: the one
+    whose policy the run records; else the one named ``label``; else the only one.
+    One-line ``LatsimError`` when the scenario's policy differs from the run's."""
+    runs = scenario.policy_runs()
+    if label is not None:
+        runs = [r for r in runs if r[0] == label]
+        if not runs:
+            names = ", ".join(lb for lb, _ in scenario.policy_runs())
+            raise LatsimError(f"no policy run labelled so (the scenario has: {names})",
+                              source="--policy", value=label, has_value=True)
+    if run.policy is not None:
+        same = [r for r in runs if r[1].engine.policy == run.policy]
+        if not same:
+            have = ", ".join(sorted({r[1].engine.policy for r in runs}))
+            raise LatsimError(f"the scenario's policy ({have}) differs from the one the run "
+                              f"{run.name} recorded ({run.recorded_policy})", source=source,
+                              field="engine.policy", value=have, has_value=True)
+        return same[0]
+    if len(runs) > 1:
+        names = ", ".join(lb for lb, _ in runs)
+        raise LatsimError(f"the run does not record its policy and the scenario has several "
+                          f"({names}): pick one with --policy", source=source,
+                          field="policies")
+    return runs[0]
+
+
+@dataclass
+class RunCase:
+    """One recorded run with the scenario policy run it is replayed under."""
+
+    run: RecordedRun
+    label: str
+    scenario: object
+
+
+def run_digest(run: RecordedRun) -> str:
+    """A content hash of the run's files (what ``meta.calibration`` names)."""
+    h = hashlib.sha256()
+    for f in sorted(run.folder.glob("*.csv")) + sorted(run.folder.glob("*.json")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
