@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -186,7 +187,7 @@ def test_plan_says_when_nothing_meets_the_slos_and_which_binds(tmp_path):
             "--search", "replicas=1:4", "--search", "router=round_robin,least_outstanding",
             "--out", str(tmp_path / "o")]
     r = CliRunner().invoke(_app(), args)
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output        # ran, but nothing met what was asked
     out = " ".join(r.output.split())
     assert "No configuration in the search space meets the SLOs" in out
     assert "binding SLO: mean_t_queue_ms<=600" in out
@@ -196,3 +197,103 @@ def test_plan_says_when_nothing_meets_the_slos_and_which_binds(tmp_path):
     r = CliRunner().invoke(_app(), [*args[:2], "--slo", "p7:p99_ttft_ms<=1",
                                     "--cost-per-gpu-hour", "2"])
     assert isinstance(r.exception, LatsimError) and "unknown class" in str(r.exception)
+
+
+# -- fixed bugs ---------------------------------------------------------------------------------
+
+def _tiny(tmp_path, name: str, n: int = 30) -> dict:
+    """A shipped scenario with its traffic cut to ``n`` requests, paths made absolute."""
+    d = yaml.safe_load((REPO / "scenarios" / name).read_text())
+    d["workload"]["num_requests"] = n
+    return d
+
+
+def test_search_over_the_policy_axis_runs(tmp_path):
+    """``--search engine.policy=chunked,priority_aging`` used to fail with ``TypeError:
+    argument of type 'int' is not iterable`` (the run counter overwrote the map of
+    ``policies:`` entries) once the first batch of runs was counted."""
+    d = _tiny(tmp_path, "quickstart.yaml")
+    slos = [parse_slo("p99_e2el_ms<=1e9", ["P0", "P1", "P2"])]
+    pl = Planner(d, REPO / "scenarios", slos,
+                 [parse_axis("engine.policy=chunked,priority_aging"), parse_axis("replicas=1:4")],
+                 workers=1)
+    try:
+        plan = pl.search()
+    finally:
+        pl.close()
+    assert plan.chosen is not None and plan.chosen.params["cluster.replicas"] == 1
+    assert {ev.params["engine.policy"] for _, ev in plan.best_per_combo} == {"chunked", "priority_aging"}
+    assert plan.runs >= 4 and pl.policy_runs is None
+
+
+def test_policies_entries_are_applied_not_taken_for_policy_names(tmp_path):
+    """kv-pressure.yaml's ``policies:`` entries are labelled runs (``recompute``,
+    ``swap``, ``larger-gpu``), which used to be set as ``engine.policy`` and fail with
+    ``unknown policy 'recompute'``: each entry's engine settings apply (larger-gpu's 48 GB
+    holds more KV than the others' 24 GB)."""
+    d = _tiny(tmp_path, "kv-pressure.yaml")
+    slos = [parse_slo("p99_e2el_ms<=1e9", ["P0", "P1"])]
+    pl = Planner(d, REPO / "scenarios", slos, [parse_axis("replicas=1:2")], workers=1)
+    try:
+        plan = pl.search()
+    finally:
+        pl.close()
+    cap = {ev.params["engine.policy"]: ev.rows[0]["run.kv_capacity_tokens"]
+           for _, ev in plan.best_per_combo}
+    assert set(cap) == {"recompute", "swap", "larger-gpu"}
+    assert cap["recompute"] == cap["swap"] < cap["larger-gpu"]
+    assert all("error" not in ev.rows[0] for _, ev in plan.best_per_combo)
+
+
+# -- hardware: the cheapest GPU type, TP and replica count --------------------------------------
+
+def _seventy_b(tmp_path) -> Path:
+    d = _tiny(tmp_path, "quickstart.yaml", n=24)
+    d["workload"]["arrival"]["rate"] = 1.0
+    d["workload"]["prompt_tokens"] = {"kind": "constant", "value": 256}
+    d["workload"]["output_tokens"] = {"kind": "constant", "value": 8}
+    d["engine"]["kv"] = {"block_size": 16}
+    d["model"] = {"name": "llama-2-70b",
+                  "cost": {"kind": "roofline", "gpu": "h100-80gb", "tp": 4}}
+    p = tmp_path / "seventy.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def test_gpu_axis_finds_the_cheapest_type_tp_and_replicas(tmp_path):
+    """Llama-2-70B over H100, A100 and L40S at TP 1-8, priced per GPU type: what does not
+    fit (TP1 anywhere, 138 GB of weights; L40S below TP4) is skipped with its reason,
+    every other configuration is simulated, and the choice is the cheapest feasible one
+    of all evaluated (checked against every evaluation)."""
+    sc = _seventy_b(tmp_path)
+    args = ["plan", str(sc), "--slo", "p99_tpot_ms<=200", "--slo", "P0:p99_ttft_ms<=5000",
+            "--gpus", "h100-80gb,a100-80gb,l40s", "--search", "tp=1,2,4,8",
+            "--search", "replicas=1:2", "--cost-per-gpu-hour", "h100-80gb=3.9,a100-80gb=2.2,l40s=1.1",
+            "--no-headroom", "--workers", "1", "--out", str(tmp_path / "o")]
+    r = CliRunner().invoke(_app(), args)
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "skipped model.cost.tp=1, model.cost.gpu=h100-80gb" in out and "does not fit" in out
+    doc = json.loads((tmp_path / "o" / "plan.json").read_text())
+    skipped = {(s["config"]["model.cost.gpu"], s["config"]["model.cost.tp"]) for s in doc["skipped"]}
+    assert {("h100-80gb", 1), ("a100-80gb", 1), ("l40s", 1), ("l40s", 2)} <= skipped
+    ch = doc["chosen"]
+    price = {"h100-80gb": 3.9, "a100-80gb": 2.2, "l40s": 1.1}[ch["config"]["model.cost.gpu"]]
+    assert ch["cost_per_hour"] == pytest.approx(ch["gpus"] * price)
+    assert ch["gpus"] == ch["config"]["cluster.replicas"] * ch["config"]["model.cost.tp"]
+    import pandas as pd
+    ev = pd.read_csv(tmp_path / "o" / "evaluations.csv")
+    feas = ev[ev["feasible"] & (ev["rate_multiplier"] == 1.0)]
+    assert ch["cost_per_hour"] == pytest.approx(feas["cost_per_hour"].min())
+    assert "roofline estimates from datasheets" in doc["step_costs"]
+
+
+def test_prices_per_gpu_type_must_cover_the_axis(tmp_path):
+    sc = _seventy_b(tmp_path)
+    r = CliRunner().invoke(_app(), ["plan", str(sc), "--slo", "p99_tpot_ms<=200",
+                                    "--gpus", "h100-80gb,l40s", "--cost-per-gpu-hour",
+                                    "h100-80gb=3.9", "--workers", "1"])
+    assert isinstance(r.exception, LatsimError) and "missing: l40s" in str(r.exception)
+    r = CliRunner().invoke(_app(), ["plan", str(sc), "--slo", "p99_tpot_ms<=200",
+                                    "--gpus", "h100-80gb,h99", "--cost-per-gpu-hour", "2"])
+    assert isinstance(r.exception, LatsimError) and "--gpus" in str(r.exception)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -171,12 +172,57 @@ def test_killed_process_resumes_to_the_same_table(tmp_path, uninterrupted):
 # -- executors ------------------------------------------------------------------------------
 
 def test_ray_executor_gives_the_same_table_as_local(tmp_path, uninterrupted):
-    pytest.importorskip("ray", reason="Ray is not installed (pip install 'latsim[ray]'); "
-                                      "--executor ray is tested where it is")
-    res = run_sweep(small_base(), REPO, axes(), tmp_path, seeds=2, executor="ray", workers=2,
+    """``--executor ray`` on a local Ray instance the executor starts (one CPU, no
+    dashboard): the same table, byte for byte, as the process pool's."""
+    res = run_sweep(small_base(), REPO, axes(), tmp_path, seeds=2, executor="ray", workers=1,
                     progress=False)
     assert res.ran == 12
     assert (tmp_path / "results.csv").read_bytes() == uninterrupted
+
+
+# A Ray cluster that outlives the sweep: started in its own process, which prints its
+# address and keeps the cluster up until its stdin is closed (then Ray shuts it down).
+_RAY_HEAD = """
+import sys, ray
+ctx = ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+print(ctx.address_info["gcs_address"], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_sweep_on_a_running_ray_cluster_by_address(tmp_path, monkeypatch):
+    """``latsim sweep --executor ray --address HOST:PORT`` runs on that cluster (it does
+    not start its own) and writes the table the process pool writes."""
+    import ray
+    # A test cluster on this machine only: no auth token to hand between the processes.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    sc = tmp_path / "s.yaml"
+    sc.write_text(yaml.safe_dump(small_base(60)))
+    grid = ["--grid", "engine.policy=fifo,chunked"]
+    r = CliRunner().invoke(_app(), ["sweep", str(sc), *grid, "--out", str(tmp_path / "local"),
+                                    "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    head = subprocess.Popen([sys.executable, "-c", _RAY_HEAD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        address = head.stdout.readline().strip()
+        assert re.fullmatch(r"[\w.\-]+:\d+", address), address
+        r = CliRunner().invoke(_app(), ["sweep", str(sc), *grid, "--out", str(tmp_path / "ray"),
+                                        "--executor", "ray", "--address", address])
+        assert r.exit_code == 0, r.output
+        assert not ray.is_initialized()       # it connected, ran, and let go of the cluster
+    finally:
+        head.stdin.close()
+        head.wait(timeout=120)
+    assert head.returncode == 0
+    assert (tmp_path / "ray" / "results.csv").read_bytes() == \
+        (tmp_path / "local" / "results.csv").read_bytes()
+
+
+def test_address_is_only_for_ray(tmp_path):
+    with pytest.raises(LatsimError, match="--address is for --executor ray"):
+        run_sweep(small_base(30), REPO, axes(["engine.policy=fifo"]), tmp_path,
+                  address="127.0.0.1:6379", progress=False)
 
 
 def test_unknown_executor_is_an_error(tmp_path):

@@ -38,18 +38,23 @@ def sweep(
     seeds: int = typer.Option(1, "--seeds", help="seeds per point: scenario seed, +1, ..."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override: a.b=value"),
     executor: str = typer.Option("local", "--executor", help="local | ray (honours RAY_ADDRESS)"),
+    address: Optional[str] = typer.Option(None, "--address", help="with --executor ray: a "
+                                          "running Ray cluster (host:port; default: "
+                                          "RAY_ADDRESS, else a local Ray started here)"),
     workers: Optional[int] = typer.Option(None, "--workers", help="processes (default: cores)"),
     resume: bool = typer.Option(False, "--resume", help="skip points already in results.csv"),
     force: bool = typer.Option(False, "--force", help="discard existing results and start again"),
     limit: Optional[int] = typer.Option(None, "--limit", help="stop after N points (--resume later)"),
 ) -> None:
     """Run every point of a parameter grid and write one tidy table (CSV + parquet)."""
-    from simulator.planning.sweep import parse_axis, run_sweep
+    from simulator.planning.sweep import check_sweep_dir, parse_axis, run_sweep
+    check_sweep_dir(out)
     base, base_dir = _base(scenario, set_)
     axes = [parse_axis(g) for g in grid or []]
     try:
         res = run_sweep(base, base_dir, axes, out, seeds=seeds, executor=executor,
-                        workers=workers, resume=resume, force=force, limit=limit, console=console)
+                        workers=workers, resume=resume, force=force, limit=limit, console=console,
+                        address=address)
     except KeyboardInterrupt:
         console.print(f"interrupted: finished points are in {Path(out) / 'results.csv'}; "
                       "rerun with --resume to continue")
@@ -68,12 +73,48 @@ def sweep(
                   "diagnosis": "diagnosis", "error": "error"}
         show = [c for c in (*keys, "seed", *labels) if c in cols]
         t = Table(title_justify="left")
-        for c in show:
-            t.add_column(labels.get(c, c), overflow="fold",
-                         justify="left" if c in keys or c in ("diagnosis", "error") else "right")
-        for _, r in df[show].iterrows():
-            t.add_row(*[_fmt(v) for v in r])
+        cells = [[_fmt(v) for v in r] for _, r in df[show].iterrows()]
+        for j, c in enumerate(show):
+            text = c in keys or c in ("diagnosis", "error")
+            # A cell (a number, a word) is never split across lines: the column is at
+            # least as wide as its widest one; headers and error texts wrap at spaces.
+            widest = max((len(w) for row in cells for w in
+                          (row[j].split() if c == "error" else [row[j]])), default=1)
+            t.add_column(labels.get(c, c), overflow="fold", min_width=min(widest, 30),
+                         justify="left" if text else "right")
+        for row in cells:
+            t.add_row(*row)
         console.print(t)
+
+
+def parse_prices(text: str):
+    """``--cost-per-gpu-hour``: one price (``3.5``) or one per GPU type
+    (``h100-80gb=3.9,a100-80gb=2.2``; catalogue names or aliases)."""
+    from simulator.cost import catalog
+    text = (text or "").strip()
+    try:
+        v = float(text)
+    except ValueError:
+        pass
+    else:
+        if not v > 0:
+            raise LatsimError("must be > 0", source="--cost-per-gpu-hour", value=v, has_value=True)
+        return v
+    out = {}
+    for item in text.split(","):
+        name, eq, price = item.partition("=")
+        try:
+            p = float(price)
+        except ValueError:
+            p = math.nan
+        if not eq or not name.strip() or not p > 0:
+            raise LatsimError("must be a price, or gpu=price,... (e.g. h100-80gb=3.9,l40s=1.1)",
+                              source="--cost-per-gpu-hour", value=item, has_value=True)
+        try:
+            out[catalog.gpu(name.strip()).name] = p
+        except LatsimError as e:
+            raise LatsimError(str(e).split(": ", 1)[-1], source="--cost-per-gpu-hour") from None
+    return out
 
 
 def plan(
@@ -81,9 +122,13 @@ def plan(
     slo: Optional[List[str]] = typer.Option(
         None, "--slo", help="[class:]metric<=bound, e.g. p0:p99_ttft_ms<=500 (default: the "
         "classes' own SLOs as P99 bounds)"),
-    cost_per_gpu_hour: float = typer.Option(..., "--cost-per-gpu-hour", help="$ per GPU-hour"),
+    cost_per_gpu_hour: str = typer.Option(..., "--cost-per-gpu-hour", help="$ per GPU-hour, or "
+                                          "one per GPU type: h100-80gb=3.9,a100-80gb=2.2"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU types to search (roofline "
+                                       "step costs per type), e.g. h100-80gb,a100-80gb,l40s"),
     search: Optional[List[str]] = typer.Option(
-        None, "--search", help="axis as in sweep --grid; replicas defaults to 1:64"),
+        None, "--search", help="axis as in sweep --grid (also tp=, pp=, gpu=); replicas "
+        "defaults to 1:64"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override: a.b=value"),
     seeds: int = typer.Option(1, "--seeds", help="every seed must meet the SLOs"),
     executor: str = typer.Option("local", "--executor", help="local | ray (honours RAY_ADDRESS)"),
@@ -94,23 +139,35 @@ def plan(
     tol: float = typer.Option(0.05, "--headroom-tol", help="relative precision of the headroom"),
     runner_ups: int = typer.Option(3, "--runner-ups", help="how many runner-ups to show"),
 ) -> None:
-    """Find the cheapest configuration that meets every SLO for the scenario's traffic."""
+    """Find the cheapest configuration that meets every SLO for the scenario's traffic.
+
+    Exit 0 with the choice; exit 1 when no configuration in the search space meets
+    them (the report says which SLO binds and what each one missed)."""
     from simulator.config.scenario import validate_scenario
     from simulator.planning.planner import Planner, class_names_of, default_slos, parse_slo
     from simulator.planning.sweep import parse_axis
-    if cost_per_gpu_hour <= 0:
-        raise LatsimError("must be > 0", source="--cost-per-gpu-hour", value=cost_per_gpu_hour,
-                          has_value=True)
+    prices = parse_prices(cost_per_gpu_hour)
     if seeds < 1:
         raise LatsimError("must be at least 1", source="--seeds", value=seeds, has_value=True)
+    gpu_list = [g.strip() for g in gpus.split(",") if g.strip()] if gpus is not None else None
+    if gpus is not None and not gpu_list:
+        raise LatsimError("name at least one GPU type", source="--gpus", value=gpus, has_value=True)
     base, base_dir = _base(scenario, set_)
-    sc = validate_scenario(base, source=str(scenario))
+    sc = validate_scenario(base, source=str(scenario), base_dir=base_dir)
     slos = ([parse_slo(s, class_names_of(sc)) for s in slo] if slo else default_slos(sc))
     if not slos:
         raise LatsimError("no SLO: give --slo or SLOs on the workload's classes", source="--slo")
     axes = [parse_axis(s, source="--search") for s in search or []]
-    pl = Planner(base, base_dir, slos, axes, seeds=seeds, executor=executor, workers=workers)
+    if gpu_list:
+        gpu_list = [_gpu_name(g) for g in gpu_list]
+    pl = Planner(base, base_dir, slos, axes, seeds=seeds, executor=executor, workers=workers,
+                 gpus=gpu_list, prices=prices)
     try:
+        for combo, why in pl.skipped:
+            console.print(f"[yellow]skipped[/] {_params_text(combo)}: {why}", highlight=False)
+        if not pl.combos:
+            raise LatsimError("no configuration in the search space can run (see the skipped "
+                              "lines above)", source=str(scenario))
         with console.status("searching..."):
             result = pl.search()
             if result.chosen is not None and headroom:
@@ -118,9 +175,24 @@ def plan(
     finally:
         pl.close()
     out = out or Path("results") / f"plan-{sc.name}"
-    files = write_plan(out, result, cost_per_gpu_hour)
-    print_plan(console, result, cost_per_gpu_hour, runner_ups, len(pl.combos), len(pl.replicas))
+    files = write_plan(out, result, prices)
+    print_plan(console, result, prices, runner_ups, len(pl.combos), len(pl.replicas))
     console.print(f"wrote {', '.join(str(f) for f in files)}")
+    if result.chosen is None:
+        raise typer.Exit(1)
+
+
+def _gpu_name(name: str) -> str:
+    """A GPU type's catalogue name (one-line error naming ``--gpus`` otherwise)."""
+    from simulator.cost import catalog
+    try:
+        return catalog.gpu(name).name
+    except LatsimError as e:
+        raise LatsimError(str(e).split(": ", 1)[-1], source="--gpus") from None
+
+
+def _params_text(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(base scenario)"
 
 
 def _fmt(v) -> str:
@@ -134,17 +206,26 @@ def config_text(ev) -> str:
     return ", ".join([f"replicas={ev.params[REPLICAS]}"] + [f"{k}={v}" for k, v in rest.items()])
 
 
-def _costs(ev, per_gpu_hour: float) -> tuple[float, float]:
-    per_hour = ev.gpus * per_gpu_hour
+def _costs(ev, per_gpu_hour) -> tuple[float, float]:
+    """$ per hour and per million output tokens of a configuration."""
+    if ev.cost_per_hour == ev.cost_per_hour:
+        per_hour = ev.cost_per_hour
+    else:
+        from simulator.planning.planner import price_of
+        per_hour = ev.gpus * price_of(per_gpu_hour, ev.params)
     tok = ev.mean("output_throughput")
     return per_hour, (per_hour / (tok * 3600) * 1e6 if tok and tok == tok else math.nan)
 
 
-def print_plan(con: Console, plan, per_gpu_hour: float, n_runner_ups: int, combos: int,
+def print_plan(con: Console, plan, per_gpu_hour, n_runner_ups: int, combos: int,
                sizes: int) -> None:
     """The planner's answer as a person reads it."""
     con.print(f"search space: {combos * sizes} configurations ({combos} combination(s) x "
-              f"{sizes} replica counts); simulated {plan.runs} run(s)")
+              f"{sizes} replica counts); simulated {plan.runs} run(s)"
+              + (f"; {len(plan.skipped)} combination(s) skipped (cannot run)"
+                 if plan.skipped else ""))
+    if plan.transfer:
+        con.print(f"step costs: {plan.transfer}", style="yellow", highlight=False)
     ch = plan.chosen
     if ch is None:
         con.print("[bold red]No configuration in the search space meets the SLOs.[/]")
@@ -211,7 +292,7 @@ def class_table(ev) -> Table:
     return t
 
 
-def write_plan(out: Path, plan, per_gpu_hour: float) -> list[Path]:
+def write_plan(out: Path, plan, per_gpu_hour) -> list[Path]:
     """plan.json, evaluations.csv (every run) and load_curve.png (when there is a choice)."""
     import pandas as pd
     out.mkdir(parents=True, exist_ok=True)
@@ -228,13 +309,16 @@ def write_plan(out: Path, plan, per_gpu_hour: float) -> list[Path]:
     doc = {"chosen": summary(plan.chosen), "runner_ups": [summary(e) for e in plan.runner_ups],
            "binding_slo": plan.binding, "binding_detail": plan.binding_detail,
            "headroom_multiplier": plan.headroom, "headroom_capped": plan.headroom_capped,
-           "runs": plan.runs, "cost_per_gpu_hour": per_gpu_hour}
+           "runs": plan.runs, "cost_per_gpu_hour": per_gpu_hour,
+           "skipped": [{"config": c, "reason": r} for c, r in plan.skipped],
+           "step_costs": plan.transfer}
     files = [out / "plan.json"]
     files[0].write_text(json.dumps(doc, indent=2, default=str,
                                    allow_nan=True).replace("NaN", "null") + "\n")
     evs = {id(e): e for e in [*(ev for _, ev in plan.best_per_combo), *plan.curve, plan.below,
                                plan.chosen, *plan.runner_ups] if e is not None}
-    recs = [{**e.params, "rate_multiplier": e.mult, "gpus": e.gpus, "feasible": e.feasible,
+    recs = [{**e.params, "rate_multiplier": e.mult, "gpus": e.gpus,
+             "cost_per_hour": _costs(e, per_gpu_hour)[0], "feasible": e.feasible,
              **{s.text: e.value(s) for s in plan.slos}} for e in evs.values()]
     pd.DataFrame(recs).to_csv(out / "evaluations.csv", index=False)
     files.append(out / "evaluations.csv")

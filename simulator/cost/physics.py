@@ -47,9 +47,41 @@ After the step, the host schedules the next one and applies this one's results:
 (``step_ms``; ``step_core_ms`` is the step alone, as a profile row times it).
 
 Everything is FLOPs, bytes and launches over rates: a datasheet's peak TFLOP/s and
-HBM GB/s with efficiencies supply another GPU's coefficients, and a parallelism
-communication term adds to ``device``. The model dimensions come from the profile's
-``meta.model``.
+HBM GB/s with efficiencies supply another GPU's coefficients (``simulator.cost.roofline``
+builds such a vector from the catalogues). The model dimensions come from the
+profile's ``meta.model``.
+
+Terms a fitted profile leaves at their neutral values (so a fitted model is unchanged
+by them), used by the roofline model of a replica on ``tp x pp`` GPUs:
+
+- tensor parallelism over ``tp`` GPUs (Megatron style): each GPU multiplies its
+  ``1/tp`` share of every linear layer and of the LM head (plus ``params_repl``
+  weights it holds whole: KV-head projections replicated when ``tp`` exceeds the KV
+  heads), runs ``heads/tp`` query heads and ``max(1, kv_heads/tp)`` KV heads of
+  attention, and of the elementwise passes splits those over heads and the FFN width
+  but not the ``act_passes_repl`` ones over ``d_model`` (norms, residual adds);
+- two all-reduces per layer (``ar_per_layer``) of the step's activations, ``T x d x
+  bytes``, each ``ar_lat_us + 2 (tp - 1) / tp x bytes / ar_gbs`` (a ring: every GPU
+  sends and receives ``2 (tp - 1) / tp`` of the message), added to the device time;
+- pipeline parallelism over ``pp`` stages with **no micro-batching** (vLLM's default
+  for one engine: one batch in flight): a step runs the stages one after the other,
+  each holding ``layers / pp`` layers, so the device work is the whole model's
+  (stage time = that / ``pp``) plus ``pp - 1`` sends of the activations
+  (``p2p_lat_us + T x d x bytes / p2p_gbs``) between stages. Each GPU idles
+  ``(pp - 1) / pp`` of the step (the bubble): PP adds latency, not throughput, and
+  buys memory (weights and KV split over the stages);
+- a GEMM efficiency curve: ``e_gemm x W / (W + gemm_half_gflop)`` with ``W`` the
+  GFLOP of one layer's linear maps on one GPU (small GEMMs cannot fill the GPU);
+  0 keeps ``e_gemm`` flat;
+- kernel floors per layer and per step in absolute units (``dev_layer_us`` per
+  layer, ``dev_step_ms`` per step: input preparation, sampling, the last sync),
+  added to the device side like ``dev_per_host``'s share;
+- ``params_read``: the linear weights a step reads when they differ from the ones a
+  token multiplies through (a mixture of experts: a batch touches every expert);
+- separate storage widths for weights (``weight_bytes``: fp8, int8, int4) and the KV
+  cache (``kv_bytes``), and a separate peak for attention (``attn_tflops``: fp8
+  GEMMs run on fp8 tensor cores, attention in 16 bits); 0 means ``dtype_bytes`` /
+  ``peak_tflops``.
 
 Every number lives in one float64 vector ``c`` (indices ``C_*`` below) so the
 evaluation is a pure ``@kernel`` the compiled event loop calls as well as Python.
@@ -117,7 +149,24 @@ C_DEV_PER_HOST = 43      # kernels' minimum device time / the host time launchin
 C_N_BUCKETS = 44
 C_BUCKETS = 45
 MAX_BUCKETS = 40
-N_CONST = C_BUCKETS + MAX_BUCKETS
+# -- parallelism, curves, floors and storage widths (module doc; neutral: 1 or 0) --------
+C_TP = C_BUCKETS + MAX_BUCKETS   # tensor-parallel GPUs
+C_PP = C_TP + 1                  # pipeline stages (no micro-batching)
+C_AR_LAT_US = C_TP + 2           # one all-reduce's latency, µs
+C_AR_GBS = C_TP + 3              # all-reduce bandwidth per GPU and direction, GB/s
+C_AR_PER_LAYER = C_TP + 4        # all-reduces per layer (Megatron TP: 2)
+C_P2P_LAT_US = C_TP + 5          # one pipeline send's latency, µs
+C_P2P_GBS = C_TP + 6             # pipeline send bandwidth, GB/s
+C_PARAMS_REPL = C_TP + 7         # linear weights every TP GPU holds whole
+C_GEMM_HALF = C_TP + 8           # per-layer GFLOP (one GPU) at half the GEMM efficiency
+C_ACT_D_REPL = C_TP + 9          # elementwise passes over d_model that TP does not split
+C_DEV_LAYER_US = C_TP + 10       # device floor per layer (kernel latencies), µs
+C_DEV_STEP_MS = C_TP + 11        # device floor per step, ms
+C_WEIGHT_BYTES = C_TP + 12       # bytes per linear weight (0: dtype_bytes)
+C_KV_BYTES = C_TP + 13           # bytes per K or V element (0: dtype_bytes)
+C_ATTN_TFLOPS = C_TP + 14        # attention peak TFLOP/s (0: peak_tflops)
+C_PARAMS_READ = C_TP + 15        # linear weights a step reads (MoE: every expert; 0: params_linear)
+N_CONST = C_TP + 16
 
 NAMES = {
     C_LAYERS: "layers", C_DMODEL: "d_model", C_HEADS: "heads", C_KV_HEADS: "kv_heads",
@@ -134,7 +183,12 @@ NAMES = {
     C_RANGE_CHUNK: "range_chunk", C_RANGE_CONTEXT: "range_context",
     C_RANGE_BATCH: "range_batch", C_RANGE_DECODE_CTX: "range_decode_ctx",
     C_SMS: "sms", C_DEC_BLOCKS_PER_SM: "decode_blocks_per_sm", C_WAVE_COST: "wave_cost",
-    C_DEV_PER_HOST: "dev_per_host",
+    C_DEV_PER_HOST: "dev_per_host", C_TP: "tp", C_PP: "pp", C_AR_LAT_US: "ar_lat_us",
+    C_AR_GBS: "ar_gbs", C_AR_PER_LAYER: "ar_per_layer", C_P2P_LAT_US: "p2p_lat_us",
+    C_P2P_GBS: "p2p_gbs", C_PARAMS_REPL: "params_repl", C_GEMM_HALF: "gemm_half_gflop",
+    C_ACT_D_REPL: "act_passes_repl", C_DEV_LAYER_US: "dev_layer_us",
+    C_DEV_STEP_MS: "dev_step_ms", C_WEIGHT_BYTES: "weight_bytes", C_KV_BYTES: "kv_bytes",
+    C_ATTN_TFLOPS: "attn_tflops", C_PARAMS_READ: "params_read",
 }
 INDEX = {v: k for k, v in NAMES.items()}
 
@@ -149,6 +203,31 @@ def pnorm(a, b, p):
     x = a / m
     y = b / m
     return m * (x ** p + y ** p) ** (1.0 / p)
+
+
+@kernel
+def tp_of(c):
+    """Tensor-parallel GPUs of the replica (1 when the vector leaves it unset)."""
+    return c[C_TP] if c[C_TP] > 1.0 else 1.0
+
+
+@kernel
+def kv_heads_per_gpu(c):
+    """KV heads one GPU holds: ``kv_heads / tp``, at least one (replicated beyond)."""
+    k = c[C_KV_HEADS] / tp_of(c)
+    return k if k >= 1.0 else 1.0
+
+
+@kernel
+def kv_elem_bytes(c):
+    """Bytes of one cached K or V element (``kv_bytes``, else ``dtype_bytes``)."""
+    return c[C_KV_BYTES] if c[C_KV_BYTES] > 0.0 else c[C_DTYPE_BYTES]
+
+
+@kernel
+def attn_peak(c):
+    """Peak TFLOP/s attention runs at (``attn_tflops``, else ``peak_tflops``)."""
+    return c[C_ATTN_TFLOPS] if c[C_ATTN_TFLOPS] > 0.0 else c[C_PEAK_TFLOPS]
 
 
 @kernel
@@ -184,18 +263,18 @@ def host_ms(c, nd, chp, nch):
 def chunk_attention_ms(c, n, prior):
     """Device time (ms) of one prefill chunk's attention (module doc)."""
     L = c[C_LAYERS]
-    hq = c[C_HEADS]
+    hq = c[C_HEADS] / tp_of(c)
     hd = c[C_HEAD_DIM]
     flops_per_pair = 4.0 * L * hq * hd
     nf = float(n)
     # The causal pairs (a query and a key it may see) at flash attention's rate.
     causal = nf * (float(prior) + (nf + 1.0) * 0.5)
-    flash = flops_per_pair * causal / (c[C_PEAK_TFLOPS] * c[C_E_FLASH]) * 1e-9
+    flash = flops_per_pair * causal / (attn_peak(c) * c[C_E_FLASH]) * 1e-9
     if prior <= 0:
         return flash
     keys = float(prior) + nf
-    thr = flops_per_pair * nf * keys / (c[C_PEAK_TFLOPS] * c[C_E_MASKED]) * 1e-9
-    lat = keys * L * 2.0 * hd * c[C_DTYPE_BYTES] / c[C_CTA_PREFIX] * 1e-6
+    thr = flops_per_pair * nf * keys / (attn_peak(c) * c[C_E_MASKED]) * 1e-9
+    lat = keys * L * 2.0 * hd * kv_elem_bytes(c) / c[C_CTA_PREFIX] * 1e-6
     # The masked kernel never beats flash attention on the same pairs: a prefix only
     # ever adds work (and keeps cost monotone in the prefix whatever the fit).
     t = pnorm(lat, thr, c[C_P_ATTN])
@@ -221,24 +300,87 @@ def decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine):
         # the mean context stands in for the longest one.
         keys = float(ctx_sum)
         longest = keys / nd
-    kvb = 2.0 * c[C_KV_HEADS] * c[C_HEAD_DIM] * c[C_DTYPE_BYTES]
+    kvb = 2.0 * kv_heads_per_gpu(c) * c[C_HEAD_DIM] * kv_elem_bytes(c)
     thr = keys * L * kvb / (c[C_HBM_GBS] * e) * 1e-6
-    lat = longest * L * 2.0 * c[C_HEAD_DIM] * c[C_DTYPE_BYTES] / c[C_CTA_DECODE] * 1e-6
+    lat = longest * L * 2.0 * c[C_HEAD_DIM] * kv_elem_bytes(c) / c[C_CTA_DECODE] * 1e-6
     slots = c[C_SMS] * c[C_DEC_BLOCKS_PER_SM]
     if slots > 0.0:
         # Each further wave of blocks streams the longest context again; the part of
         # that latency a wave does not hide behind the previous one is ``wave_cost``.
-        waves = np.ceil(float(nd) * c[C_HEADS] / slots)
+        waves = np.ceil(float(nd) * c[C_HEADS] / tp_of(c) / slots)
         lat *= 1.0 + c[C_WAVE_COST] * (waves - 1.0)
     return pnorm(lat, thr, c[C_P_ATTN])
 
 
 @kernel
+def linear_times(c, T, S):
+    """``(weights ms, compute ms)`` of the linear layers and the LM head on one GPU for
+    ``T`` packed tokens and ``S`` sampled rows: the weights (its TP share, the LM head
+    when a row samples) read once at ``HBM * e_weights``, and the FLOPs at ``peak *
+    e_gemm`` (times the GEMM efficiency curve when ``gemm_half_gflop`` is set)."""
+    tp = tp_of(c)
+    db = c[C_DTYPE_BYTES]
+    wb = c[C_WEIGHT_BYTES] if c[C_WEIGHT_BYTES] > 0.0 else db
+    P = c[C_PARAMS_LINEAR] / tp + c[C_PARAMS_REPL]
+    read = c[C_PARAMS_READ] / tp + c[C_PARAMS_REPL] if c[C_PARAMS_READ] > 0.0 else P
+    lm = c[C_VOCAB] * c[C_DMODEL] / tp
+    w_bytes = read * wb
+    if S > 0.0:
+        w_bytes += lm * db
+    flops = 2.0 * P * T + 2.0 * lm * S
+    e = c[C_E_GEMM]
+    if c[C_GEMM_HALF] > 0.0:
+        # Small GEMMs leave SMs idle: the efficiency climbs with one layer's work.
+        w = 2.0 * P * T / c[C_LAYERS] * 1e-9
+        if w > 0.0:
+            e = e * w / (w + c[C_GEMM_HALF])
+    t_w = w_bytes / (c[C_HBM_GBS] * c[C_E_WEIGHTS]) * 1e-6
+    t_f = flops / (c[C_PEAK_TFLOPS] * e) * 1e-9
+    return t_w, t_f
+
+
+@kernel
+def act_ms(c, T):
+    """Device time (ms) of the elementwise passes and K/V writes of ``T`` tokens on one
+    GPU (the TP-split passes and the ones every GPU repeats, module doc)."""
+    tp = tp_of(c)
+    d = c[C_DMODEL]
+    kvr = kv_elem_bytes(c) / c[C_DTYPE_BYTES]
+    act_bytes = T * c[C_LAYERS] * c[C_DTYPE_BYTES] * (
+        c[C_ACT_D] * d / tp + c[C_ACT_F] * c[C_FFN] / tp
+        + 2.0 * kv_heads_per_gpu(c) * c[C_HEAD_DIM] * kvr + c[C_ACT_D_REPL] * d)
+    return act_bytes / (c[C_HBM_GBS] * c[C_E_ACT]) * 1e-6
+
+
+@kernel
+def comm_times(c, T):
+    """``(all-reduce ms, pipeline-send ms)`` of a step of ``T`` packed tokens: TP's
+    ``ar_per_layer`` ring all-reduces per layer of the ``T x d`` activations, and the
+    ``pp - 1`` sends between pipeline stages (module doc). Zero on one GPU."""
+    ar = 0.0
+    p2p = 0.0
+    msg = T * c[C_DMODEL] * c[C_DTYPE_BYTES]
+    tp = tp_of(c)
+    if tp > 1.0:
+        # A ring all-reduce moves 2 (N - 1) / N of the message through every GPU's link.
+        ring = 2.0 * (tp - 1.0) / tp
+        ar = c[C_AR_PER_LAYER] * c[C_LAYERS] * (c[C_AR_LAT_US] * 1e-3
+                                                 + ring * msg / c[C_AR_GBS] * 1e-6)
+    if c[C_PP] > 1.0:
+        p2p = (c[C_PP] - 1.0) * (c[C_P2P_LAT_US] * 1e-3 + msg / c[C_P2P_GBS] * 1e-6)
+    return ar, p2p
+
+
+@kernel
+def fixed_floor_ms(c):
+    """The kernels' minimum device time in absolute units: ``dev_layer_us`` per layer
+    (every stage's, run one after the other) plus ``dev_step_ms`` per step."""
+    return c[C_DEV_STEP_MS] + c[C_DEV_LAYER_US] * c[C_LAYERS] * 1e-3
+
+
+@kernel
 def device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine):
     """Device time (ms) of a step (module doc)."""
-    L = c[C_LAYERS]
-    d = c[C_DMODEL]
-    db = c[C_DTYPE_BYTES]
     T = float(nd)
     S = float(nd)
     att = 0.0
@@ -247,19 +389,12 @@ def device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine
         if chf[i]:
             S += 1.0
         att += chunk_attention_ms(c, chn[i], chp[i])
-    lm = c[C_VOCAB] * d
-    w_bytes = c[C_PARAMS_LINEAR] * db
-    if S > 0.0:
-        w_bytes += lm * db
-    flops = 2.0 * c[C_PARAMS_LINEAR] * T + 2.0 * lm * S
-    t_w = w_bytes / (c[C_HBM_GBS] * c[C_E_WEIGHTS]) * 1e-6
-    t_f = flops / (c[C_PEAK_TFLOPS] * c[C_E_GEMM]) * 1e-9
+    t_w, t_f = linear_times(c, T, S)
     gemm = pnorm(t_w, t_f, c[C_P_GEMM])
-    act_bytes = T * L * db * (c[C_ACT_D] * d + c[C_ACT_F] * c[C_FFN]
-                              + 2.0 * c[C_KV_HEADS] * c[C_HEAD_DIM])
-    act = act_bytes / (c[C_HBM_GBS] * c[C_E_ACT]) * 1e-6
+    act = act_ms(c, T)
     dec = decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine)
-    return gemm + act + att + dec
+    ar, p2p = comm_times(c, T)
+    return gemm + act + att + dec + ar + p2p
 
 
 @kernel
@@ -271,7 +406,7 @@ def step_core_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, force_eager):
     # Every launched kernel holds the device for a minimum time too (launch latency,
     # ramp-up and tail), a fixed share of what launching it costs the host; a graph
     # replay saves the host's launches, not the kernels' minimum durations.
-    floor = c[C_DEV_PER_HOST] * host
+    floor = c[C_DEV_PER_HOST] * host + fixed_floor_ms(c)
     if graphs and nch == 0 and nd > 0 and not force_eager:
         gb = graph_batch(c, nd)
         if gb > 0:
@@ -351,9 +486,58 @@ def decode_run_outside(c, nd, ctx_max0, ctx_sum0, k):
 
 
 def new_constants() -> np.ndarray:
-    """A zeroed constants vector with the neutral settings (scale 1, p = 4)."""
+    """A zeroed constants vector with the neutral settings (scale 1, p = 4, one GPU)."""
     c = np.zeros(N_CONST)
     c[C_SCALE] = 1.0
     c[C_P_STEP] = c[C_P_ATTN] = c[C_P_GEMM] = 4.0
     c[C_WAVE_COST] = 1.0
+    c[C_TP] = c[C_PP] = 1.0
+    c[C_AR_PER_LAYER] = 2.0
     return c
+
+
+def step_breakdown(c: np.ndarray, n_decode: int, ctx_max: int, ctx_sum: int,
+                   chunks) -> dict:
+    """The terms of one step (ms), each on its own, as ``step_ms`` combines them:
+    ``weights`` and ``gemm_compute`` (the linear layers' memory and compute bounds,
+    ``linear`` their soft maximum), ``elementwise``, ``prefill_attention``,
+    ``decode_attention``, ``allreduce``, ``pipeline_send``, ``floor`` (kernels'
+    minimum durations), ``device`` (the device's whole time: the linear layers' soft
+    maximum, the other terms and the floor), ``host`` (the launches the device may
+    hide), ``bookkeeping`` and ``ms`` (the step, equal to ``step_ms``). ``chunks`` are
+    ``(n, prior)`` or ``(n, prior, completes)``; ``graph_replay`` says whether a CUDA
+    graph ran the step (``host`` is then the replay's cost)."""
+    k = len(chunks)
+    chn = np.zeros(max(k, 1), np.int64)
+    chp = np.zeros(max(k, 1), np.int64)
+    chf = np.zeros(max(k, 1), np.bool_)
+    for i, ch in enumerate(chunks):
+        chn[i], chp[i] = int(ch[0]), int(ch[1])
+        chf[i] = bool(ch[2]) if len(ch) > 2 else True
+    graphs = c[C_GRAPHS] > 0.0
+    host = float(host_ms(c, n_decode, chp, k))
+    floor = float(c[C_DEV_PER_HOST] * host + fixed_floor_ms(c))
+    nd, cmax, csum = n_decode, ctx_max, ctx_sum
+    graph = False
+    if graphs and k == 0 and n_decode > 0:
+        gb = graph_batch(c, n_decode)
+        if gb > 0:
+            graph = True
+            nd, csum = gb, ctx_sum + (gb - n_decode)
+    T = float(nd + int(chn[:k].sum()))
+    S = float(nd + int(chf[:k].sum()))
+    t_w, t_f = linear_times(c, T, S)
+    ar, p2p = comm_times(c, T)
+    att = float(sum(float(chunk_attention_ms(c, chn[i], chp[i])) for i in range(k)))
+    dec = float(decode_attention_ms(c, nd, cmax, csum, graphs and not graph))
+    out = {"weights": float(t_w), "gemm_compute": float(t_f),
+           "linear": float(pnorm(t_w, t_f, c[C_P_GEMM])), "elementwise": float(act_ms(c, T)),
+           "prefill_attention": att, "decode_attention": dec, "allreduce": float(ar),
+           "pipeline_send": float(p2p), "floor": floor}
+    out["device"] = float(device_ms(c, nd, cmax, csum, chn, chp, chf, k, graphs and not graph)
+                          + floor)
+    out["host"] = float(c[C_H_GRAPH]) if graph else host
+    out["graph_replay"] = graph
+    out["bookkeeping"] = float(c[C_BOOK_MS] + c[C_BOOK_SEQ_MS] * float(n_decode + k))
+    out["ms"] = float(step_ms(c, n_decode, ctx_max, ctx_sum, chn, chp, chf, k))
+    return out

@@ -8,8 +8,8 @@ error in the point becomes an ``error`` cell instead.
 
 Executors take a batch of such tasks and yield ``(index, row)`` as each finishes:
 ``LocalExecutor`` (a process pool over the cores, forked once and reused) and
-``RayExecutor`` (Ray tasks on ``RAY_ADDRESS``'s cluster, or a local Ray instance; this
-package is shipped to the workers). Nothing is written to disk here.
+``RayExecutor`` (Ray tasks on a running cluster, ``--address`` or ``RAY_ADDRESS``, or a
+local Ray instance; this package is shipped to the workers). Nothing is written to disk here.
 """
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ def run_point(task: tuple) -> dict:
         _, summary = run_outputs(res)
     except LatsimError as e:
         return {"error": str(e)}
+    except MemoryError:
+        return {"error": "out of memory: the point does not fit in the worker's memory"}
     arr = res.workload.arrival_s
     span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
     return flatten(summary, (len(arr) - 1) / span if span > 0 else float("nan"))
@@ -121,9 +123,10 @@ class LocalExecutor:
 
 
 class RayExecutor:
-    """``run_point`` as Ray tasks, on ``RAY_ADDRESS``'s cluster or a local Ray instance."""
+    """``run_point`` as Ray tasks: on the cluster at ``address`` (or ``RAY_ADDRESS``), on
+    the Ray instance this process already runs, or on a local one it starts."""
 
-    def __init__(self, workers: Optional[int] = None) -> None:
+    def __init__(self, workers: Optional[int] = None, address: Optional[str] = None) -> None:
         try:
             import ray
         except ImportError:
@@ -132,16 +135,17 @@ class RayExecutor:
         self.ray = ray
         self._owns = not ray.is_initialized()
         if self._owns:
-            address = os.environ.get("RAY_ADDRESS")
-            # A local instance: no dashboard, ``workers`` CPUs. Either way this package is
-            # shipped, so the workers run the driver's exact code.
+            address = address or os.environ.get("RAY_ADDRESS")
+            # A local instance: no dashboard, ``workers`` CPUs. Either way the whole
+            # ``simulator`` package is shipped, so the workers run the driver's exact code.
             kw = {} if address else {"include_dashboard": False, "log_to_driver": False,
                                      **({"num_cpus": workers} if workers else {})}
             try:
                 ray.init(address=address,
-                         runtime_env={"py_modules": [str(Path(__file__).resolve().parent)]}, **kw)
-            except (ConnectionError, ValueError, RuntimeError) as e:
-                where = f"the Ray cluster at {address} (RAY_ADDRESS)" if address else "Ray"
+                         runtime_env={"py_modules": [str(Path(__file__).resolve().parents[1])]},
+                         **kw)
+            except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
+                where = f"the Ray cluster at {address}" if address else "Ray"
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise LatsimError(f"cannot start or reach {where}: {msg}",
                                   source="--executor") from None
@@ -171,11 +175,14 @@ class RayExecutor:
             self.ray.shutdown()
 
 
-def make_executor(kind: str, workers: Optional[int] = None):
-    """``local`` or ``ray``."""
+def make_executor(kind: str, workers: Optional[int] = None, address: Optional[str] = None):
+    """``local`` or ``ray`` (``address``: a running Ray cluster's, for ``ray`` only)."""
+    if address is not None and kind != "ray":
+        raise LatsimError("--address is for --executor ray", source="--address",
+                          value=address, has_value=True)
     if kind == "local":
         return LocalExecutor(workers)
     if kind == "ray":
-        return RayExecutor(workers)
+        return RayExecutor(workers, address)
     raise LatsimError("unknown executor; known: local, ray", source="--executor",
                       value=kind, has_value=True)

@@ -5,9 +5,18 @@ The search space is the product of ``--search`` axes (as sweep grids); ``replica
 more replicas of the same engine, so for every combination of the other axes the
 smallest sufficient replica count is found by binary search (about log2(R) runs, not
 R), the combinations' searches advancing in lockstep so they run in parallel. A
-configuration costs ``replicas x cluster.gpus_per_replica x $/GPU-hour``; the cheapest
+configuration costs ``replicas x GPUs per replica x $/GPU-hour``; the cheapest
 feasible one is chosen (ties: the one with the most slack), the next ones are the
 runner-ups.
+
+Hardware is an axis too: ``gpus`` (a list of catalogued GPU types) makes the model's
+step cost a roofline estimate (``simulator.cost.roofline``) for each type, with the
+axes ``tp`` and ``pp`` (``model.cost.tp`` / ``.pp``); a scenario whose cost model is a
+measured profile has that profile carried to each GPU (``calibrate``). GPUs per
+replica are then tp x pp, and the price per GPU-hour may differ by type
+(``prices``). A configuration that cannot run (a TP the model's heads do not divide,
+weights that do not fit the GPU's memory) is skipped before any simulation, with
+its reason (``Plan.skipped``).
 
 An SLO is ``[class:]metric<=bound`` (also ``<``, ``>=``, ``>``): ``metric`` is a summary
 column (``p99_ttft_ms``, ``mean_t_queue_ms``, ``request_goodput`` ...), ``class`` a
@@ -36,7 +45,10 @@ from simulator.planning.executors import load_profile_for, make_executor
 from simulator.planning.sweep import describe, expand, point_scenario, policy_axis, resolve_key
 
 REPLICAS = "cluster.replicas"
+GPU = "model.cost.gpu"
 COMPLETED = "completed"
+# Axis names the planner resolves itself (on top of sweep's shorthands).
+PLAN_SHORTHANDS = {"tp": "model.cost.tp", "pp": "model.cost.pp", "gpu": GPU}
 _OPS = {"<=": lambda v, b: v <= b, "<": lambda v, b: v < b,
         ">=": lambda v, b: v >= b, ">": lambda v, b: v > b}
 _METRICS = ({f"{p}_{m}_ms" for p, _ in PCTS for m in ("ttft", "tpot", "itl", "e2el")}
@@ -144,6 +156,7 @@ class Eval:
     gpus: int
     rows: list
     slos: list
+    cost_per_hour: float = math.nan
 
     def value(self, slo: SLOSpec) -> float:
         """The worst value over seeds (NaN when any seed lacks it)."""
@@ -199,21 +212,91 @@ class Plan:
     curve: list = field(default_factory=list)
     runs: int = 0
     space: int = 0
+    skipped: list = field(default_factory=list)     # (params, reason) never simulated
+    transfer: Optional[str] = None                  # how a GPU axis prices the steps
+
+
+def price_of(prices, params: dict) -> float:
+    """$ per GPU-hour of a configuration: one price, or the price of its GPU type."""
+    if isinstance(prices, dict):
+        return float(prices[params[GPU]])
+    return float(prices)
+
+
+def hardware_base(base: dict, gpus: list, base_dir: Path) -> tuple[dict, str]:
+    """The scenario mapping with ``model.cost`` made a roofline for a GPU axis, and a
+    sentence on how: a roofline keeps its settings; a measured profile (``profile``,
+    ``fitted``) calibrates the roofline (its engine's terms carried to every GPU). The
+    model is ``model.name``, else the profile's ``meta.model.name``."""
+    from simulator.cost import catalog, load_profile, profile_search_dirs, resolve_profile_path
+    out = copy.deepcopy(base)
+    model = out.setdefault("model", {})
+    cost = dict(model.get("cost") or {"kind": "profile",
+                                      "path": "profiles/h200-llama3-8b-refbench.json"})
+    for g in gpus:
+        try:
+            catalog.gpu(g)
+        except LatsimError as e:
+            raise LatsimError(str(e).split(": ", 1)[-1], source="--gpus") from None
+    kind = cost.get("kind", "profile")
+    if kind == "roofline":
+        return out, "roofline estimates from datasheets (the scenario's model.cost)"
+    if kind not in ("profile", "fitted"):
+        raise LatsimError(f"a GPU axis needs a roofline or a measured profile, not a {kind!r} "
+                          "cost model", source="--gpus")
+    path = cost.get("path", "profiles/h200-llama3-8b-refbench.json")
+    name = model.get("name")
+    if not name:
+        meta = load_profile(resolve_profile_path(path, profile_search_dirs(base_dir))).get("meta") or {}
+        m = meta.get("model")
+        mname = m.get("name") if isinstance(m, dict) else m
+        try:
+            name = catalog.model(str(mname)).name
+        except LatsimError:
+            raise LatsimError("a GPU axis needs the scenario's model: set model.name",
+                              source="--gpus") from None
+    model.pop("shape", None)
+    model["name"] = name
+    model["cost"] = {"kind": "roofline", "gpu": gpus[0], "calibrate": path}
+    return out, (f"roofline estimates from datasheets, calibrated to the scenario's measured "
+                 f"profile {path} (its engine's terms carried to every GPU)")
 
 
 class Planner:
-    """Runs the search; see the module docstring."""
+    """Runs the search; see the module docstring. ``gpus``: GPU types to search (a
+    roofline axis); ``prices``: $ per GPU-hour, one number or one per GPU type (None:
+    configurations are compared by their GPU count)."""
 
     def __init__(self, base: dict, base_dir: Path, slos: list, axes: list, *,
-                 seeds: int = 1, executor: str = "local", workers: Optional[int] = None) -> None:
+                 seeds: int = 1, executor: str = "local", workers: Optional[int] = None,
+                 gpus: Optional[list] = None, prices=None) -> None:
+        from simulator.planning.sweep import Axis
         self.base = copy.deepcopy(base)
-        self.runs = None
+        self.base_dir = Path(base_dir)
+        self.transfer = None
+        axes = [Axis(PLAN_SHORTHANDS.get(a.key, a.key), a.values) for a in axes]
+        if gpus:
+            if any(a.key == GPU for a in axes):
+                raise LatsimError("give the GPU types once: --gpus or --search gpu=",
+                                  source="--gpus")
+            self.base, self.transfer = hardware_base(self.base, list(gpus), self.base_dir)
+            axes = [*axes, Axis(GPU, tuple(gpus))]
+        # A ``policies:`` list is an ``engine.policy`` axis whose values name its entries
+        # (``policy_runs``); the run counter is kept apart from it.
+        self.policy_runs: Optional[dict] = None
         if self.base.get("policies") and not any(
                 resolve_key(self.base, a.key) == "engine.policy" for a in axes):
-            axis, self.runs = policy_axis(self.base)
+            axis, self.policy_runs = policy_axis(self.base)
             axes = [*axes, axis]
         self.base.pop("policies", None)
-        self.base_dir, self.slos, self.seeds = Path(base_dir), slos, seeds
+        self.slos, self.seeds = slos, seeds
+        self.prices = prices
+        if isinstance(prices, dict):
+            missing = sorted({v for a in axes if a.key == GPU for v in a.values} - set(prices))
+            if missing or not any(a.key == GPU for a in axes):
+                raise LatsimError("a price per GPU type needs a GPU axis and a price for each "
+                                  f"type searched; missing: {', '.join(missing) or 'the axis'}",
+                                  source="--cost-per-gpu-hour")
         rep = [a for a in axes if resolve_key(self.base, a.key) == REPLICAS]
         others = [a for a in axes if resolve_key(self.base, a.key) != REPLICAS]
         vals = rep[0].values if rep else tuple(range(1, 65))
@@ -221,16 +304,39 @@ class Planner:
             raise LatsimError("replicas must be whole numbers >= 1", source="--search",
                               value=list(vals)[:5], has_value=True)
         self.replicas = sorted(set(vals))
-        self.combos = expand(others)
         self.seed0 = int(self.base.get("seed", 0) or 0)
-        self.executor = make_executor(executor, workers)
         self.cache: dict = {}
         self._profiles: dict = {}
         self.runs = 0
-        for c in self.combos:  # fail fast on a bad axis value
-            validate_scenario(point_scenario(self.base, {**c, REPLICAS: self.replicas[0]}, self.runs),
-                              source=f"search point {describe(c)}")
+        self.skipped: list = []
+        self.combos = []
+        for c in expand(others):  # fail fast on a bad axis value; skip what cannot run
+            why = self._cannot_run(c)
+            if why is None:
+                self.combos.append(c)
+            else:
+                self.skipped.append((c, why))
+        self.executor = make_executor(executor, workers)
 
+    def _cannot_run(self, combo: dict) -> Optional[str]:
+        """Why a combination cannot run at all (a roofline that does not fit or cannot be
+        split), or None. Other errors in a point are the user's: raised."""
+        from simulator.loops.simulate import roofline_memory_plan
+        data = point_scenario(self.base, {**combo, REPLICAS: self.replicas[0]}, self.policy_runs)
+        where = f"search point {describe(combo)}"
+        cost = ((data.get("model") or {}).get("cost") or {})
+        try:
+            sc = validate_scenario(data, source=where, base_dir=self.base_dir)
+        except LatsimError as e:
+            if cost.get("kind") == "roofline" and any(
+                    f"'model.cost.{k}'" in str(e) for k in ("tp", "pp")):
+                return str(e).split(": ", 1)[-1]
+            raise
+        if getattr(sc.model.cost, "kind", None) == "roofline" and sc.engine.kv.num_blocks is None:
+            plan = roofline_memory_plan(sc, require_fit=False)
+            if not plan.fits:
+                return plan.reason
+        return None
     def close(self) -> None:
         """Release the executor."""
         self.executor.close()
@@ -242,14 +348,17 @@ class Planner:
             key = (tuple(sorted((k, repr(v)) for k, v in params.items())), mult)
             if key in self.cache or key in todo:
                 continue
-            data = point_scenario(self.base, params, self.runs)
-            sc = validate_scenario(data, source=f"search point {describe(params)}")
+            data = point_scenario(self.base, params, self.policy_runs)
+            sc = validate_scenario(data, source=f"search point {describe(params)}",
+                                   base_dir=self.base_dir)
             if mult != 1.0:
                 data = scale_rate(data, sc, mult)
             prof = load_profile_for(sc, self.base_dir, self._profiles)
             todo.append(key)
-            self.cache[key] = Eval(params, mult, params[REPLICAS] * sc.cluster.gpus_per_replica,
-                                   [None] * self.seeds, self.slos)
+            gpus = params[REPLICAS] * replica_gpus(sc)
+            self.cache[key] = Eval(params, mult, gpus, [None] * self.seeds, self.slos,
+                                   gpus * price_of(self.prices, params)
+                                   if self.prices is not None else math.nan)
             for j in range(self.seeds):
                 tasks.append((key, j, (data, self.seed0 + j, str(self.base_dir), prof)))
         for i, row in self.executor.imap_unordered([t[2] for t in tasks]):
@@ -278,9 +387,11 @@ class Planner:
             k = min(lo, n - 1)
             best.append((c, self.evaluate([({**c, REPLICAS: self.replicas[k]}, 1.0)])[0]))
         feas = sorted((ev for _, ev in best if ev.feasible),
-                      key=lambda e: (e.gpus, e.slack))
+                      key=lambda e: (e.cost_per_hour if e.cost_per_hour == e.cost_per_hour
+                                     else e.gpus, e.gpus, e.slack))
         plan = Plan(self.slos, feas[0] if feas else None, feas[1:], best, None, None, "",
-                    space=n * len(self.combos))
+                    space=n * len(self.combos), skipped=list(self.skipped),
+                    transfer=self.transfer)
         _bind(plan, self)
         plan.runs = self.runs
         return plan
@@ -332,6 +443,20 @@ class Planner:
         """``(multiplier, Eval)`` of every run of the chosen configuration."""
         key = tuple(sorted((k, repr(v)) for k, v in ch.params.items()))
         return [(m, ev) for (k, m), ev in self.cache.items() if k == key]
+
+
+def replica_gpus(sc) -> int:
+    """GPUs one replica occupies: tp x pp of a roofline cost model, else
+    ``cluster.gpus_per_replica`` (one-line error when a roofline's disagrees)."""
+    cost = sc.model.cost
+    if getattr(cost, "kind", None) == "roofline":
+        n = cost.tp * cost.pp
+        if "gpus_per_replica" in sc.cluster.model_fields_set and sc.cluster.gpus_per_replica != n:
+            raise LatsimError(f"must equal model.cost tp x pp = {n}",
+                              field="cluster.gpus_per_replica",
+                              value=sc.cluster.gpus_per_replica, has_value=True)
+        return n
+    return sc.cluster.gpus_per_replica
 
 
 def _bind(plan: Plan, planner: Planner) -> None:

@@ -61,7 +61,7 @@ def _number(text: str) -> Optional[Decimal]:
 
 def parse_axis(text: str, source: str = "--grid") -> Axis:
     """``key=v1,v2`` or ``key=start:stop[:step]`` -> an ``Axis`` (one-line errors)."""
-    key, _ = parse_override(text)  # checks the key; the values are parsed below
+    key, _ = parse_override(text, source)  # checks the key; the values are parsed below
     raw = text.split("=", 1)[1].strip()
     if not raw:
         raise LatsimError("no values given", source=source, value=text, has_value=True)
@@ -84,7 +84,7 @@ def parse_axis(text: str, source: str = "--grid") -> Axis:
         return Axis(key, tuple(int(v) if integral else float(v) for v in vals))
     values = []
     for item in raw.split(","):
-        _, v = parse_override(f"{key}={item.strip()}")
+        _, v = parse_override(f"{key}={item.strip()}", source)
         values.append(v)
     return Axis(key, tuple(values))
 
@@ -139,10 +139,21 @@ def _apply_run(data: dict, entry) -> None:
         eng["policy"] = entry
         return
     for k, v in entry.items():
+        if k == "client":
+            # ``client: null`` is meaningful (patient clients); a mapping changes fields.
+            data["client"] = None if v is None else {**(data.get("client") or {}), **v}
+            continue
         if k == "label" or v is None:
             continue
         if k == "kv":
             eng["kv"] = {**(eng.get("kv") or {}), **v}
+        elif k == "cluster":
+            # An entry's cluster settings (``PolicyRun.traffic_update``): a new router
+            # starts from its own default parameters.
+            cl = data.setdefault("cluster", {})
+            if "router" in v and "router_params" not in v:
+                cl.pop("router_params", None)
+            cl.update(v)
         else:
             eng[k] = v
 
@@ -281,10 +292,11 @@ def _progress(console, total: int):
 def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, seeds: int = 1,
               executor: str = "local", workers: Optional[int] = None, resume: bool = False,
               force: bool = False, limit: Optional[int] = None, console=None,
-              progress: bool = True) -> SweepResult:
+              progress: bool = True, address: Optional[str] = None) -> SweepResult:
     """Run every (point, seed) of the grid over ``base`` (a scenario mapping) into ``out_dir``.
 
-    ``limit`` stops after that many new rows (the rest is left for ``resume``)."""
+    ``limit`` stops after that many new rows (the rest is left for ``resume``);
+    ``address``: a running Ray cluster (``executor="ray"``)."""
     if seeds < 1:
         raise LatsimError("must be at least 1", source="--seeds", value=seeds, has_value=True)
     base = copy.deepcopy(base)
@@ -297,6 +309,7 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     base_seed = int(base.get("seed", 0) or 0)
     seed_list = [base_seed + i for i in range(seeds)]
     out_dir = Path(out_dir)
+    check_sweep_dir(out_dir)
     path = out_dir / RESULTS_CSV
     if path.exists() and not (resume or force):
         raise LatsimError("results already exist: pass --resume to continue them or --force "
@@ -328,10 +341,11 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     skipped = len(points) * seeds - len(tasks)
     if limit is not None:
         tasks, task_rows = tasks[:limit], task_rows[:limit]
+    _check_sweep_memory(tasks, task_rows, executor, workers)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     ran = errors = 0
-    ex = make_executor(executor, workers) if tasks else None
+    ex = make_executor(executor, workers, address) if tasks else None
     prog = _progress(console, len(tasks)) if progress and tasks else None
     aborted = True
     try:
@@ -355,17 +369,77 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     wall = time.perf_counter() - t0
     df = pd.read_csv(path)
     _write_parquet(df, out_dir / "results.parquet")
-    (out_dir / "sweep.yaml").write_text(yaml.safe_dump(
+    _replace_text(out_dir / "sweep.yaml", yaml.safe_dump(
         {"grid": {a.key: list(a.values) for a in axes}, "seeds": seed_list,
          "scenario": base}, sort_keys=False))
     return SweepResult(df, ran, skipped, wall, path, errors)
 
 
+def check_sweep_dir(out_dir: Path) -> None:
+    """Before anything runs: ``out_dir`` is (or can be made) a writable folder."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise LatsimError("exists and is not a folder", source="--out", value=str(out_dir),
+                              has_value=True)
+        if not os.access(out_dir, os.W_OK | os.X_OK):
+            raise LatsimError("folder is not writable", source="--out", value=str(out_dir),
+                              has_value=True)
+        return
+    anc = out_dir.absolute().parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise LatsimError(f"cannot create the folder: {anc} is a file", source="--out",
+                          value=str(out_dir), has_value=True)
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise LatsimError(f"cannot create the folder: {anc} is not writable", source="--out",
+                          value=str(out_dir), has_value=True)
+
+
+def _check_sweep_memory(tasks: list, rows: list, executor: str, workers: Optional[int]) -> None:
+    """Refuse a sweep whose largest points, run side by side, need more memory than the
+    machine has (one line naming the point), before any of them starts."""
+    from simulator.errors import check_memory
+    from simulator.report.output import run_memory
+    if not tasks:
+        return
+    sizes = []
+    for (data, *_), row in zip(tasks, rows):
+        try:
+            sc = validate_scenario(data)
+        except LatsimError:
+            continue
+        expected = getattr(sc.workload, "expected_requests", None)
+        if expected is not None:
+            sizes.append((expected(), row))
+    if not sizes:
+        return
+    at_once = 1 if executor != "local" else max(1, min(len(tasks), workers or os.cpu_count() or 1))
+    sizes.sort(key=lambda x: -x[0])
+    need = sum(run_memory(n) for n, _ in sizes[:at_once])
+    params = {k: v for k, v in sizes[0][1].items() if k not in ("point", "seed")}
+    check_memory(need, f"running {at_once} point(s) at a time, the largest "
+                 f"({describe(params)}) with {sizes[0][0]:,.0f} requests,", source="--grid",
+                 hint="lower the requests per point" + (" or --workers" if at_once > 1 else ""))
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _write_parquet(df: pd.DataFrame, path: Path) -> Optional[Path]:
-    """Parquet copy of the table when pyarrow is installed (the CSV is canonical)."""
+    """Parquet copy of the table when pyarrow is installed (the CSV is canonical), written
+    to a temporary file first so that an interrupted write leaves no broken file."""
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        df.to_parquet(path, index=False)
+        df.to_parquet(tmp, index=False)
     except (ImportError, ValueError, TypeError):  # no pyarrow, or a column it cannot type
+        tmp.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         return None
+    os.replace(tmp, path)
     return path

@@ -2,7 +2,8 @@
 
 Lookup API:
 
-* :func:`gpu` / :func:`gpu_names`: datasheet rates of an accelerator (:class:`GpuSpec`).
+* :func:`gpu` / :func:`gpu_names`: datasheet rates of an accelerator (:class:`GpuSpec`);
+  :func:`gpu_in_text`: the catalogued GPU a free-text hardware description names.
 * :func:`model` / :func:`model_names`: a transformer's shape (:class:`ModelArch`), by
   catalogue name, Hugging Face id, or the path of a ``config.json`` (or of the folder
   holding one).
@@ -28,7 +29,7 @@ from simulator.cost.catalog.models import (DTYPE_BYTES, MODELS, WEIGHT_FORMATS, 
 
 __all__ = [
     "GpuSpec", "ModelArch", "WeightFormat", "MemoryPlan", "GPUS", "MODELS", "WEIGHT_FORMATS",
-    "DTYPE_BYTES", "gpu", "model", "gpu_names", "model_names", "dtype_bytes", "weight_format",
+    "DTYPE_BYTES", "gpu", "gpu_in_text", "model", "gpu_names", "model_names", "dtype_bytes", "weight_format",
     "load_config", "arch_from_config", "plan_memory", "check_parallelism", "kv_heads_per_gpu",
     "kv_replication", "weight_bytes_per_gpu", "weight_bytes_per_stage",
     "kv_bytes_per_token_per_gpu", "activation_bytes_per_gpu",
@@ -49,8 +50,11 @@ def _index(table: dict, extra) -> dict[str, str]:
 
 
 _GPU_INDEX = _index(GPUS, lambda g: g.aliases)
-# Models answer to their catalogue name, their HF id and the HF id's last part.
-_MODEL_INDEX = _index(MODELS, lambda m: (m.hf_id, m.hf_id.split("/")[-1]))
+# Models answer to their catalogue name, their HF id and the HF id's last part, and
+# to the names real_engine's presets and profiles use.
+_MODEL_ALIASES = {"llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b"}
+_MODEL_INDEX = _index(MODELS, lambda m: (m.hf_id, m.hf_id.split("/")[-1],
+                                         *[a for a, c in _MODEL_ALIASES.items() if c == m.name]))
 
 
 def _unknown(kind: str, name: str, index: dict[str, str], canon: list[str]) -> LatsimError:
@@ -76,6 +80,18 @@ def gpu(name: str) -> GpuSpec:
     if canon is None:
         raise _unknown("gpu", name, _GPU_INDEX, gpu_names())
     return GPUS[canon]
+
+
+def gpu_in_text(text: str) -> GpuSpec | None:
+    """The catalogued GPU a hardware description names ('NVIDIA H200 141GB (132 SMs)'
+    -> h200), or None. Names and aliases are tried longest first, each only where it
+    stands as a whole word (so 'l4' is not found inside 'l40s')."""
+    import re
+    t = _key(text)
+    for alias in sorted(_GPU_INDEX, key=len, reverse=True):
+        if re.search(rf"(?<![a-z0-9]){re.escape(alias)}(?![a-z0-9])", t):
+            return GPUS[_GPU_INDEX[alias]]
+    return None
 
 
 def model(name_or_path: str | Path) -> ModelArch:

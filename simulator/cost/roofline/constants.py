@@ -1,0 +1,133 @@
+"""The roofline's physics constants vector: a model on ``tp x pp`` GPUs of one type, served
+by an engine, with given efficiencies (``build_constants``).
+
+The model's shape comes from ``catalog.model``, the GPU's datasheet peaks from
+``catalog.gpu`` (the peak the linear layers run at depends on the weight format:
+``compute_peak``), the engine's facts from ``Engine`` (default: vLLM-like), and the
+efficiencies and overheads from ``defaults.DEFAULTS`` unless given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from simulator.cost import catalog
+from simulator.cost import physics as ph
+from simulator.cost.catalog import GpuSpec, ModelArch
+from simulator.cost.fit import NO_BOUND_GBS
+from simulator.cost.roofline.defaults import DEFAULTS, flash_efficiency, link_terms
+
+# vLLM's default CUDA-graph capture sizes (batch 1, 2, 4, then every 8 up to 256).
+VLLM_GRAPH_BUCKETS = (1, 2, 4) + tuple(range(8, 257, 8))
+NO_RANGE = 1e18         # a roofline has no measured range: nothing counts as extrapolated
+# Kernels of one layer outside the GEMMs and the elementwise passes whose minimum
+# duration the floor counts: the attention kernel and the K/V cache write.
+ATTN_KERNELS = 2
+ELEM_KERNELS = 5        # two norms, rotary, SiLU-and-mul, residual add (Vidur's ops)
+WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+KV_DTYPES = ("bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Engine facts the physics needs beyond the hardware and the model (module doc)."""
+
+    decode_attention: str = "paged"           # paged: cost follows the sum of the contexts
+    cuda_graphs: bool = True                  # pure-decode steps replay CUDA graphs
+    graph_buckets: tuple = VLLM_GRAPH_BUCKETS  # the batch sizes graphs were captured at
+    bookkeeping_ms: float = 0.0               # host time between steps (not in profile rows)
+    bookkeeping_seq_ms: float = 0.0
+
+
+def compute_peak(spec: GpuSpec, weight_dtype: str) -> tuple[float, str]:
+    """The dense peak (TFLOP/s) the linear layers run at for a weight format, and why:
+    fp8 and int8 weights multiply on fp8/int8 tensor cores where the GPU has them
+    (W8A8, as vLLM runs fp8 checkpoints); int4, and fp8 on a GPU without fp8, are
+    weight-only: the GEMMs run in 16 bits on dequantised weights."""
+    wf = catalog.weight_format(weight_dtype).name
+    if wf == "fp8" and spec.fp8_tflops:
+        return spec.fp8_tflops, "fp8 tensor cores (W8A8)"
+    if wf == "int8" and spec.int8_tops:
+        return spec.int8_tops, "int8 tensor cores (W8A8)"
+    if wf in ("fp8", "int8", "int4"):
+        return spec.bf16_tflops, f"16-bit tensor cores on dequantised {wf} weights (weight-only)"
+    return spec.bf16_tflops, "16-bit tensor cores"
+
+
+def has_rotary(arch: ModelArch) -> bool:
+    """Whether the model applies rotary embeddings to q and k (OPT and BLOOM do not)."""
+    return arch.family not in ("opt", "bloom")
+
+
+def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
+                    weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                    engine: Optional[Engine] = None, eff: Optional[dict] = None) -> np.ndarray:
+    """The physics constants of ``arch`` served on ``tp x pp`` GPUs of type ``spec``
+    by ``engine`` (default: vLLM-like), with the efficiencies ``eff`` (default:
+    ``DEFAULTS``). Checks that the split is possible (one-line errors)."""
+    catalog.check_parallelism(arch, tp, pp)
+    eff = DEFAULTS if eff is None else eff
+    engine = engine or Engine()
+    c = ph.new_constants()
+    L, d, hd = arch.layers, arch.hidden, arch.head_dim
+    c[ph.C_LAYERS], c[ph.C_DMODEL], c[ph.C_HEADS] = L, d, arch.heads
+    c[ph.C_KV_HEADS], c[ph.C_HEAD_DIM], c[ph.C_FFN], c[ph.C_VOCAB] = (
+        arch.kv_heads, hd, arch.ffn, arch.vocab)
+    c[ph.C_DTYPE_BYTES] = 2.0                       # activations in 16 bits
+    c[ph.C_WEIGHT_BYTES] = catalog.weight_format(weight_dtype).bytes_per_weight
+    c[ph.C_KV_BYTES] = catalog.dtype_bytes(kv_dtype)
+    c[ph.C_PARAMS_LINEAR] = arch.linear_params_per_token()
+    if arch.is_moe:
+        # A batch of any size routes its tokens over (nearly) every expert.
+        c[ph.C_PARAMS_READ] = L * (arch.attn_linear_weights() + arch.router_weights()
+                                   + arch.experts * arch.expert_linear_weights())
+    # Past kv_heads GPUs, every GPU holds a whole KV head's projections, not 1/tp.
+    kvh = catalog.kv_heads_per_gpu(arch, tp)
+    c[ph.C_PARAMS_REPL] = L * 2 * d * hd * (kvh - arch.kv_heads / tp)
+    rope = eff["act_passes_rope"] * (arch.heads + arch.kv_heads) * hd / d if has_rotary(arch) else 0.0
+    ffn_passes = eff["act_passes_ffn"] * (1.0 if arch.gated_mlp else 2.0 / 3.0)
+    c[ph.C_ACT_D], c[ph.C_ACT_F], c[ph.C_E_ACT] = rope, ffn_passes, 1.0
+    c[ph.C_ACT_D_REPL] = eff["act_passes_repl"]
+    # -- hardware
+    peak, _ = compute_peak(spec, weight_dtype)
+    c[ph.C_PEAK_TFLOPS], c[ph.C_ATTN_TFLOPS] = peak, spec.bf16_tflops
+    c[ph.C_HBM_GBS], c[ph.C_SMS] = spec.memory_bw_gbs, spec.sm_count
+    # -- engine
+    c[ph.C_PADDED] = 1.0 if engine.decode_attention == "padded" else 0.0
+    c[ph.C_GRAPHS] = 1.0 if engine.cuda_graphs else 0.0
+    if engine.cuda_graphs and engine.graph_buckets:
+        b = sorted(int(x) for x in engine.graph_buckets)[:ph.MAX_BUCKETS]
+        c[ph.C_N_BUCKETS] = len(b)
+        c[ph.C_BUCKETS:ph.C_BUCKETS + len(b)] = b
+    c[ph.C_BOOK_MS], c[ph.C_BOOK_SEQ_MS] = engine.bookkeeping_ms, engine.bookkeeping_seq_ms
+    # -- host: each stage's worker launches its own layers (in parallel with the others)
+    stage_layers = L / pp
+    c[ph.C_H_STEP] = eff["h_layer_ms"] * stage_layers
+    c[ph.C_H_DECODE] = eff["h_decode_layer_ms"] * stage_layers
+    c[ph.C_H_CHUNK] = 0.0      # vLLM packs every prefill chunk into one attention call
+    c[ph.C_H_PREFIX] = 0.0
+    c[ph.C_H_GRAPH] = eff["h_graph_ms"] if engine.cuda_graphs else 0.0
+    c[ph.C_DEV_PER_HOST] = 0.0
+    c[ph.C_DEV_LAYER_US] = (eff["gemm_floor_us"] + eff["elem_floor_us"]
+                            + ATTN_KERNELS * eff["elem_floor_us"] / ELEM_KERNELS)
+    c[ph.C_DEV_STEP_MS] = 0.0
+    # -- efficiencies
+    c[ph.C_E_GEMM], c[ph.C_GEMM_HALF] = eff["e_gemm"], eff["gemm_half_gflop"]
+    c[ph.C_E_WEIGHTS], c[ph.C_P_GEMM] = eff["e_weights"], eff["p_gemm"]
+    c[ph.C_E_FLASH] = c[ph.C_E_MASKED] = flash_efficiency(spec, eff)
+    c[ph.C_CTA_PREFIX] = c[ph.C_CTA_DECODE] = NO_BOUND_GBS
+    c[ph.C_E_DECODE] = c[ph.C_E_DECODE_EAGER] = eff["e_decode"]
+    c[ph.C_P_STEP], c[ph.C_P_ATTN] = eff["p_step"], eff["p_attn"]
+    c[ph.C_DEC_BLOCKS_PER_SM], c[ph.C_WAVE_COST] = 0.0, 1.0
+    # -- parallelism
+    c[ph.C_TP], c[ph.C_PP] = float(tp), float(pp)
+    c[ph.C_AR_PER_LAYER] = 2.0
+    lat, e_link = link_terms(spec, eff)
+    c[ph.C_AR_LAT_US] = c[ph.C_P2P_LAT_US] = lat
+    c[ph.C_AR_GBS] = c[ph.C_P2P_GBS] = spec.link_gbs_unidir * e_link
+    for idx in (ph.C_RANGE_TOKENS, ph.C_RANGE_CHUNK, ph.C_RANGE_CONTEXT, ph.C_RANGE_BATCH,
+                ph.C_RANGE_DECODE_CTX):
+        c[idx] = NO_RANGE
+    return c

@@ -1,0 +1,77 @@
+"""The roofline's default efficiencies (fractions of datasheet peaks) and engine overheads.
+
+``DEFAULTS`` holds them, rounded to four significant digits;
+``derive.calibrate_defaults()`` recomputes them from the data below and a test checks
+that the two agree (``vidur_check`` and ``allreduce_check`` are ``derive``'s,
+``published_check`` is ``checks``'). The
+all-reduce and flash-attention terms were measured on a few GPU families and stand
+for others (``link_terms``, ``flash_efficiency``).
+
+============================  ==========================================================
+term                          where it comes from
+============================  ==========================================================
+``e_gemm``, ``gemm_half``,    Vidur's per-operator MLP tables (``data/vidur``: the four
+``e_weights``, ``p_gemm``,    GEMMs of a layer against batch tokens, TP 1-8): A100
+``gemm_floor_us``             Llama-2-7B, Llama-2-70B, Llama-3-8B and H100 Llama-2-7B;
+                              A100 Llama-3-70B and H100 Llama-2-70B held out
+                              (``vidur_check``)
+``act_*``, ``elem_floor_us``  the same tables' norms, rotary, SiLU-and-mul and residual
+                              add (effective passes over HBM at the datasheet rate)
+``ar_lat_us_*``, ``e_link_*`` Vidur's NCCL all-reduce tables, per family: the 8-GPU
+                              A100 DGX (Ampere, and PCIe-only Ada) and H100 DGX (Hopper,
+                              Blackwell, MI300X), 2, 4 and 8 GPUs: ``allreduce_check``
+``e_flash`` (Hopper)          the flash-attention efficiency fitted to the H200
+                              reference profile (``profiles/h200-llama3-8b-refbench``:
+                              torch SDPA's FlashAttention-2 on an H200), as a fraction of
+                              the datasheet peak
+``e_flash`` (Ampere, Ada)     FlashAttention-2 forward, causal, head_dim 128, 4k tokens on
+                              an A100-SXM: 156 TFLOP/s of 312 (published benchmark,
+                              liangan1/GPU_travel ``performance/flash-attn/README.md``)
+``e_decode``                  the large-batch decode rows of TensorRT-LLM's published
+                              throughput tables for Llama-2-7B on A100 and H100
+                              (``data/published-step-times.csv``; their KV reads are
+                              most of the step): ``published_check``
+``h_*``, ``p_step``           host launch cost per layer of an eager step: the H200
+                              reference engine's fit (an eager PyTorch engine, an upper
+                              estimate for vLLM's fused kernels); a CUDA-graph replay:
+                              ``real_engine``'s fit (``profiles/h200-llama3-8b.json``)
+============================  ==========================================================
+"""
+from __future__ import annotations
+
+from simulator.cost.catalog import GpuSpec
+
+DEFAULTS: dict = {
+    "e_gemm": 0.736, "gemm_half_gflop": 0.616, "e_weights": 0.9303, "p_gemm": 1.287,
+    "gemm_floor_us": 26.2,
+    "act_passes_repl": 11.89, "act_passes_rope": 0.9385, "act_passes_ffn": 8.124,
+    "elem_floor_us": 10.6,
+    "ar_lat_us_ampere": 33.59, "e_link_ampere": 0.5129,
+    "ar_lat_us_hopper": 22.59, "e_link_hopper": 0.7196,
+    "e_flash_hopper": 0.3054, "e_flash_ampere": 0.5009,
+    "e_decode": 0.8605,
+    "h_layer_ms": 0.2582, "h_decode_layer_ms": 0.153, "h_graph_ms": 2.759, "p_step": 4.517,
+    "p_attn": 2.345,
+}
+# The all-reduce terms measured on an A100 and an H100 node stand for their families;
+# PCIe-only Ada parts take Ampere's (the lower efficiency), Blackwell and MI300X Hopper's.
+LINK_ARCH = {"hopper": "hopper", "blackwell": "hopper", "cdna3": "hopper", "ampere": "ampere",
+             "ada": "ampere"}
+FLASH_ARCH = {"hopper": "e_flash_hopper", "blackwell": "e_flash_hopper", "cdna3": "e_flash_hopper",
+              "ampere": "e_flash_ampere", "ada": "e_flash_ampere"}
+# How the roofline's fits (``derive``: these defaults; ``transfer``: a calibration's
+# scales) run ``simulator.cost.solve``: a finite-difference step relative to the
+# coefficient, lighter damping and a tighter stop than the profile fit's. Kept as they
+# were tuned, so that the defaults and calibrations reproduce.
+SOLVE = dict(ridge=1e-12, tol=1e-12, lam_min=1e-12, relative_step=True)
+
+
+def flash_efficiency(spec: GpuSpec, eff: dict) -> float:
+    """The flash-attention efficiency of the GPU's architecture family (module doc)."""
+    return eff[FLASH_ARCH.get(spec.arch, "e_flash_hopper")]
+
+
+def link_terms(spec: GpuSpec, eff: dict) -> tuple[float, float]:
+    """``(all-reduce latency µs, link efficiency)`` of the GPU's family (module doc)."""
+    fam = LINK_ARCH.get(spec.arch, "hopper")
+    return eff[f"ar_lat_us_{fam}"], eff[f"e_link_{fam}"]

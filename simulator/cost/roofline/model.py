@@ -1,0 +1,225 @@
+"""The roofline cost model: ``RooflineCostModel``, its ``model.cost`` config
+(``kind: roofline``) and registry factory (``build_roofline``).
+
+``RooflineCostModel`` is ``FittedCostModel`` with another constants vector (the
+catalogues' and ``DEFAULTS``', ``constants.build_constants``), optionally calibrated
+to a profile (``transfer.calibrate``), so every event loop treats the two alike. Every
+number it prints is labelled an estimate from datasheets (``ESTIMATE``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from simulator.cost import catalog
+from simulator.cost import physics as ph
+from simulator.cost.catalog import GpuSpec, ModelArch
+from simulator.cost.fitted import FittedCostModel
+from simulator.cost.roofline.constants import (VLLM_GRAPH_BUCKETS, Engine, build_constants,
+                                               compute_peak)
+from simulator.cost.roofline.transfer import (Calibration, apply_scales, calibrate,
+                                              profile_engine)
+from simulator.errors import LatsimError
+
+ESTIMATE = ("estimate from datasheets: roofline physics with default efficiencies, "
+            "not measured on this hardware")
+ESTIMATE_CALIBRATED = ("estimate from datasheets, calibrated to {n} measured row(s) of "
+                       "{src}: {terms} fitted, the physics carries the rest")
+
+
+class RooflineCostConfig(BaseModel):
+    """``model.cost`` of ``kind: roofline``: the physics model from datasheets for a GPU
+    type, TP x PP and weight/KV formats; the model is the scenario's ``model.name``
+    (copied here when the scenario is read). ``calibrate``: a profile whose rows fit the
+    engine-specific terms (``roofline.calibrate``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["roofline"] = "roofline"
+    gpu: str = Field(..., description="a catalogued GPU (latsim cost --help lists them)")
+    tp: int = Field(1, ge=1, description="tensor-parallel GPUs per replica")
+    pp: int = Field(1, ge=1, description="pipeline stages per replica (no micro-batching)")
+    weight_dtype: Literal["bf16", "fp16", "fp8", "int8", "int4"] = "bf16"
+    kv_dtype: Literal["bf16", "fp16", "fp8"] = "bf16"
+    calibrate: Optional[str] = Field(None, description="profile to calibrate to (a full one "
+                                     "or as few as one prefill and one decode row)")
+    model: Optional[str] = Field(None, description="catalogue name or config.json path "
+                                 "(default: the scenario's model.name)")
+    cuda_graphs: bool = Field(True, description="pure-decode steps replay CUDA graphs")
+    decode_attention: Literal["paged", "padded"] = "paged"
+    scale: float = Field(1.0, gt=0, description="multiply every step time (what-if)")
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        try:
+            return catalog.gpu(v).name
+        except LatsimError as e:
+            # The field and the value are named again by the validation error.
+            msg = re.sub(r" \(got .*\)$", "", re.sub(r"^field '[^']*': ", "", str(e)))
+            raise ValueError(msg) from None
+
+    def engine(self) -> Engine:
+        """The engine facts this config states."""
+        return Engine(decode_attention=self.decode_attention, cuda_graphs=self.cuda_graphs,
+                      graph_buckets=VLLM_GRAPH_BUCKETS if self.cuda_graphs else ())
+
+
+_CALIBRATIONS: dict = {}
+
+
+def _calibration(profile: dict, source: str, key: tuple, **kw) -> Calibration:
+    """``calibrate`` cached by the profile's content and the target (a sweep builds many
+    cost models from one config)."""
+    h = hashlib.sha256(json.dumps(profile, sort_keys=True, default=str).encode()).hexdigest()
+    k = (h, source, key)
+    if k not in _CALIBRATIONS:
+        _CALIBRATIONS[k] = calibrate(profile, source, **kw)
+    return _CALIBRATIONS[k]
+
+
+class RooflineCostModel(FittedCostModel):
+    """``FittedCostModel`` whose constants come from the catalogues and ``DEFAULTS``
+    (``build_constants``), optionally calibrated to a profile: every event loop calls
+    it exactly as a fitted model. ``profile`` is the calibration profile (or None)."""
+
+    def __init__(self, model: str | ModelArch, gpu: str | GpuSpec, tp: int = 1, pp: int = 1, *,
+                 weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                 engine: Optional[Engine] = None, profile: Optional[dict] = None,
+                 profile_source: str = "", scale: float = 1.0,
+                 eff: Optional[dict] = None) -> None:
+        self.arch = model if isinstance(model, ModelArch) else catalog.model(model)
+        self.spec = gpu if isinstance(gpu, GpuSpec) else catalog.gpu(gpu)
+        self.tp, self.pp = int(tp), int(pp)
+        self.weight_dtype = catalog.weight_format(weight_dtype).name
+        self.kv_dtype = kv_dtype
+        engine = engine or Engine()
+        self.calibration: Optional[Calibration] = None
+        if profile is not None:
+            engine, _ = profile_engine(profile, engine)
+            self.calibration = _calibration(
+                profile, profile_source,
+                (self.arch.name, self.arch.layers, self.spec.name, self.tp, self.pp,
+                 self.weight_dtype, kv_dtype, engine, json.dumps(eff, sort_keys=True)),
+                arch=self.arch, spec=self.spec, tp=self.tp, pp=self.pp,
+                weight_dtype=self.weight_dtype, kv_dtype=kv_dtype, engine=engine, eff=eff)
+        self.engine = engine
+        c = build_constants(self.arch, self.spec, self.tp, self.pp, self.weight_dtype, kv_dtype,
+                            engine, eff)
+        if self.calibration is not None:
+            c = apply_scales(c, self.calibration.scales)
+        c[ph.C_SCALE] = float(scale)
+        self.c = c
+        self.scale = float(scale)
+        self.padded = c[ph.C_PADDED] > 0.0
+        self.profile = profile
+        self.fit = None
+        self.noise = None
+        self._rng = None
+        self.lookups = 0
+        self.extrapolations = 0
+        self._n = np.zeros(8, dtype=np.int64)
+        self._p = np.zeros(8, dtype=np.int64)
+        self._f = np.zeros(8, dtype=np.bool_)
+
+    @property
+    def label(self) -> str:
+        """The estimate label every output carries."""
+        if self.calibration is None:
+            return ESTIMATE
+        return ESTIMATE_CALIBRATED.format(n=len(self.calibration.steps),
+                                          src=self.calibration.source or "a profile",
+                                          terms=", ".join(self.calibration.scales) or "nothing")
+
+    def breakdown(self, n_decode: int, ctx_max: int, ctx_sum: int, chunks) -> dict:
+        """The terms of one step (``physics.step_breakdown``), grouped as well into
+        ``compute`` (GEMM FLOPs and prefill attention), ``memory`` (weights, elementwise
+        passes, decode attention's KV reads), ``communication`` (all-reduces, pipeline
+        sends) and ``overhead`` (kernel floors, and the host time when it binds)."""
+        b = ph.step_breakdown(self.c, n_decode, ctx_max, ctx_sum, chunks)
+        b["compute"] = b["gemm_compute"] + b["prefill_attention"]
+        b["memory"] = b["weights"] + b["elementwise"] + b["decode_attention"]
+        b["communication"] = b["allreduce"] + b["pipeline_send"]
+        b["overhead"] = b["floor"] + b["bookkeeping"] + max(0.0, b["host"] - b["device"])
+        b["bound"] = ("host" if b["host"] > b["device"] else
+                      max(("compute", "memory", "communication", "overhead"), key=b.__getitem__))
+        b["stage_ms"] = b["device"] / self.pp
+        return b
+
+    def memory_plan(self, **kw):
+        """``catalog.plan_memory`` of this configuration (never raises: ``fits``)."""
+        return catalog.plan_memory(self.arch, self.spec, self.tp, self.pp,
+                                   weight_dtype=self.weight_dtype, kv_dtype=self.kv_dtype,
+                                   require_fit=False, **kw)
+
+    def describe(self) -> dict:
+        """What the estimate rests on, for the run's summary and ``latsim cost``."""
+        peak, why = compute_peak(self.spec, self.weight_dtype)
+        eff = {ph.NAMES[i]: round(float(self.c[i]), 5) for i in (
+            ph.C_E_GEMM, ph.C_GEMM_HALF, ph.C_E_WEIGHTS, ph.C_E_FLASH, ph.C_E_DECODE,
+            ph.C_P_GEMM, ph.C_P_STEP)}
+        over = {ph.NAMES[i]: round(float(self.c[i]), 5) for i in (
+            ph.C_H_STEP, ph.C_H_DECODE, ph.C_H_GRAPH, ph.C_DEV_LAYER_US, ph.C_AR_LAT_US,
+            ph.C_AR_GBS)}
+        return {
+            "kind": "roofline",
+            "estimate": self.label,
+            "model": self.arch.name, "gpu": self.spec.name, "tp": self.tp, "pp": self.pp,
+            "gpus": self.tp * self.pp,
+            "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype,
+            "peaks": {"linear_tflops": peak, "linear_on": why,
+                      "attention_tflops": self.spec.bf16_tflops,
+                      "hbm_gbs": self.spec.memory_bw_gbs,
+                      "link_gbs_one_way": self.spec.link_gbs_unidir, "gpu_source": self.spec.source},
+            "efficiencies": eff, "overheads": over,
+            "decode_attention": "padded" if self.padded else "paged",
+            "cuda_graphs": bool(self.c[ph.C_GRAPHS] > 0.0),
+            "pipeline": ("no micro-batching: one batch in flight, the stages run one after "
+                         "the other; stage time = step / pp, each GPU idle (pp - 1) / pp")
+            if self.pp > 1 else "none",
+            "calibration": self.calibration.describe() if self.calibration else None,
+            "bookkeeping_ms": float(self.c[ph.C_BOOK_MS]),
+        }
+
+
+def load_calibration_profile(path: str, base_dirs: Sequence[Path]) -> tuple[dict, str]:
+    """Read a calibration profile (``resolve_profile_path`` rules; one-line errors)."""
+    from simulator.cost.profile import load_profile, resolve_profile_path
+    try:
+        p = resolve_profile_path(path, base_dirs)
+    except LatsimError:
+        raise LatsimError("calibration profile not found", source=str(path),
+                          field="model.cost.calibrate") from None
+    return load_profile(p), str(path)
+
+
+def build_roofline(cfg: RooflineCostConfig, rng, base_dirs: Sequence[Path],
+                   profile: Optional[dict] = None) -> RooflineCostModel:
+    """The model a ``kind: roofline`` config describes (registry factory). ``profile``,
+    when given, is the calibration profile already read."""
+    if cfg.model is None:
+        raise LatsimError("a roofline cost model needs the model: set model.name",
+                          field="model.name")
+    src = cfg.calibrate or ""
+    if profile is None and cfg.calibrate:
+        profile, src = load_calibration_profile(cfg.calibrate, base_dirs)
+    return RooflineCostModel(model_arch(cfg.model, base_dirs), cfg.gpu, cfg.tp, cfg.pp,
+                             weight_dtype=cfg.weight_dtype, kv_dtype=cfg.kv_dtype,
+                             engine=cfg.engine(), profile=profile, profile_source=src,
+                             scale=cfg.scale)
+
+
+def model_arch(name: str, base_dirs: Sequence[Path] = ()) -> ModelArch:
+    """A model by catalogue name, or a config.json path (tried relative to each of
+    ``base_dirs`` first)."""
+    p = Path(name)
+    if not p.is_absolute() and (name.endswith(".json") or "/" in name):
+        for d in base_dirs:
+            if (Path(d) / p).exists():
+                return catalog.model(Path(d) / p)
+    return catalog.model(name)

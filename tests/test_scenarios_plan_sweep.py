@@ -1,0 +1,63 @@
+"""``latsim plan`` and ``latsim sweep`` run on every shipped scenario (each cut to a few
+requests with ``--set``): a scenario's ``policies:`` list becomes the runs' policy axis
+(labelled entries with their own engine settings included), every run completes, and
+the tables hold one row per point."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from conftest import REPO
+from simulator.cli.main import app
+
+SCENARIOS = sorted((REPO / "scenarios").glob("*.yaml"))
+N = 30
+
+
+def _tiny(path) -> tuple[list, int]:
+    """``--set`` overrides cutting a scenario to ``N`` requests, and its number of runs
+    per point (its ``policies:`` entries, else one)."""
+    d = yaml.safe_load(path.read_text())
+    kind = d["workload"].get("kind", "synthetic")
+    key = "workload.num_requests" if kind == "synthetic" else "workload.limit"
+    return ["--set", f"{key}={N}"], len(d.get("policies") or [None])
+
+
+def test_every_scenario_is_covered():
+    assert len(SCENARIOS) >= 9
+    assert {p.stem for p in SCENARIOS} >= {"quickstart", "kv-pressure", "azure-conv",
+                                            "mooncake-prefix", "slow-clients", "refbench-h200"}
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_plan_runs_on_every_scenario(path, tmp_path):
+    """A bound every configuration meets: one replica is chosen for every run of the
+    scenario, and every request completed."""
+    sets, runs = _tiny(path)
+    out = tmp_path / "plan"
+    r = CliRunner().invoke(app, ["plan", str(path), *sets, "--slo", "p99_e2el_ms<=1e12",
+                                 "--cost-per-gpu-hour", "2", "--search", "replicas=1:2",
+                                 "--no-headroom", "--workers", "1", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["chosen"]["config"]["cluster.replicas"] == 1
+    assert doc["chosen"]["violations"] == {}
+    ev = pd.read_csv(out / "evaluations.csv")
+    assert len(ev) == runs and ev["feasible"].all()
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_sweep_runs_on_every_scenario(path, tmp_path):
+    sets, runs = _tiny(path)
+    out = tmp_path / "sweep"
+    r = CliRunner().invoke(app, ["sweep", str(path), *sets, "--grid",
+                                 "engine.max_num_seqs=16,32", "--workers", "1", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    df = pd.read_csv(out / "results.csv")
+    assert len(df) == 2 * runs
+    assert "error" not in df or df["error"].isna().all(), df.get("error")
+    assert (df["completed"] == N).all()
