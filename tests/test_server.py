@@ -224,6 +224,16 @@ def test_bench_cli_writes_simulator_tables(server, tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert len(df) == 12 and df["finished"].all() and (df["error"].isna()).all()
     assert (df["frames"] == df["output_tokens"]).all()
+    # Every frame's arrival, one row each, ordered within a request and bounded by its
+    # first and last delivery (what ``latsim calibrate`` times the steps from).
+    tok = pd.read_csv(out / "tokens.csv")
+    assert len(tok) == int(df["frames"].sum())
+    for rid, g in tok.groupby("request_id"):
+        row = df[df["rid"] == rid].iloc[0]
+        assert list(g["token_index"]) == list(range(len(g)))
+        assert g["time_s"].is_monotonic_increasing
+        assert abs(g["time_s"].iloc[0] - row["first_delivered"]) < 1e-6
+        assert abs(g["time_s"].iloc[-1] - row["last_delivered"]) < 1e-6
     for col in ("arrival", "enqueued", "scheduled", "first_token", "last_token",
                 "first_delivered", "last_delivered", "t_decode", "ttft", "tpot", "e2el"):
         assert col in df

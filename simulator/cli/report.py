@@ -15,7 +15,9 @@ from pathlib import Path
 
 import typer
 
-from simulator.errors import LatsimError
+from simulator.errors import LatsimError, check_file
+
+MAX_TABLE_BYTES = 4 * 2**30   # a sweep table a plot can still read
 
 
 def report(
@@ -33,8 +35,18 @@ def report(
         if results_dir.suffix != ".csv":
             raise LatsimError("expected a results folder or a sweep table (.csv)",
                               source=str(results_dir))
-        files = [plot_sweep(results_dir)]
-    else:
-        files = plot_run(results_dir)
+        check_file(results_dir, max_bytes=MAX_TABLE_BYTES, what="sweep table")
+    elif not results_dir.is_dir():
+        raise LatsimError("expected a results folder or a sweep table (.csv)",
+                          source=str(results_dir))
+    try:
+        files = [plot_sweep(results_dir)] if results_dir.is_file() else plot_run(results_dir)
+    except LatsimError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, OSError) as e:
+        # A table that is not what latsim writes (edited, truncated, another tool's).
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise LatsimError(f"cannot plot these results: {type(e).__name__}: {msg} (are they "
+                          "files latsim wrote?)", source=str(results_dir)) from None
     for f in files:
         typer.echo(str(f))

@@ -254,6 +254,7 @@ def bench(
     Exit code 0 when at least one request completed (failures are counted in the
     summary), 1 when none did, 2 for bad input (one line, before anything is sent)."""
     import numpy as np
+    import pandas as pd
 
     from simulator.wire.benchclient import bench_outputs, need_h2, run_bench
     from simulator.report.output import json_safe, latency_table, throughput_table
@@ -286,6 +287,10 @@ def bench(
     df, summary = bench_outputs(recs, wl, facts)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "requests.csv", index=False, float_format="%.9g")
+    # Every content frame's arrival (what ``latsim calibrate`` reads to time the steps).
+    pd.DataFrame([(i, k, t) for i, r in enumerate(recs) for k, t in enumerate(r.times)],
+                 columns=["request_id", "token_index", "time_s"]).to_csv(
+        out / "tokens.csv", index=False, float_format="%.9g")
     (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     s, run = summary["overall"], summary["run"]
     console.print(f"bench: {s['num_requests']} sent, {s['completed']} completed, "
@@ -302,7 +307,7 @@ def bench(
                   markup=False, highlight=False)
     console.print(latency_table("Latency (client side)", {"bench": s}))
     console.print(throughput_table({"bench": s}))
-    console.print(f"wrote {out / 'requests.csv'}, {out / 'summary.json'}")
+    console.print(f"wrote {out / 'requests.csv'}, {out / 'tokens.csv'}, {out / 'summary.json'}")
     if run["http2_fallback"]:
         why = (": over http:// httpx never upgrades, HTTP/2 needs an https:// server offering "
                "it" if facts["url"].startswith("http://") else "")

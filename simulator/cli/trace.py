@@ -13,6 +13,7 @@ replay. Bad input raises ``LatsimError`` (the main CLI prints it on one line, ex
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -106,17 +107,40 @@ def summarize(
     console.print(summary_table(path, summarize_workload(wl)))
 
 
+def check_out_file(out: Path) -> None:
+    """Before any work: ``out`` can be written as a file (not a folder, in an existing
+    writable folder)."""
+    out = Path(out)
+    if out.is_dir():
+        raise LatsimError("is a folder; give a file name", source="--out", value=str(out),
+                          has_value=True)
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise LatsimError(f"its folder {parent} does not exist" if not parent.exists() else
+                          f"{parent} is a file, not a folder", source="--out", value=str(out),
+                          has_value=True)
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise LatsimError("not writable", source="--out", value=str(out), has_value=True)
+
+
 def write_canonical(wl: Workload, out: Path) -> None:
-    """Write ``wl`` as the canonical CSV (full float precision, so it reads back exactly)."""
+    """Write ``wl`` as the canonical CSV (full float precision, so it reads back exactly),
+    to a temporary file renamed over ``out`` at the end: an interrupted write leaves no
+    half-written trace behind."""
     hashes = ([" ".join(map(str, h)) for h in wl.hash_ids] if wl.hash_ids is not None
               else [""] * len(wl))
     df = pd.DataFrame({"arrival_s": wl.arrival_s, "prompt_tokens": wl.prompt_tokens,
                        "output_tokens": wl.output_tokens, "priority": wl.priority,
                        "prefix_hashes": hashes})
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
-        df.to_csv(out, index=False)
+        df.to_csv(tmp, index=False)
+        os.replace(tmp, out)
     except OSError as e:
         raise LatsimError(f"cannot write: {e.strerror}", source=str(out)) from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @trace_app.command()
@@ -131,6 +155,7 @@ def convert(
     sort: bool = typer.Option(False, help="sort out-of-order timestamps (with a warning)"),
 ) -> None:
     """Write the canonical CSV: arrival_s, prompt_tokens, output_tokens, priority, prefix_hashes."""
+    check_out_file(out)
     wl = load_trace(path, format, speedup=speedup, rate=rate, window=window, limit=limit, sort=sort)
     write_canonical(wl, out)
     typer.echo(f"wrote {len(wl):,} requests over {wl.arrival_s[-1]:,.1f} s to {out}")

@@ -55,9 +55,9 @@ class Registry(Generic[T]):
         if not isinstance(value, dict):
             raise PydanticCustomError("plugin_type", "expected a mapping with a 'kind' key")
         kind = value.get("kind", self.default)
-        if kind not in self._items:
+        if not isinstance(kind, str) or kind not in self._items:
             raise PydanticCustomError(
-                "plugin_kind", "unknown {what} kind {kind!r}; known: {known}",
+                "plugin_kind", "unknown {what} kind '{kind}'; known: {known}",
                 {"what": self.what, "kind": kind, "known": ", ".join(self.names())})
         cls = self._items[kind][0]
         data = dict(value)
@@ -71,7 +71,7 @@ class Registry(Generic[T]):
             if err["type"] == "plugin_field":
                 # A plug-in nested in this one: fold its location and value into ours.
                 ctx = err["ctx"]
-                loc = f"{loc}.{ctx['loc']}" if loc else ctx["loc"]
+                loc = ".".join(p for p in (loc, ctx["loc"]) if p)
                 msg, value = ctx["msg"], ctx["value"]
             elif err["type"] == "extra_forbidden":
                 msg = "unknown key"

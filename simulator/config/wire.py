@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Unknown keys are errors; so is a float that is not finite (inf, nan).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ServingRegion(_Strict):
@@ -74,8 +75,9 @@ class NetworkConfig(_Strict):
     fibre_km_per_s: float = Field(200_000.0, gt=0, description="propagation speed in fibre")
     tls: Literal["none", "1.2", "1.3", "0rtt"] = "1.3"
     connection_reuse: bool = True
-    clients: int = Field(64, ge=1, description="distinct clients, each with its own pool")
-    pool_size: int = Field(8, ge=1, description="keep-alive connections per client")
+    clients: int = Field(64, ge=1, le=10_000_000,
+                         description="distinct clients, each with its own pool")
+    pool_size: int = Field(8, ge=1, le=100_000, description="keep-alive connections per client")
     keepalive_s: float = Field(300.0, ge=0, description="idle connection expiry")
     uplink_mbps: float = Field(100.0, gt=0)
     request_overhead_bytes: int = Field(400, ge=0, description="HTTP headers + JSON envelope")
@@ -85,6 +87,22 @@ class NetworkConfig(_Strict):
         "http1.1", description="http2: one connection per client multiplexing its streams")
     h2_max_streams: int = Field(100, ge=1, description="http2 concurrent streams per connection")
     regions: Optional[RegionsConfig] = Field(None, description="replaces distance_km")
+
+    @field_validator("tls", mode="before")
+    @classmethod
+    def _tls_version(cls, v):
+        # YAML reads an unquoted 1.2 as a number; a TLS version is meant.
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v in (1.2, 1.3):
+            return f"{float(v):.1f}"
+        return v
+
+    @model_validator(mode="after")
+    def _pools(self) -> "NetworkConfig":
+        # One slot per possible pooled connection is kept for every client.
+        if self.clients * self.pool_size > 10**7:
+            raise ValueError(f"clients x pool_size = {self.clients * self.pool_size:,} pooled "
+                             "connections; at most 10,000,000")
+        return self
 
     @model_validator(mode="after")
     def _regions_or_distance(self) -> "NetworkConfig":
@@ -209,7 +227,8 @@ class StreamConfig(_Strict):
         None, description="per-client downlink distribution (replaces downlink_mbps)")
     every_tokens: Optional[int] = Field(1, ge=1, description="coalesce: a frame per k tokens")
     every_ms: Optional[float] = Field(None, gt=0, description="coalesce: flush after t ms")
-    heartbeat_s: Optional[float] = Field(None, gt=0, description="': ping' after N s idle")
+    heartbeat_s: Optional[float] = Field(None, ge=0.01, description="': ping' after N s idle "
+                                         "(at least 10 ms: each ping is an event)")
     heartbeat_bytes: int = Field(8, ge=1, description="bytes of one heartbeat comment frame")
     buffer_bytes: Optional[int] = Field(None, ge=1, description="per-connection send buffer")
     backpressure: Literal["block", "buffer", "degrade"] = Field(

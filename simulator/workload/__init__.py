@@ -1,7 +1,5 @@
 """Workload sources. Importing this package registers the built-in ones."""
-from simulator.workload import arrivals  # noqa: F401  (registration side effects)
-from simulator.workload import lengths  # noqa: F401  (registration side effects)
-from simulator.workload import synthetic  # noqa: F401  (registration side effects)
+from . import arrivals, lengths, synthetic  # noqa: F401  (registration side effects)
 from simulator.workload.base import Workload
 
 __all__ = ["Workload", "build_workload"]

@@ -16,7 +16,7 @@ from simulator.config.registry import ARRIVALS
 
 
 class _Arrival(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     rate: float = Field(gt=0, description="mean requests per second")
 
 

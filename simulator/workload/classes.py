@@ -6,11 +6,15 @@ from typing import Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+# Priority values run 0..MAX_PRIORITY: each names a class (and a queue in the compiled
+# loop), so a stray 10**9 must be an error, not a billion class names.
+MAX_PRIORITY = 1023
+
 
 class SLO(BaseModel):
     """Latency targets a request must meet to count towards goodput (ms)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     ttft_ms: Optional[float] = Field(None, gt=0)
     tpot_ms: Optional[float] = Field(None, gt=0)
     e2el_ms: Optional[float] = Field(None, gt=0)
@@ -19,12 +23,13 @@ class SLO(BaseModel):
 class PriorityClass(BaseModel):
     """One class: its name, its share of requests, its priority (lower = more urgent)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str
     share: float = Field(1.0, gt=0)
-    priority: Optional[int] = Field(None, ge=0, description="defaults to the list position")
+    priority: Optional[int] = Field(None, ge=0, le=MAX_PRIORITY,
+                                    description="defaults to the list position")
     slo: Optional[SLO] = None
-    system_prompt_tokens: int = Field(0, ge=0, description="a system prompt shared by the "
+    system_prompt_tokens: int = Field(0, ge=0, le=10**9, description="a system prompt shared by the "
                                       "class, prepended to each of its prompts (prefix caching)")
 
 

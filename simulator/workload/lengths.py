@@ -16,11 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from simulator.config.registry import LENGTHS
 
+MAX_TOKENS = 10**9   # a token count beyond this is a mistake, not a request
+
 
 class _Len(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    min: int = Field(1, ge=1)
-    max: Optional[int] = Field(None, ge=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    min: int = Field(1, ge=1, le=MAX_TOKENS)
+    max: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
 
     @model_validator(mode="after")
     def _check(self):
@@ -31,13 +33,13 @@ class _Len(BaseModel):
 
 class ConstantLen(_Len):
     kind: Literal["constant"] = "constant"
-    value: int = Field(ge=1)
+    value: int = Field(ge=1, le=MAX_TOKENS)
 
 
 class UniformLen(_Len):
     kind: Literal["uniform"] = "uniform"
-    low: int = Field(ge=1)
-    high: int = Field(ge=1)
+    low: int = Field(ge=1, le=MAX_TOKENS)
+    high: int = Field(ge=1, le=MAX_TOKENS)
 
     @model_validator(mode="after")
     def _order(self):
@@ -48,19 +50,19 @@ class UniformLen(_Len):
 
 class LognormalLen(_Len):
     kind: Literal["lognormal"] = "lognormal"
-    mean: float = Field(gt=0)
-    cv: float = Field(1.0, gt=0)
+    mean: float = Field(gt=0, le=MAX_TOKENS)
+    cv: float = Field(1.0, gt=0, le=100)
 
 
 class ExponentialLen(_Len):
     kind: Literal["exponential"] = "exponential"
-    mean: float = Field(gt=0)
+    mean: float = Field(gt=0, le=MAX_TOKENS)
 
 
 def _clip(cfg: _Len, x: np.ndarray) -> np.ndarray:
     x = np.maximum(np.rint(x), cfg.min)
-    if cfg.max is not None:
-        x = np.minimum(x, cfg.max)
+    # A heavy tail is cut at ``max``, or at MAX_TOKENS, so the cast stays exact.
+    x = np.minimum(x, cfg.max if cfg.max is not None else MAX_TOKENS)
     return x.astype(np.int64)
 
 

@@ -38,19 +38,21 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from simulator.errors import LatsimError
+from simulator.errors import LatsimError, check_memory, read_text
 from simulator.config.registry import WORKLOADS
 from simulator.workload.base import Workload
 from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names
 
 WINDOW_S = 600.0  # ServeGen's arrival windows
+MAX_FILE_BYTES = 256 * 2**20   # a client's trace CSV or dataset JSON (the real ones: KBs)
+MAX_TOKENS = 10**9
 _TRACE_RE = re.compile(r"chunk-(\d+)-trace\.csv$")
 
 
 class ServeGenWorkload(BaseModel):
     """Requests synthesised from a ServeGen folder; see the module docstring."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["servegen"] = "servegen"
     path: str = Field(description="ServeGen folder (chunk-*-trace.csv); relative to the scenario")
     window: tuple[float, float] = Field(description="[start_s, end_s) on ServeGen's clock")
@@ -79,7 +81,7 @@ def client_ids(folder: Path) -> list[int]:
 def read_windows(folder: Path, client: int, first: int, count: int) -> list[tuple]:
     """Rows ``first .. first+count-1`` of a client's trace CSV as (rate, cv, pattern, shape, scale)."""
     path = folder / f"chunk-{client}-trace.csv"
-    lines = path.read_text().splitlines()
+    lines = read_text(path, max_bytes=MAX_FILE_BYTES, what="ServeGen trace").splitlines()
     if first + count > len(lines):
         span = len(lines) * WINDOW_S
         raise LatsimError(f"window ends after the data ({span:g} s of {WINDOW_S:g} s windows)",
@@ -93,13 +95,21 @@ def read_windows(folder: Path, client: int, first: int, count: int) -> list[tupl
                 raise ValueError
             rate, cv = float(cells[1]), float(cells[2])
             shape = float(cells[4]) if cells[3] else 0.0
+            if not (math.isfinite(rate) and math.isfinite(cv) and math.isfinite(shape)
+                    and rate >= 0):
+                raise ValueError
         except ValueError:
             raise LatsimError(f"expected window_start_s={k * WINDOW_S:g},rate_rps,cv,pattern,shape,"
                               f"scale (got {lines[k]!r})", source=f"{path}:{k + 1}") from None
         if rate > 0 and (cells[3] not in ("Gamma", "Weibull") or not shape > 0):
             raise LatsimError(f"column 'pattern': expected Gamma or Weibull with shape > 0 "
                               f"(got {cells[3]!r}, {cells[4]!r})", source=f"{path}:{k + 1}")
-        out.append((rate, cv, cells[3], shape, float(cells[5] or 0)))
+        try:
+            scale = float(cells[5] or 0)
+        except ValueError:
+            raise LatsimError(f"column 'scale': not a number (got {cells[5]!r})",
+                              source=f"{path}:{k + 1}") from None
+        out.append((rate, cv, cells[3], shape, scale))
     return out
 
 
@@ -150,22 +160,40 @@ class _Pmfs:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        text = read_text(path, max_bytes=MAX_FILE_BYTES, what="ServeGen dataset")
         try:
-            self.raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise LatsimError(f"cannot read dataset JSON: {e}", source=str(path)) from None
-        self.starts = np.array(sorted(int(k) for k in self.raw), dtype=float)
+            self.raw = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise LatsimError(f"cannot read dataset JSON: {getattr(e, 'msg', 'nested too deeply')}",
+                              source=str(path)) from None
+        try:
+            if not isinstance(self.raw, dict) or not self.raw:
+                raise ValueError
+            self.starts = np.array(sorted(int(k) for k in self.raw), dtype=float)
+        except (ValueError, OverflowError):
+            raise LatsimError("expected a JSON object keyed by period start (s)",
+                              source=str(path)) from None
         self.cache: dict = {}
 
     def _parse(self, key: int, column: str):
         if (key, column) not in self.cache:
             try:
-                pmf = ast.literal_eval(self.raw[str(key)][column])
-            except (KeyError, ValueError, SyntaxError):
-                raise LatsimError(f"expected a dict-literal pmf string under {column!r}",
-                                  source=str(self.path), field=f"{key}.{column}") from None
-            vals = np.array(list(pmf.keys()), dtype=float)
-            p = np.array(list(pmf.values()), dtype=float)
+                text = self.raw[str(key)][column]
+                if not isinstance(text, str) or len(text) > 10**7:
+                    raise ValueError
+                pmf = ast.literal_eval(text)
+                vals = np.array(list(pmf.keys()), dtype=float)
+                p = np.array(list(pmf.values()), dtype=float)
+                # A pmf: finite token counts within range, finite non-negative weights.
+                if (vals.ndim != 1 or p.ndim != 1 or not np.all(np.isfinite(vals))
+                        or not np.all(np.isfinite(p)) or (p < 0).any()
+                        or (np.abs(vals) > MAX_TOKENS).any()):
+                    raise ValueError
+            except (KeyError, ValueError, SyntaxError, TypeError, AttributeError,
+                    MemoryError, RecursionError):
+                raise LatsimError(f"expected a dict-literal pmf string under {column!r} "
+                                  f"(token count -> probability)", source=str(self.path),
+                                  field=f"{key}.{column}") from None
             self.cache[(key, column)] = (vals, p / p.sum()) if len(p) and p.sum() > 0 else None
         return self.cache[(key, column)]
 
@@ -196,6 +224,10 @@ def build_servegen(cfg: ServeGenWorkload, rng: np.random.Generator, base_dir: Pa
     first = int(start // WINDOW_S)
     count = int(math.ceil(end / WINDOW_S)) - first
     rows = {c: read_windows(folder, c, first, count) for c in dict.fromkeys(chosen + with_data)}
+    expected = sum(r[0] * cfg.rate_scale * WINDOW_S for c in chosen for r in rows[c])
+    check_memory(expected * 64, f"synthesising ~{expected:,.0f} requests", source=str(folder),
+                 field="rate_scale", hint="select fewer clients, a shorter window or a "
+                 "lower rate_scale")
 
     fallback = cfg.fallback_client
     if fallback is None:

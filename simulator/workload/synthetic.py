@@ -14,19 +14,26 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from simulator.errors import LatsimError
+from simulator.errors import LatsimError, check_file, check_memory
 from simulator.config.registry import ARRIVALS, LENGTHS, WORKLOADS
 from simulator.config.pluginfield import plugin
 from simulator.workload.arrivals import arrival_times
+from simulator.workload.rates import continue_arrivals
 from simulator.workload.base import Workload
 from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names
-from simulator.workload.lengths import sample_lengths
+from simulator.workload.lengths import MAX_TOKENS, sample_lengths
+
+
+# Bytes the arrays of one synthetic request take while it is drawn (arrival, lengths,
+# class, and numpy's temporaries): what a size is checked against before drawing.
+WORKLOAD_BYTES_PER_REQUEST = 64
+MAX_LENGTHS_FILE_MB = 1024
 
 
 class LengthsFile(BaseModel):
     """A CSV of (prompt, output) token counts sampled jointly, with replacement."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     path: str
     prompt_column: str = "num_prefill_tokens"
     output_column: str = "num_decode_tokens"
@@ -37,7 +44,7 @@ class LengthsFile(BaseModel):
 class SyntheticWorkload(BaseModel):
     """Synthetic traffic: ``num_requests`` (or ``duration_s`` of) arrivals."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["synthetic"] = "synthetic"
     num_requests: Optional[int] = Field(None, gt=0)
     duration_s: Optional[float] = Field(None, gt=0)
@@ -55,26 +62,35 @@ class SyntheticWorkload(BaseModel):
             raise ValueError("give num_requests or duration_s")
         return self
 
+    def expected_requests(self) -> float:
+        """How many requests this draws: ``num_requests``, or the mean rate times
+        ``duration_s`` (the smaller when both are given)."""
+        by_time = (self.arrival.rate * self.duration_s if self.duration_s is not None
+                   else float("inf"))
+        return float(min(self.num_requests or float("inf"), by_time))
+
 
 def _load_lengths(lf: LengthsFile, base_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     path = Path(lf.path)
     if not path.is_absolute():
         path = base_dir / path
-    if not path.exists():
-        raise LatsimError("file not found", source=str(path), field="workload.lengths_file.path")
+    check_file(path, max_bytes=MAX_LENGTHS_FILE_MB * 2**20, what="lengths file",
+               field="workload.lengths_file.path")
     try:
         df = pd.read_csv(path)
     except Exception as e:  # pandas raises many kinds; the user needs the file and the cause
-        raise LatsimError(f"cannot read CSV: {e}", source=str(path)) from None
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise LatsimError(f"cannot read CSV: {msg}", source=str(path)) from None
     for col in (lf.prompt_column, lf.output_column):
         if col not in df.columns:
             raise LatsimError(f"missing column {col!r} (columns: {', '.join(map(str, df.columns))})",
                               source=str(path))
         if not pd.api.types.is_numeric_dtype(df[col]):
             raise LatsimError(f"column {col!r} is not numeric", source=str(path))
-    p = df[lf.prompt_column].to_numpy()
-    o = df[lf.output_column].to_numpy()
-    keep = (p >= 1) & (o >= 1)
+    p = df[lf.prompt_column].to_numpy(dtype=float)
+    o = df[lf.output_column].to_numpy(dtype=float)
+    # Rows with a missing, infinite or absurd count are skipped like those under 1.
+    keep = (p >= 1) & (o >= 1) & (p <= MAX_TOKENS) & (o <= MAX_TOKENS)
     if lf.max_prompt_tokens:
         keep &= p <= lf.max_prompt_tokens
     if lf.max_output_tokens:
@@ -85,7 +101,11 @@ def _load_lengths(lf: LengthsFile, base_dir: Path) -> tuple[np.ndarray, np.ndarr
 
 
 def build_synthetic(cfg: SyntheticWorkload, rng: np.random.Generator, base_dir: Path) -> Workload:
-    """Draw arrivals, lengths and classes from ``rng`` (one stream, fixed order)."""
+    """Draw arrivals, lengths and classes from ``rng`` (one stream, fixed order). A size
+    the machine's memory cannot hold is refused before anything is drawn."""
+    check_memory(cfg.expected_requests() * WORKLOAD_BYTES_PER_REQUEST,
+                 f"drawing {cfg.expected_requests():,.0f} requests", field="workload",
+                 hint="lower num_requests (or rate x duration_s)")
     if cfg.num_requests is not None:
         arr = arrival_times(cfg.arrival, cfg.num_requests, rng)
         if cfg.duration_s is not None:
@@ -96,7 +116,8 @@ def build_synthetic(cfg: SyntheticWorkload, rng: np.random.Generator, base_dir: 
         parts, t = [], 0.0
         while t <= cfg.duration_s:
             gaps_n = max(16, int(rate * (cfg.duration_s - t) * 1.2) + 16)
-            a = t + arrival_times(cfg.arrival, gaps_n, rng)
+            # A time-varying rate (``rates``) continues its own clock from ``t``.
+            a = continue_arrivals(cfg.arrival, t, gaps_n, rng)
             parts.append(a)
             t = a[-1]
         arr = np.concatenate(parts)

@@ -30,10 +30,13 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from simulator.errors import LatsimError
+from simulator.errors import LatsimError, check_file
 
 FORMATS = ("azure", "vidur", "mooncake", "csv")
 HASH_BLOCK_TOKENS = 512  # Mooncake's block size: one hash id per 512 prompt tokens
+MAX_TRACE_MB = 1024      # default size cap of a trace file (``workload.max_file_mb``)
+MAX_TOKENS = 10**9       # a token count above this is a broken cell, not a request
+MAX_TIME_S = 10**11      # ~3,000 years: a time above this is a broken cell
 
 # format -> (time column, prompt column, output column)
 COLUMNS = {
@@ -79,22 +82,33 @@ def cell_error(path, line, column, message: str) -> LatsimError:
     return LatsimError(msg, source=src)
 
 
-def _check_file(path: Path) -> None:
-    if not path.exists():
-        raise LatsimError("file not found", source=str(path))
-    if path.is_dir():
-        raise LatsimError("is a folder, not a trace file", source=str(path))
+def _check_file(path: Path, max_bytes: int = MAX_TRACE_MB * 2**20) -> None:
+    """An existing regular text file within the size cap, not empty, whose first 64 KB
+    are UTF-8 without NUL bytes (a binary file is refused before a parser sees it)."""
+    check_file(path, max_bytes=max_bytes, what="trace file")
     if path.stat().st_size == 0:
         raise LatsimError("file is empty", source=str(path))
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise LatsimError(f"not a text file (a NUL byte at offset {nul:,})", source=str(path))
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # Not merely a character cut by the 64 KB boundary:
+        if len(head) < 1 << 16 or e.reason != "unexpected end of data":
+            raise LatsimError(f"not a UTF-8 text file (byte 0x{head[e.start]:02x} at offset "
+                              f"{e.start:,})", source=str(path)) from None
 
 
-def detect_format(path: Path) -> str:
+def detect_format(path: Path, max_bytes: int = MAX_TRACE_MB * 2**20) -> str:
     """Guess the format from the extension (``.jsonl``) or the CSV header."""
-    _check_file(path)
+    _check_file(path, max_bytes)
     if path.suffix.lower() in (".jsonl", ".json"):
         return "mooncake"
     with open(path, encoding="utf-8", errors="replace") as f:
-        header = [c.strip() for c in f.readline().strip().split(",")]
+        header = [c.strip() for c in f.readline(1 << 16).strip().split(",")]
     for fmt in ("azure", "vidur", "csv"):
         if COLUMNS[fmt][0] in header:
             return fmt
@@ -115,16 +129,21 @@ def detect_format(path: Path) -> str:
         f"{'|'.join(FORMATS)}", source=f"{path}:1")
 
 
-def _read_csv_frame(path: Path) -> pd.DataFrame:
-    _check_file(path)
+def _read_csv_frame(path: Path, max_bytes: int) -> pd.DataFrame:
+    _check_file(path, max_bytes)
     try:
         # Everything as text: numeric checks below then find the first bad cell by line.
         # Blank lines are kept as rows so that row i stays on line i + 2.
-        df = pd.read_csv(path, dtype=str, skip_blank_lines=False, keep_default_na=False,
-                         na_values=[""])
+        # A row with more cells than the header is an error (not silently an index).
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", pd.errors.ParserWarning)
+            df = pd.read_csv(path, dtype=str, skip_blank_lines=False, keep_default_na=False,
+                             na_values=[""], index_col=False)
+    except pd.errors.ParserWarning:
+        raise _ragged(path) from None
     except pd.errors.EmptyDataError:
         raise LatsimError("file is empty", source=str(path)) from None
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as e:
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError, OverflowError) as e:
         raise LatsimError(f"cannot read CSV: {str(e).strip().splitlines()[-1]}",
                           source=str(path)) from None
     df.columns = [str(c).strip() for c in df.columns]
@@ -137,6 +156,18 @@ def _read_csv_frame(path: Path) -> pd.DataFrame:
     return df
 
 
+def _ragged(path: Path) -> LatsimError:
+    """The first line with more cells than the header, as an error."""
+    import csv
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        rows = csv.reader(f)
+        width = len(next(rows, []))
+        for no, row in enumerate(rows, start=2):
+            if len(row) > width:
+                return cell_error(path, no, None, f"{len(row)} cells, the header has {width}")
+    return LatsimError("a row has more cells than the header", source=str(path))
+
+
 def _require(columns: list[str], needed: tuple[str, ...], path: Path, fmt: str) -> None:
     for col in needed:
         if col not in columns:
@@ -147,8 +178,10 @@ def _require(columns: list[str], needed: tuple[str, ...], path: Path, fmt: str) 
 
 
 def numeric(values, lines: np.ndarray, path: Path, column: str, *, integer: bool,
-            minimum: Optional[float] = None) -> np.ndarray:
-    """Parse a column of cells as numbers; the first bad cell is an error with its line."""
+            minimum: Optional[float] = None, maximum: Optional[float] = None) -> np.ndarray:
+    """Parse a column of cells as numbers; the first bad cell (empty, not a number, not
+    finite, fractional where a whole number is due, out of ``[minimum, maximum]``) is an
+    error with its line."""
     raw = pd.Series(values, dtype=object)
     num = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float)
     bad = ~np.isfinite(num)
@@ -168,6 +201,13 @@ def numeric(values, lines: np.ndarray, path: Path, column: str, *, integer: bool
             i = int(np.argmax(low))
             raise cell_error(path, int(lines[i]), column,
                              f"must be >= {minimum:g} (got {raw.iloc[i]!r})")
+    if maximum is not None:
+        high = num > maximum
+        if high.any():
+            i = int(np.argmax(high))
+            raise cell_error(path, int(lines[i]), column,
+                             f"must be <= {maximum:,.0f} (got {raw.iloc[i]!r})")
+    # Checked above, so the cast below cannot overflow into garbage.
     return num.astype(np.int64) if integer else num
 
 
@@ -204,8 +244,8 @@ def check_hash_blocks(hash_ids: list, prompt: np.ndarray, lines: np.ndarray, pat
             f" = {need[i]} ({block} tokens per block)" + (f"; {more} more rows disagree" if more else ""))
 
 
-def _read_tabular(path: Path, fmt: str, block: int) -> RawTrace:
-    df = _read_csv_frame(path)
+def _read_tabular(path: Path, fmt: str, block: int, max_bytes: int) -> RawTrace:
+    df = _read_csv_frame(path, max_bytes)
     tcol, pcol, ocol = COLUMNS[fmt]
     _require(list(df.columns), COLUMNS[fmt], path, fmt)
     lines = np.arange(len(df), dtype=np.int64) + 2  # header is line 1
@@ -220,9 +260,12 @@ def _read_tabular(path: Path, fmt: str, block: int) -> RawTrace:
         # No natural origin for a wall clock: the trace's clock starts at its earliest row.
         time_s = (ns - ns.min()) / 1e9
     else:
-        time_s = numeric(df[tcol].to_numpy(object), lines, path, tcol, integer=False, minimum=0)
-    prompt = numeric(df[pcol].to_numpy(object), lines, path, pcol, integer=True, minimum=1)
-    output = numeric(df[ocol].to_numpy(object), lines, path, ocol, integer=True, minimum=1)
+        time_s = numeric(df[tcol].to_numpy(object), lines, path, tcol, integer=False, minimum=0,
+                         maximum=MAX_TIME_S)
+    prompt = numeric(df[pcol].to_numpy(object), lines, path, pcol, integer=True, minimum=1,
+                     maximum=MAX_TOKENS)
+    output = numeric(df[ocol].to_numpy(object), lines, path, ocol, integer=True, minimum=1,
+                     maximum=MAX_TOKENS)
     prio = hashes = None
     if fmt == "csv":
         if "priority" in df.columns:
@@ -240,17 +283,27 @@ def _read_tabular(path: Path, fmt: str, block: int) -> RawTrace:
     return RawTrace(path, fmt, time_s, prompt, output, lines, prio, hashes)
 
 
-def _read_mooncake(path: Path, block: int) -> RawTrace:
-    _check_file(path)
+def _read_mooncake(path: Path, block: int, max_bytes: int) -> RawTrace:
+    _check_file(path, max_bytes)
     recs, lines = [], []
     with open(path, encoding="utf-8") as f:
-        for no, text in enumerate(f, start=1):
+        no = 0
+        while True:
+            try:
+                text = f.readline()
+            except UnicodeDecodeError as e:
+                raise cell_error(path, no + 1, None, f"not UTF-8 text ({e.reason})") from None
+            if not text:
+                break
+            no += 1
             if not text.strip():
                 continue  # blank lines carry nothing in JSON lines
             try:
                 rec = json.loads(text)
             except json.JSONDecodeError as e:
                 raise cell_error(path, no, None, f"invalid JSON: {e.msg} at character {e.pos + 1}") from None
+            except RecursionError:
+                raise cell_error(path, no, None, "invalid JSON: nested too deeply") from None
             if not isinstance(rec, dict):
                 raise cell_error(path, no, None, "each line must be a JSON object")
             recs.append(rec)
@@ -268,13 +321,17 @@ def _read_mooncake(path: Path, block: int) -> RawTrace:
             close = difflib.get_close_matches(col, list(recs[i]), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise cell_error(path, int(lines[i]), col, f"missing key (found: {', '.join(recs[i])}){hint}")
-        if any(isinstance(v, (bool, list, dict)) for v in vals):
-            i = next(i for i, v in enumerate(vals) if isinstance(v, (bool, list, dict)))
+        def bad(v) -> bool:   # JSON's true, a list, an object, NaN or Infinity
+            return isinstance(v, (bool, list, dict)) or (
+                isinstance(v, float) and not np.isfinite(v))
+        if any(bad(v) for v in vals):
+            i = next(i for i, v in enumerate(vals) if bad(v))
             raise cell_error(path, int(lines[i]), col, f"not a number ({vals[i]!r})")
         cols[col] = np.array(vals, dtype=object)
-    time_ms = numeric(cols[tcol], lines, path, tcol, integer=False, minimum=0)
-    prompt = numeric(cols[pcol], lines, path, pcol, integer=True, minimum=1)
-    output = numeric(cols[ocol], lines, path, ocol, integer=True, minimum=1)
+    time_ms = numeric(cols[tcol], lines, path, tcol, integer=False, minimum=0,
+                      maximum=MAX_TIME_S * 1000)
+    prompt = numeric(cols[pcol], lines, path, pcol, integer=True, minimum=1, maximum=MAX_TOKENS)
+    output = numeric(cols[ocol], lines, path, ocol, integer=True, minimum=1, maximum=MAX_TOKENS)
     has = np.array(["hash_ids" in r for r in recs])
     hashes = None
     if has.any():
@@ -301,15 +358,17 @@ def _mooncake_hashes(lists: list, lines: np.ndarray, path: Path) -> list:
     return np.split(flat.astype(np.int64), np.cumsum(lens)[:-1])
 
 
-def read_trace(path: Path, fmt: Optional[str] = None, hash_block_tokens: int = HASH_BLOCK_TOKENS) -> RawTrace:
-    """Read a trace file in ``fmt`` (auto-detected if None), in file order."""
+def read_trace(path: Path, fmt: Optional[str] = None, hash_block_tokens: int = HASH_BLOCK_TOKENS,
+               max_bytes: int = MAX_TRACE_MB * 2**20) -> RawTrace:
+    """Read a trace file in ``fmt`` (auto-detected if None), in file order; a file over
+    ``max_bytes`` is refused before it is read."""
     path = Path(path)
-    fmt = fmt or detect_format(path)
+    fmt = fmt or detect_format(path, max_bytes)
     if fmt not in FORMATS:
         raise LatsimError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}", source=str(path))
     if fmt == "mooncake":
-        return _read_mooncake(path, hash_block_tokens)
-    return _read_tabular(path, fmt, hash_block_tokens)
+        return _read_mooncake(path, hash_block_tokens, max_bytes)
+    return _read_tabular(path, fmt, hash_block_tokens, max_bytes)
 
 
 def ordered(raw: RawTrace, sort: bool) -> RawTrace:

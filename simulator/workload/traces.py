@@ -28,13 +28,15 @@ from simulator.errors import LatsimError
 from simulator.config.registry import WORKLOADS
 from simulator.workload.base import Workload
 from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names, class_priorities
-from simulator.workload.tracereaders import HASH_BLOCK_TOKENS, RawTrace, cell_error, ordered, read_trace
+from simulator.workload.classes import MAX_PRIORITY
+from simulator.workload.tracereaders import (HASH_BLOCK_TOKENS, MAX_TRACE_MB, RawTrace, cell_error,
+                                             ordered, read_trace)
 
 
 class TraceWorkload(BaseModel):
     """Replay of a trace file; see the module docstring."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["trace"] = "trace"
     path: str = Field(description="trace file; relative to the scenario file's folder")
     format: Optional[Literal["azure", "mooncake", "vidur", "csv"]] = Field(
@@ -54,6 +56,8 @@ class TraceWorkload(BaseModel):
     over_limit: Literal["clip", "drop"] = Field(
         "clip", description="requests above max_*_tokens: clip their counts, or drop them")
     hash_block_tokens: int = Field(HASH_BLOCK_TOKENS, ge=1, description="prompt tokens per hash id")
+    max_file_mb: float = Field(MAX_TRACE_MB, gt=0, description="refuse a trace file larger "
+                               "than this (MiB) before reading it")
 
     @model_validator(mode="after")
     def _check(self):
@@ -73,7 +77,8 @@ def _resolve(path: str, base_dir: Path) -> Path:
 def _priorities(raw: RawTrace, classes: list[PriorityClass], explicit: bool):
     """Priority values and class names from the trace's priority column."""
     cells = raw.priority
-    ints = np.array([re.fullmatch(r"[+-]?\d+", c) is not None for c in cells])
+    # At most 4 digits: a priority beyond MAX_PRIORITY is refused below, never cast.
+    ints = np.array([re.fullmatch(r"[+-]?\d{1,4}", c) is not None for c in cells])
     by_name = {c.name: int(p) for c, p in zip(classes, class_priorities(classes))} if explicit else {}
     prio = np.empty(len(cells), dtype=np.int64)
     if ints.any():
@@ -82,7 +87,7 @@ def _priorities(raw: RawTrace, classes: list[PriorityClass], explicit: bool):
         name = cells[i]
         if name in by_name:
             prio[i] = by_name[name]
-        elif (m := re.fullmatch(r"(?:P|prio)(\d+)", name)):
+        elif (m := re.fullmatch(r"(?:P|prio)(\d{1,4})", name)):
             prio[i] = int(m.group(1))  # "P1" / "prio1" mean priority 1 without a classes list
         else:
             known = f"; known classes: {', '.join(by_name)}" if by_name else \
@@ -92,6 +97,10 @@ def _priorities(raw: RawTrace, classes: list[PriorityClass], explicit: bool):
     if (prio < 0).any():
         i = int(np.argmax(prio < 0))
         raise cell_error(raw.path, int(raw.lines[i]), "priority", f"must be >= 0 (got {cells[i]!r})")
+    if (prio > MAX_PRIORITY).any():
+        i = int(np.argmax(prio > MAX_PRIORITY))
+        raise cell_error(raw.path, int(raw.lines[i]), "priority",
+                         f"must be <= {MAX_PRIORITY} (got {cells[i]!r})")
     names = list(class_names(classes)) if explicit else []
     for p in range(len(names), int(prio.max()) + 1):
         names.append(f"P{p}")
@@ -180,7 +189,8 @@ def replay(raw: RawTrace, cfg: TraceWorkload, rng: np.random.Generator) -> Workl
 def build_trace(cfg: TraceWorkload, rng: np.random.Generator, base_dir: Path) -> Workload:
     """Workload factory: read ``cfg.path`` (relative to ``base_dir``) and replay it."""
     path = _resolve(cfg.path, base_dir)
-    raw = read_trace(path, cfg.format, cfg.hash_block_tokens)
+    raw = read_trace(path, cfg.format, cfg.hash_block_tokens,
+                     max_bytes=int(cfg.max_file_mb * 2**20))
     return replay(raw, cfg, rng)
 
 

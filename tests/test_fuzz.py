@@ -1,0 +1,454 @@
+"""Fuzzing the inputs: every case ends in a result (exit 0 or 1) or in one
+``latsim: error:`` line with exit 2, never a traceback, and in a few seconds.
+
+- a corpus of hand-written bad files (``tests/data/bad/``: scenarios, traces in each
+  format, profiles, a lengths file, ServeGen folders), bad flags and bad paths: each one
+  must be refused with exit 2 and one line;
+- hypothesis-generated scenarios: a valid small scenario with a few of its fields (over
+  the whole schema: workload, network, stream, cluster, engine, KV, model, SLOs, policies)
+  replaced by values from a mixture of valid alternatives, edge values (0, negative,
+  huge, NaN, inf) and junk of every type; traces and profiles with random cells;
+- a handful of cases through a real subprocess, to check what reaches a terminal: one
+  stderr line under 4 KB.
+
+Cases run the console script's own entry point (``simulator.cli.main.main``) in this
+process with ``LATSIM_DEBUG`` set, so that a bug is a test failure with its traceback
+rather than the one-line "internal error" a user would see. Examples are derandomised:
+CI runs the same cases every time.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO, make_scenario_dict
+
+BAD = REPO / "tests" / "data" / "bad"
+DATA = REPO / "tests" / "data"
+PROFILE = REPO / "profiles" / "h200-llama3-8b-refbench.json"
+FUZZ = settings(max_examples=50, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture,
+                                       HealthCheck.filter_too_much])
+
+
+def run_cli(argv, monkeypatch=None) -> tuple[int, str, str]:
+    """``latsim ARGV`` in this process: (exit code, stdout, stderr)."""
+    from simulator.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    code = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_outcome(code, err: str, *, bad: bool = False) -> None:
+    """A result (0, 1) or one error line (2); ``bad``: it must be the error line."""
+    assert code in ((2,) if bad else (0, 1, 2)), (code, err)
+    if code == 2:
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1, err
+        assert lines[0].startswith("latsim: error: ") and len(lines[0]) < 4096, lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.fixture(autouse=True)
+def _debug(monkeypatch):
+    monkeypatch.setenv("LATSIM_DEBUG", "1")   # a bug raises here instead of exit 70
+
+
+# -- the corpus --------------------------------------------------------------------------
+
+def _scenario_for_trace(tmp: Path, trace: Path) -> Path:
+    p = tmp / "trace.yaml"
+    p.write_text(yaml.safe_dump({"workload": {"kind": "trace", "path": str(trace)},
+                                 "model": {"cost": {"kind": "profile", "path": str(PROFILE)}}}))
+    return p
+
+
+@pytest.mark.parametrize("path", sorted((BAD / "scenarios").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_bad_scenario_files(path):
+    """Each bad scenario file: exit 2, one line."""
+    code, _, err = run_cli(["run", path])
+    assert_outcome(code, err, bad=True)
+
+
+@pytest.mark.parametrize("path", sorted((BAD / "traces").glob("*")), ids=lambda p: p.name)
+def test_bad_traces_summarized_and_replayed(path, tmp_path):
+    """Each bad trace, summarized and replayed by a scenario: exit 2, one line."""
+    code, _, err = run_cli(["trace", "summarize", path])
+    assert_outcome(code, err, bad=True)
+    code, _, err = run_cli(["run", _scenario_for_trace(tmp_path, path)])
+    assert_outcome(code, err, bad=True)
+
+
+@pytest.mark.parametrize("path", sorted((BAD / "profiles").glob("*")), ids=lambda p: p.name)
+def test_bad_profiles(path, tmp_path):
+    """Each bad profile, read by a run: exit 2, one line."""
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    d["model"]["cost"]["path"] = str(path)
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(d))
+    code, _, err = run_cli(["run", p])
+    assert_outcome(code, err, bad=True)
+
+
+def test_the_reference_profile_the_bad_ones_are_made_from_runs(tmp_path):
+    """Each bad profile is this one with one defect: it must run, so that they fail for
+    their defect alone."""
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    d["model"]["cost"]["path"] = str(BAD / "reference-profile.json")
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(d))
+    code, out, err = run_cli(["run", p])
+    assert code == 0, err
+
+
+def _ok_scenario(tmp: Path) -> Path:
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    p = tmp / "ok.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+# Flags and paths, each with the scenario (``S``) or a scratch folder (``T``) filled in.
+FLAG_CASES = [
+    ["run", "S", "--seed", "-1"], ["run", "S", "--seed", "1e3"], ["run", "S", "--loop", "turbo"],
+    ["run", "S", "--table-format", "xml"], ["run", "S", "--set", "engine.policy"],
+    ["run", "S", "--set", "=3"], ["run", "S", "--set", "a..b=1"],
+    ["run", "S", "--set", "workload.num_requests=[&a [1], *a]"],
+    ["run", "S", "--set", "workload=&w [*w]"], ["run", "S", "--set", "engine.policy=sjf"],
+    ["run", "S", "--policies", "fifo,nope"], ["run", "S", "--plots"],
+    ["run", "S", "--out", "T/file"], ["run", "S", "--out", "T/file/under"],
+    ["run", "S", "--bogus"], ["run", "T/missing.yaml"], ["run", "T"], ["run", "/dev/null"],
+    ["sweep", "S", "--grid", "engine.policy", "--out", "T/sw"],
+    ["sweep", "S", "--grid", "seed=1,2", "--out", "T/sw"],
+    ["sweep", "S", "--grid", "workload.rate=5:1", "--out", "T/sw"],
+    ["sweep", "S", "--grid", "engine.policy=fifo", "--executor", "dask", "--out", "T/sw"],
+    ["sweep", "S", "--grid", "engine.policy=fifo", "--address", "x:1", "--out", "T/sw"],
+    ["sweep", "S", "--grid", "engine.policy=fifo", "--out", "T/file"],
+    ["sweep", "S", "--grid", "engine.policy=fifo", "--out", "T/file/under"],
+    ["sweep", "S", "--grid", "engine.policy=fifo,fifo,nope", "--out", "T/sw"],
+    ["trace", "summarize", "T"], ["trace", "summarize", "T/missing.csv"],
+    ["trace", "summarize", str(DATA / "canonical_small.csv"), "--window", "5,1"],
+    ["trace", "summarize", str(DATA / "canonical_small.csv"), "--window", "a,b"],
+    ["trace", "summarize", str(DATA / "canonical_small.csv"), "--format", "parquet"],
+    ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T"],
+    ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/file/x.csv"],
+    ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/x.csv", "--rate", "inf"],
+    ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/x.csv", "--limit", "0"],
+    ["report", "T/missing"], ["report", "T/file"], ["report", "T/garbage"],
+    ["nosuchcommand"],
+]
+
+
+@pytest.mark.parametrize("argv", FLAG_CASES, ids=lambda a: " ".join(a)[:60])
+def test_bad_flags_and_paths(argv, tmp_path):
+    """Each bad flag, option value or path: exit 2, one line."""
+    (tmp_path / "file").write_text("not a folder\n")
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "requests.csv").write_text("\x01\x02 not, a, table\n\"\n")
+    s = _ok_scenario(tmp_path)
+    argv = [str(s) if a == "S" else a.replace("T", str(tmp_path), 1) if a.startswith("T")
+            else a for a in argv]
+    code, _, err = run_cli(argv)
+    assert_outcome(code, err, bad=True)
+
+
+@pytest.mark.parametrize("name", ["binary-nul.yaml", "billion-laughs.yaml", "deep-nesting.yaml",
+                                  "seed-negative.yaml"])
+def test_a_real_terminal_gets_one_short_line(name):
+    """Through a real process: one stderr line under 4 KB."""
+    r = subprocess.run([sys.executable, "-m", "simulator.cli", "run",
+                        str(BAD / "scenarios" / name)],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert_outcome(r.returncode, r.stderr, bad=True)
+    assert len(r.stderr.encode()) < 4096
+
+
+def test_a_real_terminal_gets_one_line_for_a_bad_trace_and_a_bad_flag():
+    """Through a real process: a bad trace and a bad flag are one line each."""
+    for argv in (["trace", "summarize", str(BAD / "traces" / "mooncake-deep.jsonl")],
+                 ["run", "--version-of-nothing"]):
+        r = subprocess.run([sys.executable, "-m", "simulator.cli", *argv], capture_output=True,
+                           text=True, cwd=REPO, timeout=120)
+        assert_outcome(r.returncode, r.stderr, bad=True)
+
+
+# -- generated scenarios -----------------------------------------------------------------------
+
+NAMES = ["fifo", "chunked", "priority_aging", "fair_score", "paged", "contiguous", "swap",
+         "recompute", "latest", "priority", "http2", "http1.1", "1.2", "1.3", "none", "0rtt",
+         "poisson", "gamma", "constant", "uniform", "lognormal", "exponential", "fixed",
+         "tiers", "block", "buffer", "degrade", "round_robin", "least_outstanding", "random",
+         "nearest_region", "profile", "fitted", "synthetic", "trace", "servegen", "clip", "drop"]
+
+EDGE_NUMBERS = [0, 1, 2, 3, 16, 64, 512, 10**4, 10**12, 2**63, -(2**63) - 1, 10**30, -1, -7,
+                0.0, 0.5, 0.9, 1.0, 1.2, 1.3, 2.5, 1e-9, 1e-300, 1e9, 1e300, -0.5,
+                float("nan"), float("inf"), float("-inf")]
+
+STRUCTURED = [
+    {"kind": "gamma", "rate": 3.0, "burstiness": 0.5}, {"kind": "constant", "rate": 2.0},
+    {"kind": "poisson", "rate": 40.0},
+    {"kind": "lognormal", "mean": 200, "cv": 1.5, "max": 2000}, {"kind": "constant", "value": 3},
+    {"kind": "exponential", "mean": 50}, {"kind": "uniform", "low": 1, "high": 2},
+    {"kind": "fixed", "mbps": 1.0}, {"kind": "lognormal", "median_mbps": 5, "sigma": 1.0},
+    {"kind": "tiers", "tiers": [{"mbps": 50, "share": 1}, {"mbps": 0.05, "share": 0.3}]},
+    {"kind": "exponential", "mean_s": 1.0}, {"kind": "constant", "s": 0.0},
+    {"kind": "uniform", "low_s": 1, "high_s": 0.5},
+    [{"name": "a", "share": 1, "slo": {"ttft_ms": 100}}, {"name": "b", "share": 2}],
+    [{"name": "a", "share": 1, "system_prompt_tokens": 64}, {"name": "a"}],
+    [{"name": "x", "priority": 3}], ["fifo", "chunked"],
+    [{"name": "[/b]", "share": 1}, {"name": "[bold]", "share": 1}],
+    [{"policy": "fifo", "label": "[/x]"}, {"policy": "chunked", "label": "[red]"}],
+    [{"policy": "fifo", "label": "../a b"}, {"policy": "chunked", "label": "../a_b"}],
+    ["fifo", {"policy": "chunked", "label": "c2", "kv": {"preemption": "swap"}}],
+    [{"policy": "fifo", "kv": {"bogus": 1}}],
+    {"probability": 0.5, "signalled": 0.5}, {"ttft_ms": 50, "tpot_ms": 10},
+    {"serving": [{"name": "eu", "replicas": 1}],
+     "clients": [{"name": "c", "share": 1, "distance_km": {"eu": 100}}]},
+    {"kind": "fair_score", "w_wait": 2.0}, {"kind": "chunked", "nope": 1},
+    {"kind": "trace", "path": str(DATA / "canonical_small.csv")},
+    {"kind": "trace", "path": str(DATA / "mooncake_conv_head30.jsonl"), "limit": 10,
+     "speedup": 100.0},
+    {"kind": "trace", "path": str(DATA / "azure_conv_head40.csv"), "rate": 3.0,
+     "window": [0, 100]},
+    {"kind": "servegen", "path": str(DATA / "servegen_mini"), "window": [0, 600],
+     "clients": [35], "rate_scale": 0.05},
+    {"path": str(REPO / "data" / "sarathi_serve" / "processed_traces" /
+              "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")},
+    {"kind": "profile", "path": str(PROFILE), "noise": True},
+    {"kind": "profile", "path": str(PROFILE), "scale": 1e300},
+]
+
+PATHS = [
+    "name", "seed", "max_sim_time_s", "policies", "plugins", "slo", "slo.ttft_ms", "slo.e2el_ms",
+    "workload", "workload.kind", "workload.num_requests", "workload.duration_s",
+    "workload.arrival", "workload.arrival.kind", "workload.arrival.rate",
+    "workload.arrival.burstiness", "workload.prompt_tokens", "workload.prompt_tokens.kind",
+    "workload.prompt_tokens.low", "workload.prompt_tokens.high", "workload.prompt_tokens.max",
+    "workload.output_tokens", "workload.output_tokens.min", "workload.output_tokens.high",
+    "workload.classes", "workload.lengths_file",
+    "network.distance_km", "network.base_rtt_ms", "network.fibre_km_per_s", "network.tls",
+    "network.connection_reuse", "network.clients", "network.pool_size", "network.keepalive_s",
+    "network.uplink_mbps", "network.request_overhead_bytes", "network.gateway_ms",
+    "network.protocol", "network.h2_max_streams", "network.regions",
+    "stream.frame_overhead_bytes", "stream.bytes_per_token", "stream.downlink_mbps",
+    "stream.downlink", "stream.every_tokens", "stream.every_ms", "stream.heartbeat_s",
+    "stream.buffer_bytes", "stream.backpressure", "stream.disconnect",
+    "stream.disconnect.probability", "stream.disconnect.after_first_token",
+    "stream.disconnect.heartbeat_timeout_s", "cluster.replicas", "cluster.router",
+    "cluster.gpus_per_replica", "engine.policy", "engine.policy_params", "engine.max_num_seqs",
+    "engine.max_num_batched_tokens", "engine.chunk_size", "engine.aging_s",
+    "engine.kv.block_size", "engine.kv.num_blocks", "engine.kv.gpu_memory_gb",
+    "engine.kv.gpu_memory_utilization", "engine.kv.allocation", "engine.kv.max_model_len",
+    "engine.kv.watermark", "engine.kv.preemption", "engine.kv.victim", "engine.kv.swap_space_gb",
+    "engine.kv.swap_gb_per_s", "engine.kv.prefix_caching", "model.cost", "model.cost.kind",
+    "model.cost.path", "model.cost.scale", "model.shape", "model.shape.n_layers",
+    "model.shape.params_b", "engine.kv.nonsense", "nonsense",
+]
+
+junk = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=12),
+                              st.floats(allow_nan=True, allow_infinity=True)),
+                    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                            st.dictionaries(st.text(max_size=6), inner,
+                                                            max_size=3)),
+                    max_leaves=6)
+edge = st.one_of(st.sampled_from(EDGE_NUMBERS), st.sampled_from(NAMES),
+                 st.sampled_from(STRUCTURED))
+
+# Plausible values per field: most generated scenarios should run, so that the mixture
+# tests what valid combinations do, not only how invalid ones are refused.
+_f = st.floats
+_i = st.integers
+_pick = st.sampled_from
+classes = st.lists(st.fixed_dictionaries(
+    {"name": _pick(["P0", "P1", "P2", "batch"]), "share": _f(0.05, 5)},
+    optional={"priority": _i(0, 3), "slo": st.fixed_dictionaries({"ttft_ms": _f(1, 5000)}),
+              "system_prompt_tokens": _i(0, 300)}), min_size=1, max_size=3)
+VALID = {
+    "seed": _i(0, 2**63 - 1), "max_sim_time_s": _f(0.5, 120), "name": st.text(max_size=20),
+    "slo.ttft_ms": _f(1, 10_000), "slo.e2el_ms": _f(1, 60_000),
+    "policies": st.lists(_pick(["fifo", "chunked", "priority_aging", "fair_score"]),
+                         min_size=1, max_size=3, unique=True),
+    "workload.num_requests": _i(1, 300), "workload.duration_s": _f(0.5, 60),
+    "workload.arrival.rate": _f(0.1, 200), "workload.arrival.kind": _pick(["poisson", "constant"]),
+    "workload.prompt_tokens.low": _i(1, 3000), "workload.prompt_tokens.high": _i(1, 6000),
+    "workload.prompt_tokens.max": _i(1, 6000), "workload.output_tokens.min": _i(1, 50),
+    "workload.output_tokens.high": _i(1, 800), "workload.classes": classes,
+    "network.distance_km": _f(0, 20_000), "network.base_rtt_ms": _f(0, 200),
+    "network.tls": _pick(["none", "1.2", "1.3", "0rtt", 1.2, 1.3]),
+    "network.connection_reuse": st.booleans(), "network.clients": _i(1, 200),
+    "network.pool_size": _i(1, 16), "network.keepalive_s": _f(0, 600),
+    "network.uplink_mbps": _f(0.01, 1000), "network.protocol": _pick(["http1.1", "http2"]),
+    "network.h2_max_streams": _i(1, 200), "network.gateway_ms": _f(0, 50),
+    "stream.frame_overhead_bytes": _i(0, 500), "stream.bytes_per_token": _f(0, 16),
+    "stream.downlink_mbps": _f(0.01, 1000), "stream.every_tokens": _i(1, 16),
+    "stream.every_ms": _f(1, 500), "stream.heartbeat_s": _f(0.01, 30),
+    "stream.buffer_bytes": _i(100, 100_000), "stream.backpressure": _pick(["buffer"]),
+    "stream.disconnect.probability": _f(0, 1), "stream.disconnect.heartbeat_timeout_s": _f(1, 60),
+    "cluster.replicas": _i(1, 4),
+    "cluster.router": _pick(["round_robin", "least_outstanding", "random"]),
+    "engine.policy": _pick(["fifo", "chunked", "priority_aging", "fair_score"]),
+    "engine.max_num_seqs": _i(1, 128), "engine.max_num_batched_tokens": _i(16, 4096),
+    "engine.chunk_size": _i(1, 1024), "engine.aging_s": _f(0.01, 30),
+    "engine.kv.block_size": _pick([1, 8, 16, 32]), "engine.kv.num_blocks": _i(1, 20_000),
+    "engine.kv.gpu_memory_gb": _f(10, 200), "engine.kv.gpu_memory_utilization": _f(0.1, 1),
+    "engine.kv.allocation": _pick(["paged", "contiguous"]),
+    "engine.kv.max_model_len": _i(16, 8192), "engine.kv.watermark": _f(0, 0.5),
+    "engine.kv.preemption": _pick(["recompute", "swap"]),
+    "engine.kv.victim": _pick(["priority", "latest"]), "engine.kv.swap_space_gb": _f(0, 64),
+    "engine.kv.swap_gb_per_s": _f(0.1, 100), "engine.kv.prefix_caching": st.booleans(),
+    "model.cost.scale": _f(0.1, 10), "model.cost.kind": _pick(["profile"]),
+    "model.shape.n_layers": _i(1, 80), "model.shape.params_b": _f(0.1, 100),
+    "cluster.gpus_per_replica": _i(1, 8),
+    "workload.arrival": _pick([x for x in STRUCTURED if isinstance(x, dict) and "rate" in x]),
+    "workload.prompt_tokens": _pick([x for x in STRUCTURED if isinstance(x, dict)
+                                     and x.get("kind") in ("lognormal", "constant", "uniform",
+                                                           "exponential") and "s" not in x
+                                     and "mean_s" not in x and "low_s" not in x]),
+    "stream.downlink": _pick([x for x in STRUCTURED if isinstance(x, dict)
+                              and x.get("kind") in ("fixed", "tiers") or "median_mbps" in x]),
+    "stream.disconnect": st.fixed_dictionaries({"probability": _f(0, 1),
+                                                "signalled": _f(0, 1)}),
+}
+VALID["workload.output_tokens"] = VALID["workload.prompt_tokens"]
+
+
+def value_for(path: str):
+    """Mostly a plausible value for ``path``, else an edge value or junk."""
+    plausible = VALID.get(path, edge)
+    return st.integers(0, 9).flatmap(lambda k: plausible if k < 8 else edge if k == 8 else junk)
+
+
+mutation = st.sampled_from(PATHS).flatmap(lambda p: st.tuples(st.just(p), value_for(p)))
+mutations = st.lists(mutation, min_size=1, max_size=3)
+
+MAX_REQUESTS = 400   # a generated run stays small (a few seconds at most)
+
+
+def _set(d: dict, dotted: str, value) -> None:
+    node = d
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = copy.deepcopy(value)
+
+
+def _keep_small(d: dict) -> None:
+    """A valid synthetic workload of more than ``MAX_REQUESTS`` requests (but not so many
+    that the run is refused at once) is cut to ``MAX_REQUESTS``: the fuzz is about
+    inputs, not about long runs."""
+    from simulator.config.scenario import validate_scenario
+    from simulator.errors import LatsimError
+    try:
+        sc = validate_scenario(d)
+    except LatsimError:
+        return
+    expected = getattr(sc.workload, "expected_requests", None)
+    if expected is not None and MAX_REQUESTS < expected() < 10**9:
+        d["workload"]["num_requests"] = MAX_REQUESTS
+        d["workload"].pop("duration_s", None)
+
+
+@settings(FUZZ, max_examples=100)
+@given(mutations, st.sampled_from(["auto", "auto", "auto", "compiled"]))
+def test_generated_scenarios(tmp_path_factory, muts, loop):
+    """Mutated scenarios (written results included): a result or one error line."""
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 40
+    for path, value in muts:
+        _set(d, path, value)
+    _keep_small(d)
+    p = tmp_path_factory.mktemp("fuzz") / "s.yaml"
+    try:
+        p.write_text(yaml.safe_dump(d, allow_unicode=True))
+    except (yaml.YAMLError, ValueError):   # not representable as YAML: nothing to test
+        return
+    code, _, err = run_cli(["run", p, "--loop", loop, "--out", p.parent / "out"])
+    assert_outcome(code, err)
+
+
+cell = st.one_of(st.sampled_from(["0", "1", "17", "1e30", "-1", "nan", "inf", "", " ", "1.5",
+                                  "x", "99999999999999999999", "2023-11-16 18:15:46.6", "P1",
+                                  "0 1", "a b", '"q,"', "1e-300"]),
+                 st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=6))
+HEADERS = {"csv": "arrival_s,prompt_tokens,output_tokens,priority,prefix_hashes",
+           "azure": "TIMESTAMP,ContextTokens,GeneratedTokens",
+           "vidur": "arrived_at,num_prefill_tokens,num_decode_tokens"}
+
+
+@FUZZ
+@given(st.sampled_from(sorted(HEADERS)), st.lists(st.lists(cell, min_size=1, max_size=6),
+                                                  min_size=1, max_size=5))
+def test_generated_csv_traces(tmp_path_factory, fmt, rows):
+    """CSV traces of random cells in each tabular format: a summary or one error line."""
+    import csv
+    p = tmp_path_factory.mktemp("trace") / f"t-{fmt}.csv"
+    buf = io.StringIO()
+    buf.write(HEADERS[fmt] + "\n")
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    p.write_text(buf.getvalue())
+    code, _, err = run_cli(["trace", "summarize", p, "--format", fmt])
+    assert_outcome(code, err)
+
+
+json_value = st.one_of(st.sampled_from([0, 1, 500, 1e30, -1, 1.5, "12", "", True, None, [],
+                                        {}, [1, 2], 10**25, float("nan"), float("inf")]),
+                       st.integers(), st.text(max_size=5))
+
+
+@FUZZ
+@given(st.lists(st.dictionaries(st.sampled_from(["timestamp", "input_length", "output_length",
+                                                 "hash_ids", "extra"]), json_value,
+                                min_size=2, max_size=5), min_size=1, max_size=4))
+def test_generated_mooncake_traces(tmp_path_factory, recs):
+    """Mooncake JSON lines of random values: a summary or one error line."""
+    p = tmp_path_factory.mktemp("mc") / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    code, _, err = run_cli(["trace", "summarize", p])
+    assert_outcome(code, err)
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(["prefill", "decode", "mixed", "decode_eager",
+                                           "prefill_partial"]),
+                          st.integers(0, 3),
+                          st.sampled_from(["ms", "batch", "context", "chunk", "prior"]),
+                          json_value), min_size=1, max_size=3))
+def test_generated_profiles(tmp_path_factory, edits):
+    """Profiles with random cells: a run or one error line."""
+    prof = json.loads(PROFILE.read_text())
+    for section, i, col, v in edits:
+        rows = prof.setdefault(section, [])
+        while len(rows) <= i:
+            rows.append(dict(rows[-1]) if rows else {"batch": 1, "context": 1, "chunk": 1,
+                                                     "prior": 0, "ms": 1.0})
+        rows[i][col] = v
+    d = tmp_path_factory.mktemp("prof")
+    (d / "p.json").write_text(json.dumps(prof))
+    s = make_scenario_dict()
+    s["workload"]["num_requests"] = 20
+    s["model"]["cost"]["path"] = str(d / "p.json")
+    (d / "s.yaml").write_text(yaml.safe_dump(s))
+    code, _, err = run_cli(["run", d / "s.yaml"])
+    assert_outcome(code, err)
