@@ -22,6 +22,12 @@ least outstanding one there):
 Without ``network.regions`` both see one region and behave as ``least_outstanding``.
 Region-unaware routers, with regions, pick their replica when the client sends, as a
 global load balancer would, and the request pays the RTT to that replica's region.
+
+- ``cache_aware`` (``prefix_router``): the replica holding the longest cached prefix
+  of the prompt, traded against load with tunable weights.
+
+``pick(replicas, seq)`` chooses among the replicas it is given (an index into that
+list): all of them, or the ready ones of a fleet that an autoscaler resizes.
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ class RoundRobin:
         self.n, self.i = n, -1
 
     def pick(self, replicas, seq) -> int:
-        self.i = (self.i + 1) % self.n
+        self.i = (self.i + 1) % len(replicas)
         return self.i
 
 
@@ -57,7 +63,7 @@ class RandomRouter:
         self.n, self.rng = n, rng
 
     def pick(self, replicas, seq) -> int:
-        return int(self.rng.integers(self.n))
+        return int(self.rng.integers(len(replicas)))
 
 
 class LeastOutstanding:
@@ -133,6 +139,12 @@ for _name, _cls in (("nearest_region", NearestRegion), ("region_load_rtt", Regio
                      (lambda c: (lambda cfg, n, rng, topology=None: c(n, rng, topology)))(_cls))
 
 
-def make_router(name: str, n: int, rng, topology: Topology | None = None):
-    """Router by registered name; region-aware ones use ``topology`` (default: one region)."""
-    return ROUTERS.build(RouterName(kind=name), n, rng, topology=topology)
+def make_router(name: str, n: int, rng, topology: Topology | None = None,
+                params: dict | None = None):
+    """Router by registered name (with its own ``params``, e.g. ``cache_aware``'s
+    weights); region-aware ones use ``topology`` (default: one region)."""
+    cfg = ROUTERS.validate({"kind": name, **(params or {})})
+    return ROUTERS.build(cfg, n, rng, topology=topology)
+
+
+from simulator.cluster import prefix_router  # noqa: E402,F401  (registers cache_aware)

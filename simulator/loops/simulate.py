@@ -44,6 +44,7 @@ from simulator.wire.stream import DisconnectDraws, StreamTiming, client_downlink
 from simulator.loops.compiled import (COMPILE_MIN_REQUESTS, Handback, kernel_reason,
                                       run_compiled, worth_compiling)
 from simulator.wire.per_request import Wire
+from simulator.loops.traffic import run_traffic, traffic_reason
 from simulator.workload import Workload, build_workload
 
 
@@ -76,8 +77,22 @@ class Unsupported(Exception):
 
 
 def kv_capacity_blocks(scenario: Scenario) -> int:
-    """KV blocks per replica: explicit, or (GPU memory x utilisation - weights) / block bytes."""
+    """KV blocks per replica: ``engine.kv.num_blocks`` when given; with a roofline cost
+    model, what ``catalog.plan_memory`` leaves on the GPU type for its TP x PP, weight
+    and KV formats, ``gpu_memory_utilization`` and the engine's activation reserve
+    (refused before the run, with the numbers, when the model does not fit); else
+    (GPU memory x utilisation - weights) / block bytes.
+
+    With a roofline cost model ``cluster.gpus_per_replica`` must equal tp x pp; left
+    out, it is set to that here (every run computes this first)."""
+    from simulator.errors import LatsimError
     kv = scenario.engine.kv
+    cost = scenario.model.cost
+    if getattr(cost, "kind", None) == "roofline":
+        _settle_gpus_per_replica(scenario)
+        if kv.num_blocks is not None:
+            return kv.num_blocks
+        return roofline_memory_plan(scenario).kv_blocks
     if kv.num_blocks is not None:
         return kv.num_blocks
     shape = scenario.model.shape
@@ -85,26 +100,95 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
     per_block = shape.kv_bytes_per_token * kv.block_size
     blocks = int(free // per_block)
     if blocks < 1:
-        from simulator.errors import LatsimError
         raise LatsimError("the model's weights leave no memory for the KV cache",
                           field="engine.kv.gpu_memory_gb", value=kv.gpu_memory_gb, has_value=True)
     return blocks
 
 
+def _settle_gpus_per_replica(scenario: Scenario) -> None:
+    """``cluster.gpus_per_replica`` of a roofline scenario: tp x pp (set when left out,
+    a one-line error when it says otherwise)."""
+    from simulator.errors import LatsimError
+    cost, cl = scenario.model.cost, scenario.cluster
+    n = cost.tp * cost.pp
+    if "gpus_per_replica" not in cl.model_fields_set:
+        cl.gpus_per_replica = n
+    elif cl.gpus_per_replica != n:
+        raise LatsimError(f"must equal model.cost tp x pp = {cost.tp} x {cost.pp} = {n}",
+                          field="cluster.gpus_per_replica", value=cl.gpus_per_replica,
+                          has_value=True)
+
+
+def roofline_memory_plan(scenario: Scenario, require_fit: bool = True):
+    """``catalog.plan_memory`` of a roofline scenario's replica: its model on tp x pp of
+    its GPU, the weight and KV formats, and the engine's ``gpu_memory_utilization``,
+    ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs`` and ``max_model_len``.
+    ``engine.kv.gpu_memory_gb`` cannot be given with it (the GPU says)."""
+    from simulator.cost import catalog
+    from simulator.cost.roofline import model_arch
+    from simulator.errors import LatsimError
+    cost, eng = scenario.model.cost, scenario.engine
+    kv = eng.kv
+    spec = catalog.gpu(cost.gpu)
+    if "gpu_memory_gb" in kv.model_fields_set:
+        raise LatsimError(f"with a roofline cost model the memory is the GPU's ({spec.name}: "
+                          f"{spec.memory_bytes / 2**30:.1f} GiB); leave it out",
+                          field="engine.kv.gpu_memory_gb", value=kv.gpu_memory_gb, has_value=True)
+    try:
+        return catalog.plan_memory(
+            model_arch(cost.model), spec, cost.tp, cost.pp, weight_dtype=cost.weight_dtype,
+            kv_dtype=cost.kv_dtype, gpu_memory_utilization=kv.gpu_memory_utilization,
+            block_size=kv.block_size, max_num_batched_tokens=eng.max_num_batched_tokens,
+            max_num_seqs=eng.max_num_seqs, max_model_len=kv.max_model_len,
+            require_fit=require_fit)
+    except LatsimError as e:
+        raise LatsimError(str(e), field="model.cost") from None
+
+
 def replica_kv_args(scenario: Scenario) -> dict:
     """The KV keyword arguments of ``Replica`` for this scenario: rules, bytes per
-    block (what a swap copies), CPU swap space in blocks and its bandwidth."""
+    block (what a swap copies), CPU swap space in blocks and its bandwidth. With a
+    roofline cost model a block's bytes are one GPU's slice of it (each GPU of the
+    replica copies its own slice over its own link, in parallel), and
+    ``swap_space_gb`` is per GPU, as vLLM's ``swap_space``."""
     kv = scenario.engine.kv
-    block_bytes = float(scenario.model.shape.kv_bytes_per_token * kv.block_size)
+    cost = scenario.model.cost
+    if getattr(cost, "kind", None) == "roofline":
+        from simulator.cost import catalog
+        from simulator.cost.roofline import model_arch
+        per_tok = catalog.kv_bytes_per_token_per_gpu(model_arch(cost.model), cost.tp, cost.pp,
+                                                     cost.kv_dtype)
+        block_bytes = float(per_tok * kv.block_size)
+    else:
+        block_bytes = float(scenario.model.shape.kv_bytes_per_token * kv.block_size)
     return {"kv_rules": KVRules.from_config(kv), "block_bytes": block_bytes,
             "swap_blocks": int(kv.swap_space_gb * 1e9 // block_bytes),
             "swap_bps": kv.swap_gb_per_s * 1e9}
 
 
+def never_fit(scenario: Scenario, workload: Workload, capacity: Optional[int] = None) -> dict:
+    """Requests that can never run on a replica of this scenario (``kv.rules.never_fits``
+    on every request at once, before the run): ``{"over_max_model_len": n,
+    "over_capacity": n, "largest_blocks": blocks the largest request needs,
+    "capacity_blocks": ..., "usable_blocks": capacity less the watermark}``."""
+    kv = scenario.engine.kv
+    cap = kv_capacity_blocks(scenario) if capacity is None else capacity
+    total = workload.prompt_tokens.astype(np.int64) + workload.output_tokens
+    max_len = -1 if kv.max_model_len is None else kv.max_model_len
+    over_len = (total > max_len) if max_len >= 0 else np.zeros(len(total), dtype=bool)
+    tokens = total if kv.allocation == "paged" or max_len < 0 else np.full_like(total, max_len)
+    blocks = -(-tokens // kv.block_size)
+    usable = cap - int(kv.watermark * cap)
+    over_cap = ~over_len & (blocks > usable)
+    return {"over_max_model_len": int(over_len.sum()), "over_capacity": int(over_cap.sum()),
+            "largest_blocks": int(blocks.max()) if len(blocks) else 0,
+            "capacity_blocks": int(cap), "usable_blocks": int(usable)}
+
+
 def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
              policy: Optional[str] = None, workload: Optional[Workload] = None,
              profile: Optional[dict] = None, mode: str = "auto",
-             cost_model=None, loop: str = "auto") -> Results:
+             cost_model=None, loop: str = "auto", progress=None) -> Results:
     """Run the scenario once. ``policy`` overrides ``engine.policy``; ``workload`` and
     ``profile`` may be passed in pre-built (e.g. to run several policies on the same
     traffic without rebuilding it). ``mode`` selects the replica's bookkeeping
@@ -114,7 +198,9 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     on it): ``auto`` runs a configuration the compiled loop covers on it when
     ``compiled.worth_compiling``, else SimPy, and ``meta["loop"]`` says which and why;
     ``simpy`` always uses SimPy; ``compiled`` insists (``Unsupported`` if it cannot, or on
-    a hand-back)."""
+    a hand-back). ``progress``: called as ``progress(loop, rec)`` when the event loop
+    (``"compiled"`` or ``"simpy"``) is about to start filling the recorder ``rec``, so a
+    caller can watch the run (the compiled loop may first have to be compiled)."""
     if loop not in LOOPS:
         raise ValueError(f"unknown loop {loop!r}; known: {', '.join(LOOPS)}")
     seed = scenario.seed if seed is None else seed
@@ -122,6 +208,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
     # Spawned after the first four, which (hence every default run) they leave unchanged.
     rng_link, rng_disc = (np.random.default_rng(s) for s in ss.spawn(2))
+    rng_traffic = np.random.default_rng(ss.spawn(1)[0])   # client backoff jitter
     if workload is None:
         workload = build_workload(scenario.workload, rng_wl, base_dir or Path.cwd())
     eng = scenario.engine
@@ -190,9 +277,12 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     if loop != "simpy":
         why = kernel_reason(pol, kv_args["kv_rules"], pools, costs, scenario.cluster.router,
                             workload.priority, rich=rich or topo is not None, mode=mode,
-                            cost_given=cost_model is not None, frame_time=stream.frame_time)
+                            cost_given=cost_model is not None, frame_time=stream.frame_time,
+                            traffic=traffic_reason(scenario))
         if why is None and (loop == "compiled" or worth_compiling(n)):
             rec.arrival[:] = workload.arrival_s
+            if progress is not None:
+                progress("compiled", rec)
             try:
                 end, stats = run_compiled(
                     rec=rec, n_replicas=n_rep, policy=pol, costs=costs, capacity=capacity,
@@ -210,7 +300,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                 # Rebuilt from the seed: the run is what the SimPy model makes of it.
                 res = simulate(scenario, seed, base_dir=base_dir, policy=policy,
                                workload=workload, profile=profile, mode=mode,
-                               cost_model=cost_model, loop="simpy")
+                               cost_model=cost_model, loop="simpy", progress=progress)
                 res.meta["loop"] = f"simpy (the compiled loop handed back: {e})"
                 return res
             return results(end, stats, "compiled")
@@ -219,11 +309,30 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         if why is None:
             why = (f"{n} requests: below {COMPILE_MIN_REQUESTS:,}, where loading the "
                    f"compiled loop takes longer than running on SimPy")
+    if traffic_reason(scenario) is not None:
+        # Admission, clients, autoscaling or utilisation: the gateway's run (``traffic``).
+        def more_cost():
+            if cost_model is not None:
+                raise ValueError("a given cost_model serves one replica only")
+            return build_cost_model(scenario.model.cost,
+                                    np.random.default_rng(rng_cost.integers(2**63)),
+                                    profile_search_dirs(base_dir), profile=profile)
+        end, stats, extra = run_traffic(
+            scenario=scenario, env=env, rec=rec, workload=workload, policy=pol, costs=costs,
+            more_cost=more_cost, capacity=capacity, kv_args=kv_args, pools=pools, net=net,
+            stream=stream, keys_of=keys_of, clients=clients, mode=mode,
+            series_interval=_series_interval(workload), rng_router=rng_router,
+            rng_traffic=rng_traffic, progress=None if progress is None else
+            (lambda view: progress("simpy", view)))
+        res = results(end, stats, "simpy" if why is None else f"simpy ({why})")
+        res.meta.update(extra)
+        return res
     replicas = [Replica(env, i, pol, costs[i], capacity, rec, stream.frame_time, stream.one_way,
                         on_finish, series_interval=_series_interval(workload),
                         mode="slow" if rich else mode, streams=rich, **kv_args)
                 for i in range(n_rep)]
-    router = make_router(scenario.cluster.router, n_rep, rng_router, topology=topo)
+    router = make_router(scenario.cluster.router, n_rep, rng_router, topology=topo,
+                         params=scenario.cluster.router_params)
     if rich:
         wire = Wire(scenario, env, rec, replicas, router, pools, topo, net,
                      client_downlinks_bps(scenario.stream, ncfg.clients, rng_link),
@@ -280,6 +389,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
             env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))
 
     env.process(arrivals())
+    if progress is not None:
+        progress("simpy", rec)
     env.run(until=scenario.max_sim_time_s)
     res = results(env.now, [r.kv.manager.stats for r in replicas],
                   "simpy" if why is None else f"simpy ({why})")

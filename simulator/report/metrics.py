@@ -11,6 +11,15 @@ ITL is every gap between delivered tokens, pooled over requests.
 Summaries are in ms as ``mean_/median_/p90_/p99_<metric>_ms``, throughputs per
 second over the benchmark duration (first arrival to last delivery), and goodput
 counts requests meeting their class's SLO.
+
+Traffic control (``cluster.gateway``): a request's row is its last attempt, ``arrival``
+its first send (so its latencies are what its user saw, retries included, and
+``retry_s`` is the part of ``t_net`` spent on earlier attempts and backoff). Requests
+refused by admission control or given up by their clients are not completed: they
+are in ``rejected`` / ``rejected_by_reason`` and ``timed_out``, missing from the
+latency percentiles (which are of completed requests) and failures for goodput and
+``slo_attainment`` (good requests / all requests). ``wait_estimate`` is the queue wait
+the server published at admission; its error is ``wait_estimate - t_queue``.
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
+from simulator.cluster.admission import REASONS
 from simulator.report.recorder import TIMESTAMPS, ItlHistogram
 
 PCTS = (("mean", None), ("median", 50), ("p90", 90), ("p99", 99))
@@ -52,7 +62,36 @@ def requests_table(res) -> pd.DataFrame:
     df["recomputed_tokens"] = rec.recomputed_tokens
     df["swapped_bytes"] = rec.swapped_bytes
     df["preempted_s"] = rec.preempted_s
+    add_traffic_columns(df, rec)
     add_derived(df)
+    df["wait_error"] = df["wait_estimate"] - df["t_queue"]
+    return df
+
+
+def outcome_names(rec) -> np.ndarray:
+    """How each request ended: ``completed``, ``rejected`` (too large for the KV cache,
+    or refused by admission control), ``timed_out`` (its client gave up), ``cancelled``
+    (its client disconnected) or ``unfinished`` (cut by the clock)."""
+    out = np.full(rec.n, "unfinished", dtype=object)
+    out[rec.cancelled] = "cancelled"
+    out[rec.timed_out] = "timed_out"
+    out[rec.rejected | rec.refused] = "rejected"
+    out[~np.isnan(rec.last_delivered)] = "completed"
+    return out
+
+
+def add_traffic_columns(df: pd.DataFrame, rec) -> pd.DataFrame:
+    """The traffic-control columns of the per-request table (see module doc)."""
+    df["outcome"] = outcome_names(rec)
+    names = np.array(REASONS + ("",), dtype=object)
+    df["reject_reason"] = names[np.where(rec.reject_reason >= 0, rec.reject_reason, -1)]
+    df["refused"] = rec.refused
+    df["timed_out"] = rec.timed_out
+    df["attempts"] = rec.attempts
+    df["timeout_retries"] = rec.timeout_retries
+    df["retry_s"] = rec.retry_s
+    df["wait_estimate"] = rec.wait_estimate
+    df["wait_estimate_p99"] = rec.wait_estimate_p99
     return df
 
 
@@ -102,6 +141,12 @@ def _slo_mask(df: pd.DataFrame, slos: dict) -> np.ndarray:
     return ok
 
 
+def good_mask(df: pd.DataFrame, scenario) -> Optional[np.ndarray]:
+    """Which requests completed within their class's SLO (None: no class has one)."""
+    slos = class_slos(scenario)
+    return _slo_mask(df, slos) if slos else None
+
+
 def class_slos(scenario) -> dict:
     """SLO per class name: the class's own, else the scenario's default."""
     classes = getattr(scenario.workload, "classes", None) or []
@@ -110,28 +155,36 @@ def class_slos(scenario) -> dict:
 
 
 def summarize(df: pd.DataFrame, itl: Optional[ItlHistogram], scenario=None,
-              slos: Optional[dict] = None) -> dict:
-    """Summary metrics over ``df`` (vLLM names, ms) plus breakdown means and P99s."""
-    fin = df[df["finished"]]
+              slos: Optional[dict] = None, rows: Optional[np.ndarray] = None) -> dict:
+    """Summary metrics over ``df`` (vLLM names, ms) plus breakdown means and P99s.
+    ``rows``: a boolean mask, to summarise those rows only. The table is read column by
+    column through masks, never copied whole (a million-request run stays small)."""
+    keep = np.ones(len(df), dtype=bool) if rows is None else np.asarray(rows, dtype=bool)
+    fin_mask = df["finished"].to_numpy(dtype=bool) & keep
+
+    def fin(col: str, dtype=None) -> np.ndarray:
+        return df[col].to_numpy(dtype=dtype)[fin_mask]
+
+    n_rows, n_fin = int(keep.sum()), int(fin_mask.sum())
     out: dict = {
-        "num_requests": int(len(df)),
-        "completed": int(len(fin)),
-        "not_finished": int(len(df) - len(fin)),
-        "rejected": int(df["rejected"].sum()) if "rejected" in df else 0,
-        "total_input_tokens": int(fin["prompt_tokens"].sum()),
-        "total_output_tokens": int(fin["output_tokens"].sum()),
+        "num_requests": n_rows,
+        "completed": n_fin,
+        "not_finished": n_rows - n_fin,
+        "rejected": int(df["rejected"].to_numpy()[keep].sum()) if "rejected" in df else 0,
+        "total_input_tokens": int(fin("prompt_tokens").sum()),
+        "total_output_tokens": int(fin("output_tokens").sum()),
     }
-    if len(fin):
-        duration = float(fin["last_delivered"].max() - df["arrival"].min())
+    if n_fin:
+        duration = float(fin("last_delivered").max() - df["arrival"].to_numpy()[keep].min())
     else:
         duration = float("nan")
     out["duration_s"] = duration
     dur = duration if duration and duration > 0 else float("nan")
-    out["request_throughput"] = len(fin) / dur
+    out["request_throughput"] = n_fin / dur
     out["output_throughput"] = out["total_output_tokens"] / dur
     out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / dur
     for m in LATENCIES:
-        _stats(fin[m].to_numpy(dtype=float), m, out)
+        _stats(fin(m, float), m, out)
     if itl is not None and itl.n:
         out["mean_itl_ms"] = itl.mean * 1000.0
         for label, q in PCTS[1:]:
@@ -140,39 +193,145 @@ def summarize(df: pd.DataFrame, itl: Optional[ItlHistogram], scenario=None,
         for label, _ in PCTS:
             out[f"{label}_itl_ms"] = float("nan")
     for b in BREAKDOWN:
-        x = fin[b].to_numpy(dtype=float)
+        x = fin(b, float)
         out[f"mean_{b}_ms"] = float(x.mean()) * 1000.0 if len(x) else float("nan")
         out[f"p99_{b}_ms"] = float(np.percentile(x, 99)) * 1000.0 if len(x) else float("nan")
     if slos is None and scenario is not None:
         slos = class_slos(scenario)
     if slos:
-        good = _slo_mask(df, slos)
+        good = _slo_mask(df, slos) & keep
         out["good_requests"] = int(good.sum())
         out["request_goodput"] = float(good.sum()) / dur
-    out["diagnosis"] = diagnose(out) if len(fin) else "no_completed_requests"
+        out["slo_attainment"] = float(good.sum()) / n_rows if n_rows else float("nan")
+    _traffic_summary(df, keep, fin_mask, out)
+    cfg = getattr(getattr(scenario, "report", None), "diagnosis", None)
+    verdicts = diagnoses(out, cfg) if n_fin else ["no_completed_requests"]
+    out["diagnosis"] = verdicts[0]
+    out["diagnosis_all"] = verdicts
     return out
+
+
+def _traffic_summary(df: pd.DataFrame, keep: np.ndarray, fin_mask: np.ndarray,
+                     out: dict) -> None:
+    """Rejections (by reason), time-outs, attempts and the wait estimate's error; the
+    shares the diagnosis reads. Columns a table lacks (one written by another tool)
+    count as neutral."""
+    n = int(keep.sum())
+
+    def col(name, default, dtype=None):
+        return (df[name].to_numpy(dtype=dtype)[keep] if name in df
+                else np.full(n, default, dtype=dtype))
+
+    too_large = col("rejected", False, bool)
+    refused = col("refused", False, bool)
+    reason = col("reject_reason", "", object) if "reject_reason" in df else np.full(n, "", object)
+    by = {nm: int(((reason == nm) & refused).sum()) for nm in REASONS[1:]}
+    out["rejected"] = int(too_large.sum() + refused.sum())
+    out["rejected_by_reason"] = {"too_large": int(too_large.sum()), **by}
+    out["timed_out"] = int(col("timed_out", False, bool).sum())
+    attempts = col("attempts", 1, np.int64)
+    out["attempts"] = int(attempts.sum())
+    out["retries"] = int(attempts.sum()) - n
+    out["timeout_retries"] = int(col("timeout_retries", 0, np.int64).sum())
+    out["refused_frac"] = float(refused.mean()) if n else 0.0
+    out["retries_per_request"] = out["retries"] / n if n else 0.0
+    out["timeout_retries_per_request"] = out["timeout_retries"] / n if n else 0.0
+    out["preempted_frac"] = float((col("preemptions", 0, np.int64) > 0).mean()) if n else 0.0
+    fin = fin_mask[keep]
+    retry = col("retry_s", 0.0, float)[fin]
+    out["mean_retry_ms"] = float(retry.mean()) * 1000.0 if len(retry) else float("nan")
+    est = col("wait_estimate", np.nan, float)
+    q = col("t_queue", np.nan, float)
+    ok = ~np.isnan(est) & ~np.isnan(q)
+    if ok.any():
+        err = (est - q)[ok]
+        out["mean_wait_estimate_error_ms"] = float(err.mean()) * 1000.0
+        out["median_abs_wait_estimate_error_ms"] = float(np.median(np.abs(err))) * 1000.0
+        out["p90_abs_wait_estimate_error_ms"] = float(np.percentile(np.abs(err), 90)) * 1000.0
+        p99 = col("wait_estimate_p99", np.nan, float)[ok]
+        out["wait_estimate_p99_coverage"] = float((q[ok] <= p99).mean())
+
+
+VERDICTS = ("retry_storm", "admission_limited", "queue_saturation", "kv_pressure",
+            "prefill_bottleneck", "network_bound", "stream_bound", "decode_jitter")
+
+
+def diagnoses(s: dict, cfg=None) -> list[str]:
+    """Every bottleneck verdict a summary shows, most fundamental first (``VERDICTS``
+    order; ``["healthy"]`` when none). The seeds' rule (queueing, then prefill, then
+    decode jitter) with the traffic verdicts around it: ``retry_storm`` (retries after
+    a timeout, per request, above ``retry_frac``: clients resending work the server
+    may already be doing; retries after a 429 are admission's, cheap to refuse),
+    ``admission_limited`` (share refused by admission
+    above ``reject_frac``), ``kv_pressure`` (share of requests preempted above
+    ``preempt_frac``), ``network_bound`` / ``stream_bound`` (mean T_net without
+    retries, or mean T_stream, above ``network_frac`` / ``stream_frac`` of mean E2E).
+    ``cfg``: ``report.diagnosis`` thresholds (defaults when None)."""
+    if cfg is None:
+        from simulator.config.traffic import DiagnosisConfig
+        cfg = DiagnosisConfig()
+
+    def get(key: str) -> float:
+        v = s.get(key)
+        return float("nan") if v is None else float(v)
+
+    e2e = get("mean_e2el_ms")
+    fired = {
+        "retry_storm": get("timeout_retries_per_request") > cfg.retry_frac,
+        "admission_limited": get("refused_frac") > cfg.reject_frac,
+        "queue_saturation": s.get("mean_t_queue_ms", 0) > cfg.queue_ms,
+        "kv_pressure": get("preempted_frac") > cfg.preempt_frac,
+        "prefill_bottleneck": s.get("median_ttft_ms", 0) > cfg.ttft_ms,
+        "network_bound": (get("mean_t_net_ms") - np.nan_to_num(get("mean_retry_ms")))
+        > cfg.network_frac * e2e,
+        "stream_bound": get("mean_t_stream_ms") > cfg.stream_frac * e2e,
+        "decode_jitter": False,
+    }
+    p50, p99 = s.get("median_tpot_ms"), s.get("p99_tpot_ms")
+    if p50 and p99 and not math.isnan(p50) and p99 > cfg.jitter * p50:
+        fired["decode_jitter"] = True
+    return [v for v in VERDICTS if fired[v]] or ["healthy"]
 
 
 def diagnose(s: dict, queue_ms: float = 100.0, ttft_ms: float = 500.0,
-             jitter: float = 2.0) -> str:
-    """The seeds' bottleneck rule: queueing, then prefill, then decode jitter, else healthy."""
-    if s.get("mean_t_queue_ms", 0) > queue_ms:
-        return "queue_saturation"
-    if s.get("median_ttft_ms", 0) > ttft_ms:
-        return "prefill_bottleneck"
-    p50, p99 = s.get("median_tpot_ms"), s.get("p99_tpot_ms")
-    if p50 and p99 and not math.isnan(p50) and p99 > jitter * p50:
-        return "decode_jitter"
-    return "healthy"
+             jitter: float = 2.0, cfg=None) -> str:
+    """The first of ``diagnoses``: the seeds' bottleneck rule (queueing, then prefill,
+    then decode jitter, else healthy) with the traffic verdicts. ``cfg`` (thresholds)
+    overrides ``queue_ms``, ``ttft_ms`` and ``jitter``."""
+    if cfg is None:
+        from simulator.config.traffic import DiagnosisConfig
+        cfg = DiagnosisConfig(queue_ms=queue_ms, ttft_ms=ttft_ms, jitter=jitter)
+    return diagnoses(s, cfg)[0]
 
 
 def per_class(df: pd.DataFrame, scenario=None) -> dict:
-    """Latency summary per priority class (no ITL: it is pooled run-wide)."""
+    """Latency summary per priority class (no ITL: it is pooled run-wide), in the order
+    of the class names."""
     out = {}
     slos = class_slos(scenario) if scenario is not None else {}
-    for name, g in df.groupby("class", sort=True):
-        out[str(name)] = summarize(g, None, slos={k: v for k, v in slos.items() if k == name})
+    cls = df["class"].to_numpy()
+    for name in sorted(pd.unique(cls[~pd.isna(cls)]) if len(cls) else []):
+        out[str(name)] = summarize(df, None, slos={k: v for k, v in slos.items() if k == name},
+                                   rows=cls == name)
     return out
+
+
+def unfinished(df: pd.DataFrame, max_sim_time_s: Optional[float]) -> dict:
+    """Why requests did not finish: ``rejected`` (too large for the KV cache: they can
+    never run), ``cancelled`` (their client disconnected, as the scenario asked),
+    ``refused`` (by admission control) and ``timed_out`` (their client gave up), both as
+    the scenario asked, ``cut`` (still queued or running when the clock stopped at
+    ``max_sim_time_s``), and ``stuck`` (none of these: the run ended without them)."""
+    done = df["finished"].to_numpy(dtype=bool)
+    none = np.zeros(len(df), dtype=bool)
+    rej = df["rejected"].to_numpy(dtype=bool) & ~done
+    can = df["cancelled"].to_numpy(dtype=bool) & ~done & ~rej if "cancelled" in df else none
+    ref = df["refused"].to_numpy(dtype=bool) & ~done if "refused" in df else none
+    tout = df["timed_out"].to_numpy(dtype=bool) & ~done & ~ref if "timed_out" in df else none
+    rest = ~done & ~rej & ~can & ~ref & ~tout
+    cut = int(rest.sum()) if max_sim_time_s is not None else 0
+    return {"rejected": int(rej.sum()), "cancelled": int(can.sum()), "refused": int(ref.sum()),
+            "timed_out": int(tout.sum()), "cut": cut, "stuck": int(rest.sum()) - cut}
 
 
 def batch_share_seconds(ts, running, t0: float, t1: float) -> float:

@@ -13,6 +13,9 @@ pyplot state, no GUI; pass ``path`` to also write it as a PNG):
 - ``plot_load_curve``: P50/P99 TTFT and TPOT against offered load from a sweep table,
   one colour per policy, the knee marked (see ``find_knee``);
 - ``plot_fidelity``: simulated vs real latency CDFs and the P50/P99 errors;
+- ``plot_cluster``: offered vs accepted load, replicas and SLO attainment over time
+  (runs with traffic control; ``plots_traffic``);
+- ``plot_utilization_curve``: throughput, busy fraction and MFU against offered load;
 - ``plot_run(dir)``: every plot that fits what the folder holds, written next to it.
 
 Also public: ``read_requests`` (one per-request CSV), ``breakdown_at``, ``find_knee``,
@@ -38,11 +41,13 @@ from simulator.report.metrics import add_derived
 from simulator.report.plotkit import (LATENCIES, LOAD_LABELS, STAGES, binned, blank_figure, cdf_panel,
                       fidelity_errors, find_knee, finished, fmt, fmt_time, new_figure,
                       policy_color, save, stacked_bars, sweep_axes)
+from simulator.report.plots_traffic import (cluster_frames, plot_cluster,  # noqa: F401
+                                           plot_utilization_curve)
 
 __all__ = ["Run", "Results", "read_requests", "load_results", "plot_latency_cdfs",
            "breakdown_at", "plot_breakdown", "plot_timeseries", "find_knee", "load_knees",
            "plot_load_curve", "fidelity_errors", "plot_fidelity", "plot_run", "sweep_axes",
-           "plot_sweep"]
+           "plot_sweep", "plot_cluster", "plot_utilization_curve"]
 
 
 @dataclass
@@ -354,7 +359,7 @@ def plot_run(out_dir: Union[str, Path]) -> list[Path]:
     """Write every plot the folder's files allow, next to them, and return the PNGs.
 
     ``requests*.csv`` -> ``latency_cdfs.png``, ``breakdown.png`` and (with time series)
-    ``timeseries.png``; a sweep table (``results.csv`` with ``sweep.yaml``, or
+    ``timeseries.png``, and with cluster rows (traffic control) ``cluster.png``; a sweep table (``results.csv`` with ``sweep.yaml``, or
     ``sweep.csv``) -> ``load_curve.png``; ``validate/real-<policy>.csv``
     with ``validate/sim-<policy>.csv`` -> ``validate/fidelity-<policy>.png``. Raises
     ``LatsimError`` when the folder is missing or holds none of these."""
@@ -370,6 +375,9 @@ def plot_run(out_dir: Union[str, Path]) -> list[Path]:
         if any(r.timeseries is not None and len(r.timeseries) for r in res.values()):
             plot_timeseries(res, d / "timeseries.png")
             written.append(d / "timeseries.png")
+        if cluster_frames(res):
+            plot_cluster(res, d / "cluster.png")
+            written.append(d / "cluster.png")
     for name in ("sweep.csv", "results.csv"):
         if (d / name).exists() and (name == "sweep.csv" or (d / "sweep.yaml").exists()):
             written.append(plot_sweep(d / name, d / "load_curve.png"))

@@ -123,6 +123,18 @@ class Recorder:
         self.preempted_s = np.zeros(n, dtype=np.float64)     # time spent preempted
         self.cancelled = np.zeros(n, dtype=bool)
         self.cancelled_at = np.full(n, np.nan)
+        # Traffic control, per request (``cluster.gateway``; neutral without it): refused
+        # by admission control (and why: ``cluster.admission.REASONS``), given up by its
+        # client, attempts sent, time from the first send to the last attempt's, and the
+        # queue wait the server published for the last attempt (P50, P99; s).
+        self.refused = np.zeros(n, dtype=bool)
+        self.reject_reason = np.full(n, -1, dtype=np.int8)
+        self.timed_out = np.zeros(n, dtype=bool)
+        self.attempts = np.ones(n, dtype=np.int32)
+        self.timeout_retries = np.zeros(n, dtype=np.int32)   # retries that followed a timeout
+        self.retry_s = np.zeros(n, dtype=np.float64)
+        self.wait_estimate = np.full(n, np.nan)
+        self.wait_estimate_p99 = np.full(n, np.nan)
         self.itl = ItlHistogram()
         # Time series per replica: time, waiting, running, reserved blocks, KV tokens,
         # and the extra block references prefix sharing saves (0 without caching).

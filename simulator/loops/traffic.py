@@ -1,0 +1,195 @@
+"""The SimPy run of a scenario with traffic control: admission (``cluster.admission``),
+clients that time out and retry (``client``), an autoscaled fleet
+(``cluster.autoscaler``) or utilisation series (``report.utilization``).
+
+``simulate`` hands such a run to ``run_traffic`` after building what every run shares
+(workload, cost models, KV rules, connection pools); this module builds the fleet of
+replicas, the gateway (``cluster.gateway``) in front of them, the autoscaler, runs the
+clock, folds the attempts into the run's per-request recorder and returns what the
+reports read (``meta``: ``traffic``, ``cluster``, ``utilization``). The compiled loop
+models none of these (``traffic_reason`` says why, and ``auto`` runs SimPy).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import simpy
+
+from simulator.cluster.admission import Admission, WaitEstimator
+from simulator.cluster.autoscaler import Autoscaler, Fleet, has_work
+from simulator.cluster.gateway import Gateway
+from simulator.cluster.routers import make_router
+from simulator.loops.simpy.replica import Replica
+from simulator.report.recorder import Recorder
+from simulator.report.utilization import UtilTracker
+from simulator.wire.clients import Clients
+
+
+def traffic_reason(scenario) -> Optional[str]:
+    """What of the scenario's traffic control the compiled loop does not model (None:
+    nothing is asked for)."""
+    cl = scenario.cluster
+    parts = [what for on, what in (
+        (cl.admission is not None, "admission control"),
+        (scenario.client is not None, "client timeouts and retries"),
+        (cl.autoscaler is not None, "autoscaling"),
+        (scenario.report.utilization, "utilisation series")) if on]
+    return ", ".join(parts) or None
+
+
+def n_slots(scenario) -> int:
+    """Replica slots the run needs: the fleet's largest size."""
+    a = scenario.cluster.autoscaler
+    return max(scenario.cluster.replicas, a.max_replicas if a is not None else 0)
+
+
+def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, policy, costs,
+                more_cost, capacity: int, kv_args: dict, pools, net, stream, keys_of,
+                clients, mode: str, series_interval: float, rng_router, rng_traffic,
+                progress=None):
+    """Run the scenario's traffic model; fills ``rec``. ``costs``: cost models of the
+    first replicas; ``more_cost()`` builds the next one (autoscaled slots);
+    ``progress(view)``: called as the clock starts with a view whose ``last_delivered``,
+    ``rejected`` and ``cancelled`` say which requests have ended. Returns ``(end of the
+    run, each replica's KVStats, meta)``."""
+    sc = scenario
+    cl = sc.cluster
+    n = len(workload)
+    slots = n_slots(sc)
+    while len(costs) < slots:
+        costs.append(more_cost())
+    ccfg = sc.client
+    arec = Recorder(n * (ccfg.max_attempts if ccfg is not None else 1), slots)
+    rec.arrival[:] = workload.arrival_s
+    track = sc.report.utilization
+    trackers = [UtilTracker(costs[i]) if track else None for i in range(slots)]
+    gateway = None
+
+    def on_finish(seq, delivered_at: float) -> None:
+        gateway.finished(seq, delivered_at)
+
+    def make_replica(slot: int) -> Replica:
+        rep = Replica(env, slot, policy, costs[slot], capacity, arec, stream.frame_time,
+                      stream.one_way, on_finish, series_interval=series_interval, mode=mode,
+                      **kv_args)
+        rep.util = trackers[slot]
+        return rep
+
+    fleet = Fleet(env, make_replica, cl.replicas, slots)
+    router = make_router(cl.router, slots, rng_router, params=cl.router_params)
+    eng = sc.engine
+    adm = cl.admission
+    estimator = WaitEstimator(adm.wait_estimate if adm is not None else _default_estimate(),
+                              eng.chunk_size or eng.max_num_batched_tokens, slots)
+    auto = cl.autoscaler
+    gateway = Gateway(env, workload, arec, fleet, router, pools, net,
+                      Clients(ccfg, rng_traffic),
+                      Admission(adm, workload.class_names) if adm is not None else None,
+                      estimator, keys_of, eng.kv.block_size, clients,
+                      track_ttft=auto is not None and auto.metric == "p99_ttft")
+    scaler = None
+    if auto is not None:
+        scaler = Autoscaler(env, auto, fleet, capacity, gateway.ttft_values,
+                            lambda: gateway.all_resolved)
+    env.process(gateway.arrivals())
+    if progress is not None:
+        progress(_ProgressView(gateway))
+    _run_clock(env, gateway, fleet, sc.max_sim_time_s, n)
+    end = float(env.now)
+    gateway.fold(rec)
+    meta = {"traffic": _traffic_meta(gateway, scaler, fleet),
+            "cluster": _cluster_meta(sc, fleet, end),
+            "attempts": gateway.attempts_table(),
+            "fleet_timeline": fleet.timeline()}
+    if track:
+        meta["utilization"] = trackers
+    return end, [r.kv.manager.stats for r in fleet.built], meta
+
+
+class _ProgressView:
+    """What a progress display reads of a run in flight: a request has ended when the
+    gateway has resolved it (``last_delivered`` 0 then, NaN before)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self._gw = gateway
+        self.rejected = np.zeros(gateway.n, dtype=bool)
+        self.cancelled = self.rejected
+
+    @property
+    def last_delivered(self) -> np.ndarray:
+        from simulator.cluster.gateway import UNFINISHED
+        return np.where(self._gw.outcome != UNFINISHED, 0.0, np.nan)
+
+
+def _default_estimate():
+    from simulator.config.traffic import WaitEstimateConfig
+    return WaitEstimateConfig()
+
+
+def _run_clock(env, gateway, fleet, until: Optional[float], n: int) -> None:
+    """Run until every request has ended and no replica holds work (timers that can no
+    longer matter are left unfired, so the clock ends where the work did), or until
+    ``until`` as the plain model does."""
+    if until is not None:
+        env.run(until=until)
+        return
+    stop = env.event()
+    if n == 0:
+        stop.succeed()
+    else:
+        gateway.on_all_resolved = lambda: stop.succeed() if not stop.triggered else None
+    env.run(until=stop)
+    while any(has_work(r) for r in fleet.built) and env.peek() < math.inf:
+        env.step()
+
+
+def _traffic_meta(gw: Gateway, scaler, fleet) -> dict:
+    """Attempt-level tallies of the gateway (summary.json ``traffic``)."""
+    from simulator.cluster.admission import REASONS
+    from simulator.wire import clients as C
+    t = gw.attempts_table()
+    out = t["outcome"]
+    n_att = len(out)
+    refused = out == C.REFUSED
+    res = {
+        "attempts": n_att,
+        "retries": n_att - gw.n,
+        "admitted": int(np.isfinite(t["admitted"]).sum()),
+        "refused": int(refused.sum()),
+        "refused_by_reason": {nm: int((refused & (t["reason"] == i)).sum())
+                              for i, nm in enumerate(REASONS)},
+        "connect_timeouts": int((out == C.CONNECT_TIMEOUT).sum()),
+        "read_timeouts": int((out == C.READ_TIMEOUT).sum()),
+        "deadlines": int((out == C.DEADLINE).sum()),
+        "retry_budget_denied": gw.clients.budget.denied if gw.clients.budget else 0,
+        "wasted_tokens": gw.wasted_tokens(),
+        "abandoned_attempts_with_work": len(gw.gone),
+    }
+    router = gw.router
+    if hasattr(router, "hit_picks"):
+        res["router_picks_with_cached_prefix"] = int(router.hit_picks)
+    if scaler is not None:
+        res["autoscaler_decisions"] = len(scaler.decisions)
+    return res
+
+
+def _cluster_meta(sc, fleet, end: float) -> dict:
+    """Fleet size and what it cost (summary.json ``cluster``)."""
+    tl = fleet.timeline()
+    gpus = sc.cluster.gpus_per_replica
+    hours = fleet.gpu_hours(end, gpus)
+    price = sc.cluster.gpu_cost_per_hour
+    live = tl[:, 1] + tl[:, 2] + tl[:, 3]
+    dur = np.diff(np.append(tl[:, 0], max(end, tl[-1, 0])))
+    return {
+        "gpu_hours": hours,
+        "cost_usd": hours * price if price is not None else None,
+        "gpu_cost_per_hour": price,
+        "replicas_mean": float((live * dur).sum() / dur.sum()) if dur.sum() > 0 else float(live[0]),
+        "replicas_max": int(live.max()),
+        "ready_min": int(tl[:, 1].min()),
+        "scale_ups": fleet.scale_ups,
+        "scale_downs": fleet.scale_downs,
+    }
