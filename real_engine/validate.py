@@ -21,13 +21,14 @@ import numpy as np
 import pandas as pd
 
 from simulator.config.scenario import validate_scenario
+# One rule for real-vs-simulated errors, shared with ``latsim validate --run``.
+from simulator.cost.calibration import METRICS, compare  # noqa: F401 (re-exported)
 from simulator.report.metrics import add_derived, requests_table, summarize
 from simulator.report.recorder import ItlHistogram
 from simulator.report.output import json_safe
 from simulator.loops.simulate import simulate
 from simulator.workload import Workload
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
 ZERO_NET = {"distance_km": 0, "base_rtt_ms": 0, "tls": "none", "gateway_ms": 0,
             "request_overhead_bytes": 0, "bytes_per_prompt_token": 0}
 ZERO_STREAM = {"frame_overhead_bytes": 0, "bytes_per_token": 0}
@@ -172,18 +173,6 @@ def step_fit(steps: list, profile: dict) -> dict:
     gaps = [b["start"] - a["end"] for a, b in zip(steps, steps[1:])
             if b["n_running"] + b["n_waiting"] > 0 and b["start"] - a["end"] < 0.05]
     out["gap_ms"] = float(np.mean(gaps) * 1000) if gaps else 0.0
-    return out
-
-
-def compare(real: dict, sim: dict) -> dict:
-    """Relative error (sim - real) / real of P50 and P99 of every metric."""
-    out = {}
-    for m in METRICS:
-        for q in ("median", "p99"):
-            k = f"{q}_{m}_ms"
-            r, s = real.get(k), sim.get(k)
-            err = (s - r) / r if r and s is not None and not math.isnan(r) and r > 0 else None
-            out[k] = {"real": r, "sim": s, "rel_err": err}
     return out
 
 

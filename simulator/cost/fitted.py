@@ -37,6 +37,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from simulator.cost import physics as ph
+from simulator.cost.chunks import ChunkArrays
 from simulator.cost.fit import FitResult, fit
 from simulator.cost.fitstore import fit_from_dict, stored_fit_state
 from simulator.cost.noise import NoiseModel
@@ -120,9 +121,7 @@ class FittedCostModel:
         self.padded = c[ph.C_PADDED] > 0.0
         self.lookups = 0
         self.extrapolations = 0
-        self._n = np.zeros(8, dtype=np.int64)
-        self._p = np.zeros(8, dtype=np.int64)
-        self._f = np.zeros(8, dtype=np.bool_)
+        self._chunks = ChunkArrays()
         self._rng = rng if noise else None
         if noise:
             self.noise = noise_model if noise_model is not None else NoiseModel.from_profile(profile)
@@ -157,18 +156,9 @@ class FittedCostModel:
         """Seconds for one step of ``n_decode`` decodes and prefill chunks, each
         ``(n, prior)`` or ``(n, prior, completes_prompt)`` (a chunk given without the
         flag completes its prompt, as a profile's prefill rows do)."""
-        k = len(chunks)
-        if k > len(self._n):
-            self._n = np.zeros(2 * k, dtype=np.int64)
-            self._p = np.zeros(2 * k, dtype=np.int64)
-            self._f = np.zeros(2 * k, dtype=np.bool_)
-        n, p, f = self._n, self._p, self._f
-        completes = False
-        for i, ch in enumerate(chunks):
-            n[i] = ch[0]
-            p[i] = ch[1]
-            f[i] = bool(ch[2]) if len(ch) > 2 else True
-            completes = completes or f[i]
+        k = self._chunks.pack(chunks)
+        n, p, f = self._chunks.n, self._chunks.p, self._chunks.f
+        completes = bool(f[:k].any())
         ms = ph.step_ms(self.c, n_decode, decode_ctx_max, decode_ctx_sum, n, p, f, k)
         self.lookups += 1
         if ph.outside_range(self.c, n_decode, decode_ctx_max, decode_ctx_sum, n, p, f, k):

@@ -36,6 +36,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 import simulator.cost.table as T
+from simulator.cost.chunks import ChunkArrays
 from simulator.errors import LatsimError, read_text
 
 
@@ -198,9 +199,7 @@ class ProfileCostModel:
         stacked = T.pack_tables(self.PT, self.DT, self.ET)
         self.tables = stacked + T.blended(stacked, BLEND_BATCHES)
         self.CL = np.zeros(2, dtype=np.int64)      # lookups, extrapolations
-        self._n = np.zeros(8, dtype=np.int64)
-        self._p = np.zeros(8, dtype=np.int64)
-        self._f = np.zeros(8, dtype=np.bool_)
+        self._chunks = ChunkArrays()
         self._rng = rng if noise else None
         self.noise_sigma = self._fit_noise(pre + dec) if noise else 0.0
 
@@ -283,16 +282,8 @@ class ProfileCostModel:
                   chunks: Sequence[tuple]) -> float:
         """Seconds for one step: ``n_decode`` decodes and prefill parts, each
         ``(chunk, prior)`` or ``(chunk, prior, completes_prompt)`` (``table.step_ms``)."""
-        k = len(chunks)
-        if k > len(self._n):
-            self._n = np.zeros(2 * k, dtype=np.int64)
-            self._p = np.zeros(2 * k, dtype=np.int64)
-            self._f = np.zeros(2 * k, dtype=np.bool_)
-        n, p, f = self._n, self._p, self._f
-        for i, c in enumerate(chunks):
-            n[i] = c[0]
-            p[i] = c[1]
-            f[i] = bool(c[2]) if len(c) > 2 else True
+        k = self._chunks.pack(chunks)
+        n, p, f = self._chunks.n, self._chunks.p, self._chunks.f
         ms = T.step_ms(self.CF, *self.tables, self.CL, n_decode, decode_ctx_max,
                        decode_ctx_sum, n, p, f, k)
         return self._noisy(ms) / 1000.0
@@ -308,7 +299,7 @@ class ProfileCostModel:
         grows by one per step: ``k`` calls of ``step_time`` (``table.decode_run_ms``)."""
         out = np.empty(k)
         T.decode_run_ms(self.CF, *self.tables, self.CL, batch, ctx0, batch * ctx0, k, out,
-                        self._n, self._f)
+                        self._chunks.n, self._chunks.f)
         return (self._noisy(out) / 1000.0).tolist()
 
     def describe(self) -> dict:

@@ -14,12 +14,12 @@ import re
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from simulator.cost import catalog
 from simulator.cost import physics as ph
 from simulator.cost.catalog import GpuSpec, ModelArch
+from simulator.cost.chunks import ChunkArrays
 from simulator.cost.fitted import FittedCostModel
 from simulator.cost.roofline.constants import (VLLM_GRAPH_BUCKETS, Engine, build_constants,
                                                compute_peak)
@@ -123,9 +123,7 @@ class RooflineCostModel(FittedCostModel):
         self._rng = None
         self.lookups = 0
         self.extrapolations = 0
-        self._n = np.zeros(8, dtype=np.int64)
-        self._p = np.zeros(8, dtype=np.int64)
-        self._f = np.zeros(8, dtype=np.bool_)
+        self._chunks = ChunkArrays()
 
     @property
     def label(self) -> str:
