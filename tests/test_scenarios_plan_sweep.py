@@ -42,6 +42,12 @@ def test_plan_runs_on_every_scenario(path, tmp_path):
     r = CliRunner().invoke(app, ["plan", str(path), *sets, "--slo", "p99_e2el_ms<=1e12",
                                  "--cost-per-gpu-hour", "2", "--search", "replicas=1:2",
                                  "--no-headroom", "--workers", "1", "--out", str(out)])
+    if "pools" in (yaml.safe_load(path.read_text()).get("cluster") or {}):
+        # A mixed fleet has a replica count per pool: plan says so before any run.
+        e = r.exception
+        assert getattr(e, "exit_code", None) == 2 and "mixed fleet" in str(e), (r.output, e)
+        assert not out.exists()
+        return
     assert r.exit_code == 0, (r.output, r.exception)
     doc = json.loads((out / "plan.json").read_text())
     assert doc["chosen"]["config"]["cluster.replicas"] == 1

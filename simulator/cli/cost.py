@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Optional
 
@@ -40,6 +41,68 @@ def parse_decode(text: str) -> tuple[int, int]:
         raise LatsimError("must look like B@C (B sequences at context C, e.g. 16@1024)",
                           source="--decode", value=text, has_value=True)
     return int(m.group(1)), int(m.group(2))
+
+
+def parse_spec(text: str) -> dict:
+    """``k=4,acceptance=0.7[,draft=MODEL]`` -> the ``engine.speculative`` mapping
+    (``ngram`` without a draft)."""
+    from pydantic import ValidationError
+    from simulator.config.scenario import SpeculativeConfig
+    out: dict = {}
+    for part in (text or "").split(","):
+        key, eq, val = part.partition("=")
+        key = key.strip()
+        if not eq or key not in ("k", "acceptance", "draft") or key in out:
+            raise LatsimError("must look like k=4,acceptance=0.7[,draft=llama-3.2-1b]",
+                              source="--spec", value=text, has_value=True)
+        out[key] = val.strip()
+    if "k" not in out or "acceptance" not in out:
+        raise LatsimError("needs k and acceptance (k=4,acceptance=0.7[,draft=MODEL])",
+                          source="--spec", value=text, has_value=True)
+    try:
+        k = int(out["k"])
+        a = float(out["acceptance"])
+    except ValueError:
+        raise LatsimError("k must be an integer and acceptance a number", source="--spec",
+                          value=text, has_value=True) from None
+    cfg = {"method": "draft" if "draft" in out else "ngram", "k": k, "acceptance": a}
+    if "draft" in out:
+        cfg["draft_model"] = out["draft"]
+    try:
+        return SpeculativeConfig.model_validate(cfg).model_dump()
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "speculative"
+        raise LatsimError(f"{where}: {err['msg'].removeprefix('Value error, ')}",
+                          source="--spec") from None
+
+
+def spec_report(cm, spec: dict, model_cost, prefill: Optional[tuple],
+                decode: tuple) -> dict:
+    """The decode step with and without speculative decoding: step ms, and ms per
+    output token (the step over the tokens a sequence gets from it: 1, or the i.i.d.
+    expectation ``(1 - a^(k+1)) / (1 - a)``)."""
+    from simulator.model.speculative import (Speculative, draft_cost_model, expected_tokens,
+                                             speculative_cost_error)
+    if not hasattr(cm, "verify_time"):
+        raise LatsimError(speculative_cost_error("profile"), source="--spec")
+    draft = None
+    if spec["method"] == "draft":
+        draft = _named("--spec", lambda: draft_cost_model(spec["draft_model"], model_cost, cm,
+                                                          [Path.cwd()]))
+    sp = Speculative(spec["method"], spec["k"], spec["acceptance"], draft, spec["draft_model"])
+    chunks = [(prefill[1], 0, True)] * prefill[0] if prefill else []
+    nd, ctx = decode
+    base = cm.step_time(nd, ctx, nd * ctx, chunks) * 1000.0
+    verify = cm.verify_time(nd, sp.k + 1, ctx, nd * ctx, chunks) * 1000.0
+    dms = sp.draft_time(nd, ctx, nd * ctx, chunks) * 1000.0
+    tokens = expected_tokens(sp.acceptance, sp.k)
+    return {**{k: v for k, v in sp.describe().items() if k in (
+                "method", "k", "acceptance", "draft_model", "draft_cost")},
+            "tokens_per_step": tokens, "verify_ms": verify, "draft_ms": dms,
+            "step_ms": verify + dms, "ms_per_token": (verify + dms) / tokens,
+            "baseline_step_ms": base, "baseline_ms_per_token": base,
+            "speedup": base / ((verify + dms) / tokens)}
 
 
 def _roofline(model: str, gpu: str, tp: int, pp: int, weight_dtype: str, kv_dtype: str,
@@ -165,6 +228,9 @@ def cost(
                                           "prefilled whole in the step"),
     decode: Optional[str] = typer.Option(None, "--decode", help="B@C: B sequences decoding "
                                          "one token each at context C"),
+    spec: Optional[str] = typer.Option(None, "--spec", help="speculative decoding what-if "
+                                       "for the --decode step: k=4,acceptance=0.7[,draft="
+                                       "llama-3.2-1b] (no draft: n-gram)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Time one engine step (roofline estimate from datasheets, or a profile's model)."""
@@ -172,18 +238,26 @@ def cost(
     dec = parse_decode(decode) if decode is not None else None
     if pre is None and dec is None:
         raise LatsimError("give the step: --prefill NxL and/or --decode B@C", source="latsim cost")
+    sp = parse_spec(spec) if spec is not None else None
+    if sp is not None and dec is None:
+        raise LatsimError("speculative decoding is a what-if on a decode step: give --decode "
+                          "B@C", source="--spec")
     if profile is not None:
         if gpu is not None or calibrate is not None:
             raise LatsimError("--profile times the step with the profile's own model; --gpu "
                               "and --calibrate belong to the roofline (leave --profile out)",
                               source="--profile")
         cm, _ = _measured(profile, kind, model)
+        mcost = SimpleNamespace(kind=kind)
     else:
         if model is None or gpu is None:
             raise LatsimError("the roofline needs --model and --gpu (or give --profile)",
                               source="latsim cost")
         cm = _roofline(model, gpu, tp, pp, weight_dtype, kv_dtype, calibrate)
+        mcost = SimpleNamespace(kind="roofline", gpu=cm.spec.name, tp=tp)
     rep = step_report(cm, pre, dec)
+    if sp is not None:
+        rep["speculative"] = spec_report(cm, sp, mcost, pre, dec)
     if as_json:
         print(json.dumps(rep, default=_jsonable, allow_nan=False))
         return
@@ -200,6 +274,22 @@ def _jsonable(v):
 
 def print_report(rep: dict) -> None:
     """The step as a person reads it."""
+    _print_step(rep)
+    s = rep.get("speculative")
+    if s:
+        how = f"draft {s['draft_model']}" if s["method"] == "draft" else "n-gram"
+        console.print(f"speculative ({how}, k={s['k']}, acceptance {s['acceptance']:g}): "
+                      f"{s['tokens_per_step']:.2f} tokens per step (1 - a^(k+1)) / (1 - a)",
+                      highlight=False)
+        console.print(f"  step {s['step_ms']:,.2f} ms (verify {s['verify_ms']:,.2f} + draft "
+                      f"{s['draft_ms']:,.2f}) vs {s['baseline_step_ms']:,.2f} ms without",
+                      highlight=False)
+        console.print(f"  per output token [bold]{s['ms_per_token']:,.2f} ms[/] vs "
+                      f"{s['baseline_ms_per_token']:,.2f} ms without "
+                      f"({s['speedup']:.2f}x)", highlight=False)
+
+
+def _print_step(rep: dict) -> None:
     d = rep["cost_model"]
     s = rep["step"]
     parts = []

@@ -26,6 +26,14 @@ held is dropped.
 The fleet's record (``events``: time and the count in each state) gives replicas
 over time, and GPU-hours = the integral of (provisioning + ready + draining) x
 ``gpus_per_replica`` over the run.
+
+A mixed fleet (``cluster.pools``): the autoscaler scales one pool (its slots are the
+fleet's ``scalable`` ones; the other pools' replicas are ready throughout). The metric
+is the whole fleet's (the ``kv`` one as the mean of each ready replica's own
+reserved fraction), ``desired`` is the fleet's size, and the scaled pool is set to
+``desired`` less the other pools' ready replicas, within its ``[min_replicas,
+max_replicas]``. ``Fleet.held_s`` gives each slot's held seconds, hence GPU-hours
+per pool.
 """
 from __future__ import annotations
 
@@ -45,18 +53,25 @@ def has_work(rep) -> bool:
 
 class Fleet:
     """Replica slots and their states (see module doc). ``make_replica(slot)`` builds a
-    fresh replica for a slot (at the start, and whenever a slot comes up again)."""
+    fresh replica for a slot (at the start, and whenever a slot comes up again).
+    ``ready_slots``: the slots ready at the start (default the first ``n_ready``);
+    ``scalable``: the slots the autoscaler may start or drain (default all)."""
 
-    def __init__(self, env, make_replica, n_ready: int, n_slots: int) -> None:
+    def __init__(self, env, make_replica, n_ready: int, n_slots: int,
+                 ready_slots=None, scalable=None) -> None:
         self.env = env
         self.make_replica = make_replica
-        self.replicas = [make_replica(i) if i < n_ready else None for i in range(n_slots)]
+        start = set(range(n_ready) if ready_slots is None else ready_slots)
+        self.replicas = [make_replica(i) if i in start else None for i in range(n_slots)]
         self.built = [r for r in self.replicas if r is not None]
-        self.state = [READY if i < n_ready else OFF for i in range(n_slots)]
-        self.ready = list(range(n_ready))
-        self.events: list[tuple[float, int, int, int]] = [(0.0, n_ready, 0, 0)]
+        self.state = [READY if i in start else OFF for i in range(n_slots)]
+        self.ready = sorted(start)
+        self.scalable = list(range(n_slots)) if scalable is None else list(scalable)
+        self.events: list[tuple[float, int, int, int]] = [(0.0, len(start), 0, 0)]
+        self.slot_log: list[tuple[float, int, bool]] = [(0.0, i, True) for i in sorted(start)]
         self.scale_ups = 0
         self.scale_downs = 0
+        self.mixed = False    # pools of different replicas (``cluster.pools``)
 
     def count(self, state: str) -> int:
         return sum(1 for s in self.state if s == state)
@@ -70,13 +85,16 @@ class Fleet:
             self.events.append(ev)
 
     def _set(self, slot: int, state: str) -> None:
+        held = self.state[slot] != OFF
         self.state[slot] = state
+        if held != (state != OFF):
+            self.slot_log.append((float(self.env.now), slot, state != OFF))
         self.ready = [i for i, s in enumerate(self.state) if s == READY]
         self._record()
 
     def provision(self, delay: float) -> int:
         """Start a replica in the lowest free slot; it is ready ``delay`` from now."""
-        slot = self.state.index(OFF)
+        slot = next(i for i in self.scalable if self.state[i] == OFF)
         self._set(slot, PROVISIONING)
         self.scale_ups += 1
         self.env.timeout(delay).callbacks.append(lambda _e, s=slot: self._up(s))
@@ -106,13 +124,27 @@ class Fleet:
             total += (r + p + d) * max(0.0, min(nxt[0], end) - t)
         return total * gpus_per_replica / 3600.0
 
+    def held_s(self, end: float) -> np.ndarray:
+        """Seconds each slot was held (provisioning, ready or draining) from 0 to ``end``."""
+        out = np.zeros(len(self.state))
+        since: dict[int, float] = {}
+        for t, slot, on in self.slot_log:
+            if on:
+                since[slot] = t
+            elif slot in since:
+                out[slot] += max(0.0, min(t, end) - since.pop(slot))
+        for slot, t in since.items():
+            out[slot] += max(0.0, end - t)
+        return out
+
     def timeline(self) -> np.ndarray:
         """``(time, ready, provisioning, draining)`` rows, one per change."""
         return np.array(self.events, dtype=np.float64).reshape(-1, 4)
 
 
 class Autoscaler:
-    """The HPA rule over a ``Fleet`` (see module doc). ``ttft_values(now, window)``:
+    """The HPA rule over a ``Fleet`` (see module doc); ``capacity_blocks``: KV blocks per
+    replica (None: each replica's own, a mixed fleet). ``ttft_values(now, window)``:
     the gateway's TTFT observations (s) for the ``p99_ttft`` metric. The process stops
     once ``done()`` is true (every request resolved)."""
 
@@ -124,6 +156,7 @@ class Autoscaler:
         self.samples: deque = deque()
         self.decisions: list[tuple[float, float, int]] = []   # (time, metric, desired)
         self.last_scale = 0.0
+        self._scalable = set(fleet.scalable)
         env.process(self._run())
 
     def _sample(self, now: float) -> None:
@@ -132,6 +165,10 @@ class Autoscaler:
         ready = [f.replicas[i] for i in f.ready]
         if self.cfg.metric == "queue":
             v = sum(len(r.waiting) + len(r.swapped) for r in live) / max(1, len(ready))
+        elif self.cfg.metric == "kv" and self.capacity is None:
+            # A mixed fleet: each replica's own capacity.
+            v = (sum(r.kv.manager.num_used / r.capacity for r in ready) / len(ready)
+                 if ready else 0.0)
         elif self.cfg.metric == "kv":
             v = (sum(r.kv.manager.num_used for r in ready) / (self.capacity * len(ready))
                  if ready else 0.0)
@@ -155,11 +192,14 @@ class Autoscaler:
     def _decide(self, now: float) -> None:
         cfg, f = self.cfg, self.fleet
         m = self.metric(now)
-        ready = len(f.ready)
+        mine = [i for i in f.ready if i in self._scalable]
+        fixed = len(f.ready) - len(mine)      # other pools' (0 without pools)
+        ready = len(mine)
         prov = f.count(PROVISIONING)
         ratio = m / cfg.target
-        desired = ready if abs(ratio - 1.0) <= cfg.tolerance else math.ceil(ready * ratio)
-        desired = min(cfg.max_replicas, max(cfg.min_replicas, desired))
+        total = len(f.ready)
+        desired = total if abs(ratio - 1.0) <= cfg.tolerance else math.ceil(total * ratio)
+        desired = min(cfg.max_replicas, max(cfg.min_replicas, desired - fixed))
         self.decisions.append((now, m, desired))
         if desired > ready + prov:
             for _ in range(desired - ready - prov):
@@ -170,7 +210,7 @@ class Autoscaler:
             # HPA's scale-down stabilisation: the highest count wanted over the window.
             lo = now - cfg.scale_down_cooldown_s
             keep = max(d for t, _m, d in self.decisions if t > lo)
-            order = sorted(f.ready, key=lambda i: (f.replicas[i].outstanding_tokens, -i))
+            order = sorted(mine, key=lambda i: (f.replicas[i].outstanding_tokens, -i))
             for slot in order[:max(0, ready - keep)]:
                 f.drain(slot)
             if keep < ready:

@@ -10,7 +10,8 @@ every attempt's KV work, the attempt count, and how the request ended.
 
 An attempt's way, as in the plain model: the client takes a connection (its keep-alive
 pool) and sends; after ``T_net`` it reaches the gateway, which refuses what can never
-fit a replica's KV cache (413, never retried), routes it among the *ready* replicas,
+fit a replica's KV cache (413, never retried; with pools of different capacity, that
+fits no ready replica, and it is routed among those that can hold it), routes it among the *ready* replicas,
 computes the wait estimate it publishes for it, and asks admission control; admitted,
 it joins the replica's queue (a shed victim is cancelled and answered 503). A refusal
 reaches the client one way later (429/503 with Retry-After); the connection is then
@@ -36,7 +37,9 @@ from simulator.loops.simpy.replica import SimSeq
 from simulator.model.kv.blocks import request_blocks
 from simulator.wire import clients as C
 
-# How a request (logical) ended.
+# How a request (logical) ended. A client that gives up here does so on a timer
+# (connect, read, deadline): ``timed_out``. ``cancelled`` (a client's own disconnect) is
+# the per-request stream model's (``stream.disconnect``), which this model does not run.
 OUTCOMES = ("completed", "rejected", "timed_out", "cancelled", "unfinished")
 DONE, REJECTED, TIMED_OUT, CANCELLED, UNFINISHED = range(5)
 
@@ -141,11 +144,14 @@ class Gateway:
         seq.enqueued = now
         self.arec.enqueued[aid] = now
         fleet = self.fleet
-        if fleet.built[0].rejects(seq):
+        ready = fleet.ready
+        if fleet.mixed:
+            # Pools of different KV capacity: route among the replicas that can hold it.
+            ready = [i for i in ready if not fleet.replicas[i].rejects(seq)]
+        if (not ready) if fleet.mixed else fleet.built[0].rejects(seq):
             self.arec.rejected[aid] = True
             self._refuse(aid, Decision(TOO_LARGE, math.inf), now)
             return
-        ready = fleet.ready
         reps = [fleet.replicas[i] for i in ready]
         slot = ready[self.router.pick(reps, seq)]
         rep = fleet.replicas[slot]

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_serializer, model_validator)
 
 from simulator.config.plugins import load_plugins  # (importing registers the built-ins)
 from simulator.config.traffic import (AdmissionConfig, AutoscalerConfig, ClientConfig,
@@ -34,10 +35,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class PoolConfig(_Strict):
+    """One pool of a mixed fleet (``cluster.pools``): ``replicas`` of the engine on their
+    own cost model (``cost``: a ``model.cost`` of its own, e.g. a roofline on another GPU
+    type or TP; left out: ``model.cost``), hence their own step times and KV capacity
+    (its memory plan), billed at their own price."""
+
+    name: str = Field(..., min_length=1, max_length=64)
+    replicas: int = Field(1, ge=0, le=10_000, description="replicas of this pool (with an "
+                          "autoscaler on this pool: the start)")
+    cost: Optional[plugin(COST_MODELS)] = Field(None, description="this pool's cost model "
+                                                "(null: model.cost)")
+    gpus_per_replica: Optional[int] = Field(None, ge=1, description="GPUs one replica "
+                                            "occupies (default: tp x pp of a roofline cost "
+                                            "model, else cluster.gpus_per_replica)")
+    gpu_cost_per_hour: Optional[float] = Field(None, ge=0, description="price of one of its "
+                                               "GPU-hours (default: cluster.gpu_cost_per_hour)")
+
+
 class ClusterConfig(_Strict):
     """Replicas of the engine behind a router (``router``: a registered router's name,
     or ``{kind: name, ...its parameters}``), with optional admission control and an
-    autoscaler (``config.traffic``); with an autoscaler ``replicas`` is the start."""
+    autoscaler (``config.traffic``); with an autoscaler ``replicas`` is the start.
+    ``pools``: a mixed fleet, replicas of different GPU types or cost models behind one
+    router (``cluster.pools``); ``replicas`` is then their total (set when left out)."""
 
     replicas: int = Field(1, ge=1, le=10_000)
     router: str = "round_robin"
@@ -50,8 +71,30 @@ class ClusterConfig(_Strict):
                                                "(summary.json cluster.cost_usd)")
     admission: Optional[AdmissionConfig] = None
     autoscaler: Optional[AutoscalerConfig] = None
+    pools: Optional[list[PoolConfig]] = Field(None, min_length=1, description="a mixed "
+                                              "fleet: pools of replicas, each with its own "
+                                              "cost model and price")
 
     _spec = model_validator(mode="before")(classmethod(lambda cls, v: router_spec(v)))
+
+    @model_validator(mode="after")
+    def _pools(self):
+        if self.pools is None:
+            return self
+        names = [p.name for p in self.pools]
+        dup = sorted({x for x in names if names.count(x) > 1})
+        if dup:
+            raise ValueError(f"cluster.pools: pool name {dup[0]!r} is used twice")
+        total = sum(p.replicas for p in self.pools)
+        if total < 1:
+            raise ValueError("cluster.pools: the pools hold no replica (total replicas 0)")
+        if "replicas" not in self.model_fields_set:
+            self.replicas = total
+            self.__pydantic_fields_set__.discard("replicas")   # still derived, not given
+        elif self.replicas != total:
+            raise ValueError(f"cluster.replicas ({self.replicas}) must equal the pools' "
+                             f"total ({total}); leave it out with pools")
+        return self
 
     @field_validator("router")
     @classmethod
@@ -122,6 +165,41 @@ def _check_policy_params(name: str, params: dict) -> None:
         raise ValueError(f"policy {name!r}, parameter {key!r}: {msg}") from None
 
 
+class SpeculativeConfig(_Strict):
+    """Speculative decoding (``engine.speculative``): each decode step proposes ``k``
+    draft tokens per sequence (``draft``: a small draft model, ``draft_model``, run
+    ``k`` times; ``ngram``: prompt lookup on the host) and the target verifies them in
+    one pass; each draft is accepted with probability ``acceptance`` (i.i.d.)."""
+
+    method: Literal["draft", "ngram"]
+    k: int = Field(4, ge=1, le=32, strict=True, description="draft tokens proposed per step")
+    acceptance: float = Field(ge=0, le=1, description="probability each draft token is "
+                              "accepted (i.i.d., Leviathan et al. 2023)")
+    draft_model: Optional[str] = Field(None, description="method draft: a catalogued model "
+                                       "(e.g. llama-3.2-1b) or a config.json path")
+
+    @field_validator("draft_model")
+    @classmethod
+    def _known(cls, v):
+        if v is not None:
+            from simulator.cost import catalog
+            try:
+                catalog.model(v)
+            except LatsimError as e:
+                raise ValueError(str(e).removeprefix("field 'model': ")) from None
+        return v
+
+    @model_validator(mode="after")
+    def _needs_draft(self):
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("method draft needs draft_model (a catalogued model, e.g. "
+                             "llama-3.2-1b)")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("draft_model is for method draft (ngram proposes from the "
+                             "prompt)")
+        return self
+
+
 class EngineConfig(_Strict):
     """One replica's engine: scheduling policy and its limits. ``policy`` is a
     registered policy's name, or ``{kind: name, ...its parameters}``."""
@@ -136,9 +214,19 @@ class EngineConfig(_Strict):
     aging_s: float = Field(30.0, gt=0, description="priority_aging: one class per aging_s "
                            "waited (its default)")
     kv: KVConfig = Field(default_factory=KVConfig)
+    speculative: Optional[SpeculativeConfig] = Field(None, description="speculative "
+                                                     "decoding what-if (None: off)")
 
     _spec = model_validator(mode="before")(classmethod(lambda cls, v: _policy_spec(v)))
     _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        # Off, it is not written (a scenario without it echoes as it did before).
+        d = handler(self)
+        if self.speculative is None and isinstance(d, dict):
+            d.pop("speculative", None)
+        return d
 
     @model_validator(mode="after")
     def _params(self):
@@ -369,6 +457,33 @@ class Scenario(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _pool_costs(self, info):
+        if self.cluster.pools:
+            settle_pool_costs(self, getattr(info, "context", None))
+        return self
+
+    @model_validator(mode="after")
+    def _speculative(self):
+        runs = [(None, self)]
+        if any(not isinstance(p, str) and p.speculative for p in self.policies or []):
+            runs += self.policy_runs()
+        for label, run in runs:
+            if run.engine.speculative is not None and \
+                    getattr(run.model.cost, "kind", None) not in ("fitted", "roofline"):
+                from simulator.model.speculative import speculative_cost_error
+                where = "engine.speculative" if label is None else \
+                    f"policies ({label!r}): speculative"
+                raise ValueError(f"{where}: " + speculative_cost_error(run.model.cost.kind))
+            if run.engine.speculative is not None and run.cluster.pools:
+                # A pool's replicas are built with the pool's own cost model, which has
+                # no draft or verify pricing: refuse rather than silently not speculate.
+                where = "engine.speculative" if label is None else \
+                    f"policies ({label!r}): speculative"
+                raise ValueError(f"{where}: speculative decoding is not modelled on a mixed "
+                                 f"fleet (cluster.pools); use one pool type per run")
+        return self
+
+    @model_validator(mode="after")
     def _sizes(self):
         # The event loops keep arrays of replicas x batch slots and clients x pooled
         # connections: beyond these a run cannot be held in memory (or is a typo).
@@ -404,13 +519,17 @@ class Scenario(_Strict):
                     "policy": p, "policy_params": self.engine.policy_params if same else {}})
                 label = p
             else:
-                data = self.engine.model_dump()
+                # Only what was given, so what was left out stays left out (e.g. a
+                # roofline's engine.kv.gpu_memory_gb, which must not be given).
+                data = self.engine.model_dump(exclude_unset=True)
                 if p.policy != self.engine.policy:
                     data["policy_params"] = {}
-                data.update(p.model_dump(exclude={"label", "kv", "cluster", "client"},
-                                         exclude_none=True))
+                data.update(p.model_dump(exclude={"label", "kv", "cluster", "client",
+                                                  "speculative"}, exclude_none=True))
+                if "speculative" in p.model_fields_set:
+                    data["speculative"] = p.speculative
                 if p.kv:
-                    data["kv"] = {**data["kv"], **p.kv}
+                    data["kv"] = {**data.get("kv", {}), **p.kv}
                 eng = EngineConfig.model_validate(data)
                 label = p.name
                 if p.cluster or "client" in p.model_fields_set:
@@ -419,6 +538,24 @@ class Scenario(_Strict):
                     continue
             runs.append((label, self.model_copy(update={"engine": eng})))
         return runs
+
+
+def settle_pool_costs(sc: "Scenario", context=None) -> None:
+    """Check each pool's own cost model against the scenario's model as ``model.cost`` is
+    checked (a roofline's parallelism, a profile's model) and fill in what it takes from
+    ``model`` (a roofline's model name); ``ValueError`` naming the pool."""
+    base = {"name": sc.model.name} if sc.model.name else {"shape": sc.model.shape.model_dump()}
+    for p in sc.cluster.pools or []:
+        if p.cost is None:
+            continue
+        try:
+            m = ModelConfig.model_validate({**base, "cost": p.cost.model_dump(mode="json")},
+                                           context=context)
+        except ValidationError as e:
+            err = e.errors()[0]
+            msg = err["msg"].removeprefix("Value error, ")
+            raise ValueError(f"cluster.pools[{p.name!r}].cost: {msg}") from None
+        p.cost = m.cost
 
 
 class PolicyRun(_Strict):
@@ -439,6 +576,15 @@ class PolicyRun(_Strict):
                                               "replicas)")
     client: Optional[dict[str, Any]] = Field(None, description="client fields to change for "
                                              "this run; null: patient clients")
+    speculative: Optional[dict[str, Any]] = Field(None, description="engine.speculative for "
+                                                  "this run; null: off")
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, v):
+        if v is not None:
+            SpeculativeConfig.model_validate(v)
+        return v
 
     _spec = model_validator(mode="before")(classmethod(lambda cls, v: _policy_spec(v)))
     _known = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
@@ -691,7 +837,11 @@ def _format_validation(e: ValidationError, source: str, data: dict) -> LatsimErr
                            value=err.get("input"), has_value=True)
     if err["type"] == "missing":
         return LatsimError("required field is missing", source=source, field=loc)
-    return LatsimError(msg, source=source, field=loc, value=err.get("input"), has_value=True)
+    # A check over a whole section (a model validator) gets the section as its input:
+    # echoing that mapping says nothing the message does not.
+    whole = isinstance(err.get("input"), dict)
+    return LatsimError(msg, source=source, field=loc or None, value=err.get("input"),
+                       has_value=not whole)
 
 
 def validate_scenario(data: Any, source: str = "<scenario>",

@@ -145,6 +145,9 @@ class AutoscalerConfig(_Strict):
     model_load_s: float = Field(60.0, ge=0, description="weights loaded onto a new replica")
     warmup_s: float = Field(30.0, ge=0, description="warm-up (graph capture, first steps)")
     scale_down_cooldown_s: float = Field(300.0, ge=0)
+    pool: Optional[str] = Field(None, description="with cluster.pools: the pool it scales "
+                                "(default: the first); min/max_replicas count that pool's "
+                                "replicas, the metric is the whole fleet's")
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -220,11 +223,24 @@ def check_traffic(sc) -> None:
     """Cross-section rules of the traffic sections (``ValueError`` naming the field)."""
     cl = sc.cluster
     auto = cl.autoscaler
-    if auto is not None and not auto.min_replicas <= cl.replicas <= auto.max_replicas:
+    pools = getattr(cl, "pools", None)
+    if auto is not None and pools is not None:
+        names = [p.name for p in pools]
+        if auto.pool is not None and auto.pool not in names:
+            raise ValueError(f"cluster.autoscaler.pool {auto.pool!r} is not a pool of "
+                             f"cluster.pools ({', '.join(names)})")
+        scaled = next(p for p in pools if p.name == (auto.pool or names[0]))
+        if not auto.min_replicas <= scaled.replicas <= auto.max_replicas:
+            raise ValueError(f"pool {scaled.name!r} replicas ({scaled.replicas}) must be within "
+                             f"the autoscaler's min_replicas..max_replicas "
+                             f"({auto.min_replicas}..{auto.max_replicas})")
+    elif auto is not None and auto.pool is not None:
+        raise ValueError("cluster.autoscaler.pool names a pool, but cluster.pools is not given")
+    elif auto is not None and not auto.min_replicas <= cl.replicas <= auto.max_replicas:
         raise ValueError(f"cluster.replicas ({cl.replicas}) must be within the autoscaler's "
                          f"min_replicas..max_replicas ({auto.min_replicas}..{auto.max_replicas})")
     on = [k for k, v in (("cluster.admission", cl.admission), ("client", sc.client),
-                         ("cluster.autoscaler", auto),
+                         ("cluster.autoscaler", auto), ("cluster.pools", pools),
                          ("report.utilization", sc.report.utilization or None))
           if v is not None]
     if on and (sc.stream.rich or sc.network.rich):

@@ -167,6 +167,21 @@ class FittedCostModel:
             ms = self.noise.next(self._rng, ms, completes)
         return ms / 1000.0
 
+    def verify_time(self, n_decode: int, q: int, decode_ctx_max: int, decode_ctx_sum: int,
+                    chunks: Sequence[tuple]) -> float:
+        """Seconds for a speculative-decoding verify step: each of ``n_decode``
+        sequences runs ``q`` tokens (its last one and ``q - 1`` drafts) through the
+        model (``physics.verify_ms``), with the step's prefill chunks."""
+        k = self._chunks.pack(chunks)
+        n, p, f = self._chunks.n, self._chunks.p, self._chunks.f
+        ms = ph.verify_ms(self.c, n_decode, q, decode_ctx_max, decode_ctx_sum, n, p, f, k)
+        self.lookups += 1
+        if ph.outside_range(self.c, n_decode * q, decode_ctx_max, decode_ctx_sum * q, n, p, f, k):
+            self.extrapolations += 1
+        if self.noise is not None:
+            ms = self.noise.next(self._rng, ms, bool(f[:k].any()))
+        return ms / 1000.0
+
     def decode_times(self, batch: int, ctx0: float, k: int) -> list:
         """Seconds of ``k`` consecutive decode-only steps of ``batch`` requests whose
         context (the longest, if decode attention is padded; the mean, if paged) is

@@ -381,8 +381,17 @@ def fixed_floor_ms(c):
 @kernel
 def device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine):
     """Device time (ms) of a step (module doc)."""
-    T = float(nd)
-    S = float(nd)
+    return device_q_ms(c, nd, 1, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine)
+
+
+@kernel
+def device_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine):
+    """``device_ms`` of a step whose ``nd`` decoding sequences each run ``q`` query tokens
+    (``q = 1``: a decode; ``k + 1``: a speculative verify, every row sampled). The
+    decode attention reads each sequence's KV once (its ``q`` queries share the keys;
+    the caller passes the contexts the last query sees)."""
+    T = float(nd * q)
+    S = float(nd * q)
     att = 0.0
     for i in range(nch):
         T += float(chn[i])
@@ -401,6 +410,14 @@ def device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine
 def step_core_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, force_eager):
     """Milliseconds of one step, before bookkeeping and scale; ``force_eager`` times a
     pure-decode step of a graphed engine eagerly (a ``decode_eager`` profile row)."""
+    return step_core_q_ms(c, nd, 1, ctx_max, ctx_sum, chn, chp, chf, nch, force_eager)
+
+
+@kernel
+def step_core_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, force_eager):
+    """``step_core_ms`` with ``q`` query tokens per decoding sequence (``device_q_ms``);
+    a graph replays the bucket holding the ``nd * q`` tokens, padded by whole
+    sequences."""
     graphs = c[C_GRAPHS] > 0.0
     host = host_ms(c, nd, chp, nch)
     # Every launched kernel holds the device for a minimum time too (launch latency,
@@ -408,12 +425,13 @@ def step_core_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, force_eager):
     # replay saves the host's launches, not the kernels' minimum durations.
     floor = c[C_DEV_PER_HOST] * host + fixed_floor_ms(c)
     if graphs and nch == 0 and nd > 0 and not force_eager:
-        gb = graph_batch(c, nd)
+        gb = graph_batch(c, nd * q)
         if gb > 0:
+            ns = (gb + q - 1) // q
             # Padded rows attend to one key each; they cost tokens, not context.
-            dev = device_ms(c, gb, ctx_max, ctx_sum + (gb - nd), chn, chp, chf, 0, False)
+            dev = device_q_ms(c, ns, q, ctx_max, ctx_sum + (ns - nd), chn, chp, chf, 0, False)
             return pnorm(c[C_H_GRAPH], dev + floor, c[C_P_STEP])
-    dev = device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, graphs)
+    dev = device_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, graphs)
     return pnorm(host, dev + floor, c[C_P_STEP])
 
 
@@ -423,9 +441,25 @@ def step_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch):
     contexts summing to ``ctx_sum``) and prefill chunks ``chn[:nch]`` tokens after
     ``chp[:nch]`` cached ones, ``chf[:nch]`` completing their prompts; the per-step
     host bookkeeping outside the forward included, times the what-if scale."""
-    ms = step_core_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, False)
+    return step_q_ms(c, nd, 1, ctx_max, ctx_sum, chn, chp, chf, nch)
+
+
+@kernel
+def step_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch):
+    """``step_ms`` with ``q`` query tokens per decoding sequence (``step_core_q_ms``)."""
+    ms = step_core_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, False)
     ms += c[C_BOOK_MS] + c[C_BOOK_SEQ_MS] * float(nd + nch)
     return ms * c[C_SCALE]
+
+
+@kernel
+def verify_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch):
+    """Milliseconds of a speculative-decoding verify step: ``nd`` sequences (contexts
+    ``ctx_max`` / ``ctx_sum`` before the step) each run their last token and ``q - 1``
+    draft tokens through the target model, a decode of ``q`` query tokens per sequence
+    (``step_q_ms``) whose last query sees ``q - 1`` more keys; prefill chunks may share
+    the step."""
+    return step_q_ms(c, nd, q, ctx_max + (q - 1), ctx_sum + nd * (q - 1), chn, chp, chf, nch)
 
 
 @kernel

@@ -86,6 +86,11 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
     With a roofline cost model ``cluster.gpus_per_replica`` must equal tp x pp; left
     out, it is set to that here (every run computes this first)."""
     from simulator.errors import LatsimError
+    if scenario.cluster.pools:
+        # A mixed fleet: each pool's own (checked here); a request that fits the largest
+        # can run somewhere.
+        from simulator.cluster.pools import plan_pools
+        return max(p.capacity for p in plan_pools(scenario))
     kv = scenario.engine.kv
     cost = scenario.model.cost
     if getattr(cost, "kind", None) == "roofline":
@@ -250,12 +255,31 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         if n_rep > 1:
             raise ValueError("a given cost_model serves one replica only")
         costs = [cost_model]
+    elif scenario.cluster.pools:
+        # A mixed fleet: each slot steps on its pool's cost model (``cluster.pools``).
+        from simulator.cluster.pools import plan_pools, slot_pools
+        costs = [build_cost_model(p.cost, np.random.default_rng(rng_cost.integers(2**63)),
+                                  profile_search_dirs(base_dir),
+                                  profile=profile if p.cost == scenario.model.cost else None)
+                 for p in slot_pools(plan_pools(scenario))]
     else:
         # Each replica draws its own noise stream so adding replicas does not shift others.
         costs = [build_cost_model(scenario.model.cost,
                                   np.random.default_rng(rng_cost.integers(2**63)),
                                   profile_search_dirs(base_dir), profile=profile)
                  for _ in range(n_rep)]
+    spec = None
+    if eng.speculative is not None:
+        # Speculative decoding (``engine.speculative``): its acceptance draws have their
+        # own stream, spawned after every other one (which it leaves unchanged).
+        from dataclasses import replace
+        from simulator.model.speculative import build_speculative
+        spec = build_speculative(eng.speculative, scenario.model.cost, costs[0],
+                                 int(np.random.default_rng(ss.spawn(1)[0]).integers(2**63)),
+                                 profile_search_dirs(base_dir))
+        kv_args["kv_rules"] = replace(kv_args["kv_rules"], lookahead=spec.k)
+        kv_args["speculative"] = spec
+        rec.track_speculative()
 
     def results(end: float, stats: list, loop_name: str) -> Results:
         res = Results(
@@ -271,6 +295,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                                       eng.chunk_size or eng.max_num_batched_tokens)
         res.meta["loop"] = loop_name
         res.meta["policy_params"] = pol.params.model_dump(mode="json")
+        if spec is not None:
+            res.meta["speculative"] = spec.describe()
         return res
 
     why = None
@@ -278,7 +304,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         why = kernel_reason(pol, kv_args["kv_rules"], pools, costs, scenario.cluster.router,
                             workload.priority, rich=rich or topo is not None, mode=mode,
                             cost_given=cost_model is not None, frame_time=stream.frame_time,
-                            traffic=traffic_reason(scenario))
+                            traffic=traffic_reason(scenario), speculative=spec is not None)
         if why is None and (loop == "compiled" or worth_compiling(n)):
             rec.arrival[:] = workload.arrival_s
             if progress is not None:

@@ -35,6 +35,7 @@ def traffic_reason(scenario) -> Optional[str]:
         (cl.admission is not None, "admission control"),
         (scenario.client is not None, "client timeouts and retries"),
         (cl.autoscaler is not None, "autoscaling"),
+        (cl.pools is not None, "replica pools"),
         (scenario.report.utilization, "utilisation series")) if on]
     return ", ".join(parts) or None
 
@@ -42,6 +43,9 @@ def traffic_reason(scenario) -> Optional[str]:
 def n_slots(scenario) -> int:
     """Replica slots the run needs: the fleet's largest size."""
     a = scenario.cluster.autoscaler
+    if scenario.cluster.pools:
+        from simulator.cluster.pools import plan_pools
+        return sum(p.n_slots for p in plan_pools(scenario))
     return max(scenario.cluster.replicas, a.max_replicas if a is not None else 0)
 
 
@@ -66,18 +70,33 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     track = sc.report.utilization
     trackers = [UtilTracker(costs[i]) if track else None for i in range(slots)]
     gateway = None
+    fleet_pools = None
+    if cl.pools:
+        # A mixed fleet (``cluster.pools``): each slot its pool's capacity and KV sizes.
+        from simulator.cluster.pools import plan_pools, slot_pools
+        fleet_pools = plan_pools(sc)
+        of_slot = slot_pools(fleet_pools)
 
     def on_finish(seq, delivered_at: float) -> None:
         gateway.finished(seq, delivered_at)
 
     def make_replica(slot: int) -> Replica:
-        rep = Replica(env, slot, policy, costs[slot], capacity, arec, stream.frame_time,
+        cap, kva = ((capacity, kv_args) if fleet_pools is None
+                    else (of_slot[slot].capacity, of_slot[slot].kv_args))
+        rep = Replica(env, slot, policy, costs[slot], cap, arec, stream.frame_time,
                       stream.one_way, on_finish, series_interval=series_interval, mode=mode,
-                      **kv_args)
+                      **kva)
         rep.util = trackers[slot]
         return rep
 
-    fleet = Fleet(env, make_replica, cl.replicas, slots)
+    if fleet_pools is None:
+        fleet = Fleet(env, make_replica, cl.replicas, slots)
+    else:
+        scaled = [p for p in fleet_pools if p.scaled]
+        fleet = Fleet(env, make_replica, cl.replicas, slots,
+                      ready_slots=[s for p in fleet_pools for s in p.slots[:p.replicas]],
+                      scalable=scaled[0].slots if scaled else [])
+        fleet.mixed = True
     router = make_router(cl.router, slots, rng_router, params=cl.router_params)
     eng = sc.engine
     adm = cl.admission
@@ -91,7 +110,8 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
                       track_ttft=auto is not None and auto.metric == "p99_ttft")
     scaler = None
     if auto is not None:
-        scaler = Autoscaler(env, auto, fleet, capacity, gateway.ttft_values,
+        scaler = Autoscaler(env, auto, fleet, capacity if fleet_pools is None else None,
+                            gateway.ttft_values,
                             lambda: gateway.all_resolved)
     env.process(gateway.arrivals())
     if progress is not None:
@@ -100,9 +120,11 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     end = float(env.now)
     gateway.fold(rec)
     meta = {"traffic": _traffic_meta(gateway, scaler, fleet),
-            "cluster": _cluster_meta(sc, fleet, end),
+            "cluster": _cluster_meta(sc, fleet, end, fleet_pools, gateway),
             "attempts": gateway.attempts_table(),
             "fleet_timeline": fleet.timeline()}
+    if fleet_pools is not None:
+        meta["slot_pools"] = [(p.name, p.capacity, p.gpus) for p in of_slot]
     if track:
         meta["utilization"] = trackers
     return end, [r.kv.manager.stats for r in fleet.built], meta
@@ -175,9 +197,14 @@ def _traffic_meta(gw: Gateway, scaler, fleet) -> dict:
     return res
 
 
-def _cluster_meta(sc, fleet, end: float) -> dict:
-    """Fleet size and what it cost (summary.json ``cluster``)."""
+def _cluster_meta(sc, fleet, end: float, pools=None, gateway=None) -> dict:
+    """Fleet size and what it cost (summary.json ``cluster``); with pools, per pool too
+    (``pools``), the cluster's GPU-hours and cost their sums."""
     tl = fleet.timeline()
+    if pools is not None:
+        pm = _pools_meta(pools, fleet, end, gateway)
+        return {**{k: pm.pop(k) for k in ("gpu_hours", "cost_usd", "gpu_cost_per_hour")},
+                **_fleet_shape(tl, end, fleet), **pm}
     gpus = sc.cluster.gpus_per_replica
     hours = fleet.gpu_hours(end, gpus)
     price = sc.cluster.gpu_cost_per_hour
@@ -193,3 +220,58 @@ def _cluster_meta(sc, fleet, end: float) -> dict:
         "scale_ups": fleet.scale_ups,
         "scale_downs": fleet.scale_downs,
     }
+
+
+def _fleet_shape(tl: np.ndarray, end: float, fleet) -> dict:
+    live = tl[:, 1] + tl[:, 2] + tl[:, 3]
+    dur = np.diff(np.append(tl[:, 0], max(end, tl[-1, 0])))
+    return {
+        "replicas_mean": float((live * dur).sum() / dur.sum()) if dur.sum() > 0 else float(live[0]),
+        "replicas_max": int(live.max()),
+        "ready_min": int(tl[:, 1].min()),
+        "scale_ups": fleet.scale_ups,
+        "scale_downs": fleet.scale_downs,
+    }
+
+
+def _pools_meta(pools, fleet, end: float, gateway) -> dict:
+    """Per pool (``cluster.pools``): what it is, what it held and cost, and how many
+    requests it served (admitted attempts, retries included) and completed (the
+    requests whose completing attempt ran there); the cluster's GPU-hours and cost are
+    the pools' sums (cost None when a pool has no price)."""
+    from simulator.cluster.gateway import DONE
+    held = fleet.held_s(end)
+    slot_of = np.full(len(held), -1, dtype=np.int64)
+    for k, p in enumerate(pools):
+        slot_of[list(p.slots)] = k
+    served = gateway.a_slot[:gateway.next_aid]
+    served = np.bincount(slot_of[served[served >= 0]], minlength=len(pools))
+    f = np.where(gateway.last_sent >= 0, gateway.last_sent, np.arange(gateway.n))
+    ok = gateway.outcome == DONE
+    done = gateway.a_slot[f][ok]
+    completed = np.bincount(slot_of[done[done >= 0]], minlength=len(pools))
+    ttft = gateway.arec.first_delivered[f][ok] - gateway.wl.arrival_s[ok]
+    pool_done = np.where(done >= 0, slot_of[np.maximum(done, 0)], -1)
+    n_done = max(1, int(completed.sum()))
+    out = {}
+    for k, p in enumerate(pools):
+        rep_h = float(held[list(p.slots)].sum()) / 3600.0
+        hours = rep_h * p.gpus
+        out[p.name] = {
+            "gpu": p.gpu, "cost_model": getattr(p.cost, "kind", None),
+            "gpus_per_replica": p.gpus, "replicas_start": p.replicas,
+            "replicas_mean": rep_h * 3600.0 / end if end > 0 else float(p.replicas),
+            "autoscaled": p.scaled, "kv_capacity_blocks": p.capacity,
+            "requests_served": int(served[k]), "requests_completed": int(completed[k]),
+            "completed_share": int(completed[k]) / n_done,
+            "p99_ttft_ms": (float(np.percentile(ttft[pool_done == k], 99)) * 1000.0
+                            if (pool_done == k).any() else None),
+            "gpu_hours": hours, "gpu_cost_per_hour": p.price,
+            "cost_usd": hours * p.price if p.price is not None else None,
+        }
+    costs = [v["cost_usd"] for v in out.values()]
+    scaled = [p.name for p in pools if p.scaled]
+    return {"gpu_hours": sum(v["gpu_hours"] for v in out.values()),
+            "cost_usd": None if any(c is None for c in costs) else sum(costs),
+            "gpu_cost_per_hour": None, "autoscaled_pool": scaled[0] if scaled else None,
+            "pools": out}

@@ -289,6 +289,12 @@ class Planner:
             axis, self.policy_runs = policy_axis(self.base)
             axes = [*axes, axis]
         self.base.pop("policies", None)
+        if (self.base.get("cluster") or {}).get("pools"):
+            # The search is over how many replicas of one engine; a mixed fleet has a
+            # count per pool, and no single answer to "one more replica".
+            raise LatsimError("plan sizes a fleet of one engine type; this scenario is a mixed "
+                              "fleet: plan each GPU type (--search gpu=..., tp=...) or "
+                              "compare fleets with latsim sweep", source="cluster.pools")
         self.slos, self.seeds = slos, seeds
         self.prices = prices
         if isinstance(prices, dict):

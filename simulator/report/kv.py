@@ -112,6 +112,14 @@ def kv_summary(res, df) -> dict:
 def kv_capacity_line(scenario, capacity_blocks: int) -> str:
     """One line printed before a run: the KV cache each replica gets, and why."""
     kv = scenario.engine.kv
+    if scenario.cluster.pools:
+        # A mixed fleet: each pool's own (``cluster.pools``).
+        from simulator.cluster.pools import plan_pools
+        each = ", ".join(f"{p.name}{f' ({p.gpu})' if p.gpu else ''} {p.capacity:,} blocks"
+                         for p in plan_pools(scenario))
+        return (f"KV cache per replica by pool: {each}, x {kv.block_size} tokens; "
+                f"{kv.allocation}, preemption {kv.preemption}, prefix caching "
+                f"{'on' if kv.prefix_caching else 'off'}")
     shape = scenario.model.shape
     bpt = shape.kv_bytes_per_token
     gb = capacity_blocks * kv.block_size * bpt / 1e9

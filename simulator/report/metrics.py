@@ -6,7 +6,9 @@ enqueued``, ``t_prefill = first_token - scheduled``, ``t_decode = last_token -
 first_token``, ``t_stream = last_delivered - last_token``; they add up to
 ``e2el = last_delivered - arrival``. ``ttft = first_delivered - arrival``;
 ``tpot = (last_delivered - first_delivered) / (N - 1)`` for N > 1 output tokens;
-ITL is every gap between delivered tokens, pooled over requests.
+ITL is every gap between delivered tokens, pooled over requests (with speculative
+decoding the tokens of one step arrive together: every token after a step's first one
+has a gap of 0).
 
 Summaries are in ms as ``mean_/median_/p90_/p99_<metric>_ms``, throughputs per
 second over the benchmark duration (first arrival to last delivery), and goodput
@@ -62,16 +64,38 @@ def requests_table(res) -> pd.DataFrame:
     df["recomputed_tokens"] = rec.recomputed_tokens
     df["swapped_bytes"] = rec.swapped_bytes
     df["preempted_s"] = rec.preempted_s
+    if rec.spec_steps is not None:
+        # Speculative decoding: verify steps the request took part in, and the mean
+        # tokens one of them gave it (its accepted length + 1).
+        df["spec_steps"] = rec.spec_steps
+        with np.errstate(invalid="ignore", divide="ignore"):
+            df["tokens_per_step"] = np.where(rec.spec_steps > 0, rec.spec_tokens
+                                             / np.maximum(rec.spec_steps, 1), np.nan)
     add_traffic_columns(df, rec)
     add_derived(df)
     df["wait_error"] = df["wait_estimate"] - df["t_queue"]
     return df
 
 
+OUTCOMES = ("completed", "rejected", "timed_out", "cancelled", "unfinished")
+
+
 def outcome_names(rec) -> np.ndarray:
-    """How each request ended: ``completed``, ``rejected`` (too large for the KV cache,
-    or refused by admission control), ``timed_out`` (its client gave up), ``cancelled``
-    (its client disconnected) or ``unfinished`` (cut by the clock)."""
+    """How each request ended, exactly one of (``summary.json`` ``outcomes`` counts them):
+
+    - ``completed``: its last byte reached its client;
+    - ``rejected``: too large for the KV cache (413), or refused by admission control
+      (429 rate/queue/wait limit, 503 shed) on its last attempt, retries exhausted;
+    - ``timed_out``: its client stopped waiting because one of its own timers fired
+      (``client``: connect or read timeout on its last attempt, or its deadline); the
+      server then cancelled the attempt where it was (dropped from the queue, its KV
+      freed at the next step boundary);
+    - ``cancelled``: its client disconnected for a reason of its own, not a timeout
+      (``stream.disconnect``: the per-request stream model's disconnects); the server
+      cancelled it as above. The traffic model's clients only time out, so a run with
+      ``client``/``cluster.admission``/autoscaling has no ``cancelled`` requests;
+    - ``unfinished``: still queued or running when the clock stopped
+      (``max_sim_time_s``)."""
     out = np.full(rec.n, "unfinished", dtype=object)
     out[rec.cancelled] = "cancelled"
     out[rec.timed_out] = "timed_out"
@@ -229,6 +253,11 @@ def _traffic_summary(df: pd.DataFrame, keep: np.ndarray, fin_mask: np.ndarray,
     out["rejected"] = int(too_large.sum() + refused.sum())
     out["rejected_by_reason"] = {"too_large": int(too_large.sum()), **by}
     out["timed_out"] = int(col("timed_out", False, bool).sum())
+    if "outcome" in df:
+        # How each request ended, each counted once (``outcome_names``): they add up to
+        # the requests.
+        oc = col("outcome", "", object)
+        out["outcomes"] = {k: int((oc == k).sum()) for k in OUTCOMES}
     attempts = col("attempts", 1, np.int64)
     out["attempts"] = int(attempts.sum())
     out["retries"] = int(attempts.sum()) - n

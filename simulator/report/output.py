@@ -98,7 +98,7 @@ def _outputs(res, df: pd.DataFrame) -> dict:
     out["cluster"] = cluster_summary(res, df, good_mask(df, res.scenario))
     # The rich stream/network model's totals (see simulate._Wire), when it was on; the
     # gateway's attempt tallies (``loops.traffic``), when traffic control was on.
-    for key in ("stream", "network", "traffic"):
+    for key in ("stream", "network", "traffic", "speculative"):
         if key in res.meta:
             out[key] = res.meta[key]
     return out
@@ -326,7 +326,14 @@ def series_table(res) -> pd.DataFrame:
                                     "kv_tokens": list(kv), "kv_blocks_shared": list(shared)}))
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if len(df):
-        df["kv_reserved_frac"] = df["kv_blocks_reserved"] / res.kv_capacity_blocks
+        cap = res.kv_capacity_blocks
+        sp = res.meta.get("slot_pools")
+        if sp:
+            # A mixed fleet: each replica's pool, and its own capacity.
+            k = df["replica"].to_numpy()
+            df.insert(1, "pool", np.array([nm for nm, _c, _g in sp], dtype=object)[k])
+            cap = np.array([c for _nm, c, _g in sp], dtype=np.float64)[k]
+        df["kv_reserved_frac"] = df["kv_blocks_reserved"] / cap
         # Utilisation as the seeds define it: tokens held / token slots reserved.
         slots = df["kv_blocks_reserved"] * res.scenario.engine.kv.block_size
         df["kv_utilization"] = (df["kv_tokens"] / slots.where(slots > 0)).clip(upper=1.0)

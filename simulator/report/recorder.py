@@ -139,6 +139,15 @@ class Recorder:
         # Time series per replica: time, waiting, running, reserved blocks, KV tokens,
         # and the extra block references prefix sharing saves (0 without caching).
         self.series = [tuple(array("d") for _ in range(6)) for _ in range(n_replicas)]
+        # Speculative decoding (``track_speculative``): verify steps each request took
+        # part in and the tokens they emitted; None when off.
+        self.spec_steps = None
+        self.spec_tokens = None
         self.swap_copy_s = 0.0     # step time spent copying KV to and from CPU
         self.steps = 0
         self.step_time_total = 0.0
+
+    def track_speculative(self) -> None:
+        """Record per request the speculative verify steps and their tokens."""
+        self.spec_steps = np.zeros(self.n, dtype=np.int64)
+        self.spec_tokens = np.zeros(self.n, dtype=np.int64)

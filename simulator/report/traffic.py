@@ -21,6 +21,9 @@ and ``mfu`` over the trailing window when ``report.utilization`` is on
 draining, times ``gpus_per_replica``, over the run), their cost at
 ``cluster.gpu_cost_per_hour``, the fleet's mean and largest size, scale events, the
 lowest per-window SLO attainment and, with utilisation, the mean busy fraction and MFU.
+With ``cluster.pools`` it adds ``pools`` (per pool: ``loops.traffic._pools_meta``, and
+with utilisation each pool's busy fraction, tokens/s per replica and MFU) and
+``autoscaled_pool``; replica rows of ``timeseries.csv`` gain ``pool``.
 """
 from __future__ import annotations
 
@@ -133,7 +136,9 @@ def cluster_summary(res, frame: pd.DataFrame, good) -> dict:
         out["slo_attainment_min_window"] = float(np.nanmin(att)) if np.isfinite(att).any() \
             else None
     trackers = [t for t in res.meta.get("utilization") or [] if t is not None]
-    if trackers:
+    if trackers and res.meta.get("slot_pools"):
+        _pool_utilization(res, out)
+    elif trackers:
         # Over the time replicas were held (provisioning time included: a GPU loading
         # weights is not serving).
         held_s = out["gpu_hours"] * 3600.0 / sc.cluster.gpus_per_replica
@@ -141,3 +146,33 @@ def cluster_summary(res, frame: pd.DataFrame, good) -> dict:
         if trackers[0].known and held_s > 0:
             out["mfu_mean"] = sum(t.flops for t in trackers) / (trackers[0].peak * held_s)
     return out
+
+
+def _pool_utilization(res, out: dict) -> None:
+    """Busy fraction and MFU of a mixed fleet, overall and per pool (each pool's own
+    peak FLOPs and GPUs); ``tokens_per_s_per_replica``: tokens its replicas computed per
+    held replica-second."""
+    sp = res.meta["slot_pools"]
+    trackers = res.meta["utilization"]
+    pools = out.get("pools") or {}
+    busy_all = held_all = flops_all = peak_all = 0.0
+    known = True
+    for name, info in pools.items():
+        slots = [i for i, (nm, _c, _g) in enumerate(sp) if nm == name]
+        trs = [trackers[i] for i in slots if trackers[i] is not None]
+        held = info["gpu_hours"] * 3600.0 / info["gpus_per_replica"]
+        busy = sum(t.busy for t in trs)
+        toks = sum(t.prefill + t.decode for t in trs)
+        info["busy_frac_mean"] = busy / held if held > 0 else None
+        info["tokens_per_s_per_replica"] = toks / held if held > 0 else None
+        if trs and trs[0].known and held > 0:
+            info["mfu_mean"] = sum(t.flops for t in trs) / (trs[0].peak * held)
+            flops_all += sum(t.flops for t in trs)
+            peak_all += trs[0].peak * held
+        elif held > 0:
+            known = False
+        busy_all += busy
+        held_all += held
+    out["busy_frac_mean"] = busy_all / held_all if held_all > 0 else None
+    if known and peak_all > 0:
+        out["mfu_mean"] = flops_all / peak_all

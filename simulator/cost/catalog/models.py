@@ -273,6 +273,18 @@ MODELS: dict[str, ModelArch] = {m.name: m for m in (
               vocab=128256, tied_embeddings=False, max_context=131072,
               source=_META_L2.format("Llama-3.1-70B"),
               published_params=70.6e9, published_source="Hugging Face model page (safetensors: 70.6B params)"),
+    # Small Llama-3.2 models: the usual draft models for speculative decoding of the
+    # Llama-3 family (same tokenizer and vocabulary).
+    ModelArch(name="llama-3.2-1b", hf_id="meta-llama/Llama-3.2-1B", **_LLAMA,
+              layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192,
+              vocab=128256, tied_embeddings=True, max_context=131072,
+              source=_META_L2.format("Llama-3.2-1B"),
+              published_params=1.24e9, published_source="Hugging Face model page (safetensors: 1.24B params)"),
+    ModelArch(name="llama-3.2-3b", hf_id="meta-llama/Llama-3.2-3B", **_LLAMA,
+              layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192,
+              vocab=128256, tied_embeddings=True, max_context=131072,
+              source=_META_L2.format("Llama-3.2-3B"),
+              published_params=3.21e9, published_source="Hugging Face model page (safetensors: 3.21B params)"),
     ModelArch(name="mistral-7b", hf_id="mistralai/Mistral-7B-v0.1", family="mistral",
               gated_mlp=True, activation="silu",
               layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336,

@@ -56,10 +56,12 @@ def worth_compiling(n_requests: int) -> bool:
 
 def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
                   rich: bool = False, mode: str = "auto", cost_given: bool = False,
-                  frame_time: float = 0.0, traffic: Optional[str] = None) -> Optional[str]:
+                  frame_time: float = 0.0, traffic: Optional[str] = None,
+                  speculative: bool = False) -> Optional[str]:
     """Why the compiled loop cannot run this configuration (None if it can).
     ``traffic``: the traffic control the scenario asks for (admission, clients,
-    autoscaling, utilisation series), which only the SimPy gateway models."""
+    autoscaling, utilisation series), which only the SimPy gateway models;
+    ``speculative``: speculative decoding, which only the SimPy replica models."""
     from simulator.loops.compiled.queue import policy_ids
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed"
@@ -71,6 +73,8 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         return "per-request stream models"
     if traffic:
         return traffic
+    if speculative:
+        return "speculative decoding (engine.speculative)"
     if cost_given:
         return "a cost model passed in"
     if policy_ids(policy) is None:
@@ -105,7 +109,12 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     """Run the model compiled; fills ``rec``, the pools' and cost models' tallies.
     ``swap``: bytes per block, CPU swap space (blocks), copy bandwidth (bytes/s);
     ``router_rng``: the random router's generator.
-    Returns (end of the run, each replica's ``KVStats``); raises ``Handback``."""
+    Returns (end of the run, each replica's ``KVStats``); raises ``Handback``.
+
+    Long, and kept whole: it is the one place where the Python objects (policy limits,
+    KV rules, pools, cost models, recorder) become the flat arrays the kernels read and
+    where the kernels' results go back; each block is a column list, not logic, and
+    splitting it would pass those dozens of arrays between helpers."""
     from simulator.loops.compiled import state as S
     from simulator.loops.compiled.cost import pack_cost
     from simulator.loops.compiled.loop import run

@@ -73,7 +73,11 @@ def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, picks, prompt
 @jit
 def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
     """The run, to the end or the clock stop (see module doc for what it yields).
-    ``W``: the workload's columns; ``BUF``, ``POOL``, ``ITL``, ``COST``: see ``__init__``."""
+    ``W``: the workload's columns; ``BUF``, ``POOL``, ``ITL``, ``COST``: see ``__init__``.
+
+    One kernel, kept whole: the event dispatch is the hottest loop, numba passes the
+    state's tuples of arrays by value on every call, and each event's handling is already
+    a call into the shared kernels (``plan``, ``apply``, the policy and memory rules)."""
     arrival, prompt, output, clients, prio, cls, send, picks = W
     DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER = BUF
     IDL, ILEN, OPEN = POOL

@@ -65,6 +65,52 @@ class ReplicaApply:
             for s in done:
                 self._finish(s, t, s.depart)
 
+    def _decode_spec(self, dseqs, t: float) -> None:
+        """One speculative decoding step for ``dseqs`` (``model.speculative``): each
+        emits 1 + its leading accepted drafts (a draw), at most the drafts it verified
+        + 1, so never more than it has left. A step's tokens leave in one frame (one
+        SSE event, as vLLM streams a step's output): the first one's gap is the time
+        since the request's previous frame, the others' are 0 (pooled into the ITL
+        histogram as zero gaps, which its lowest bin holds)."""
+        sp = self.spec
+        kv = self.kv
+        rec = self.rec
+        per_req = rec.spec_steps is not None
+        ft = self.frame_time
+        itl = rec.itl
+        draws = sp.draws(len(dseqs))
+        total = 0
+        done = []
+        for s, m in zip(dseqs, draws.tolist()):
+            n = min(m, kv.decode_lookahead(s) + 1)
+            total += n
+            s.generated += n
+            s.context += n
+            if per_req:
+                rec.spec_steps[s.rid] += 1
+                rec.spec_tokens[s.rid] += n
+            if s.stream is not None:
+                for _ in range(n):
+                    s.stream.emit(t)
+            else:
+                d_old = s.depart
+                d = (t if t > d_old else d_old) + ft
+                s.depart = d
+                itl.add(d - d_old)
+                if n > 1:
+                    itl.add(0.0, n - 1)
+            if s.generated >= s.output_tokens:
+                done.append(s)
+        sp.seq_steps += len(dseqs)
+        sp.tokens += total
+        self.kv_tokens += total
+        self._outstanding -= total
+        if done:
+            gone = set(map(id, done))
+            self.decoding = [s for s in self.decoding if id(s) not in gone]
+            for s in done:
+                self._finish(s, t, s.depart)
+
     def _prefill(self, chunks, t: float) -> None:
         """Prefill progress; a chunk that completes its prefill yields a token: the
         first one, or, for a request recomputing after a preemption, its next one."""

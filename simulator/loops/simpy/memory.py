@@ -80,6 +80,8 @@ class ReplicaMemory:
             return []
         if not self.fast:
             kv = self.kv
+            if kv.lookahead:
+                return [s for s in self.decoding if kv.needs_block(s, self._slots(s))]
             return [s for s in self.decoding if kv.needs_block(s, s.context)]
         heap = self._grow_heap
         due = []
@@ -97,14 +99,20 @@ class ReplicaMemory:
         if not due:
             return False
         kv = self.kv
+        blocks = (lambda d: kv.growth_blocks(d, self._slots(d))) if kv.lookahead else None
         preempted = bool(kv.make_room(due, lambda: self.decoding + self.prefilling,
-                                      lambda v: self._preempt(v, now)))
+                                      lambda v: self._preempt(v, now), blocks))
         for s in due:
-            ctx = s.key + self.ticks if self.fast else s.context
+            ctx = s.key + self.ticks if self.fast else self._slots(s)
             kv.grow(s, ctx)
             if self.fast:
                 self._push_growth(s)
         return preempted
+
+    def _slots(self, s) -> int:
+        """KV slots decoder ``s`` (slow mode) needs for its next step: its context, plus
+        the drafts a speculative step verifies (``rules.decode_slots``)."""
+        return kvr.decode_slots(s.context, self.kv.decode_lookahead(s))
 
     def _catch_up_growth(self) -> None:
         """After an epoch: the blocks its steps took, one per boundary crossed (the

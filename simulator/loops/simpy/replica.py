@@ -84,13 +84,16 @@ class Replica(ReplicaMemory, ReplicaApply):
     recompute, no caching); ``block_bytes`` prices swapping (KV bytes per block),
     ``swap_blocks`` is the CPU swap space in blocks, ``swap_bps`` its copy bandwidth.
     ``streams``: requests carry their own stream model (``SimSeq.stream``), which
-    needs ``mode='slow'``."""
+    needs ``mode='slow'``. ``speculative``: a ``model.speculative.Speculative`` (decode
+    steps verify drafts and emit a drawn number of tokens per sequence; the replica
+    then keeps the per-request bookkeeping, whatever ``mode`` says)."""
 
     def __init__(self, env, index: int, policy, cost, capacity_blocks: int, rec,
                  frame_time: float, one_way: float, on_finish: Callable[[SimSeq, float], None],
                  series_interval: float = 0.0, mode: str = "auto",
                  kv_rules: Optional[KVRules] = None, block_bytes: float = 0.0,
-                 swap_blocks: int = 0, swap_bps: float = 25e9, streams: bool = False) -> None:
+                 swap_blocks: int = 0, swap_bps: float = 25e9, streams: bool = False,
+                 speculative=None) -> None:
         self.env = env
         self.index = index
         self.policy = policy
@@ -119,8 +122,10 @@ class Replica(ReplicaMemory, ReplicaApply):
         self.max_num_seqs = lim.max_num_seqs
         # ``mode``: "auto" picks fast+epochs when exact; "step" = fast without epochs;
         # "slow" = per-request bookkeeping. All three give the same results (tested).
+        self.spec = speculative.for_replica(index) if speculative is not None else None
         self.fast = (mode != "slow" and frame_time <= cost.min_step_s
-                     and lim.max_num_seqs <= lim.max_num_batched_tokens)
+                     and lim.max_num_seqs <= lim.max_num_batched_tokens
+                     and self.spec is None)
         self.epochs = mode == "auto" and self.fast
         # Per-request stream models (``clientstream``) need the per-request mode.
         self._streams = streams
@@ -281,7 +286,12 @@ class Replica(ReplicaMemory, ReplicaApply):
                 for rid, n in plan.prefill:
                     s = by_id[rid]
                     chunks.append((n, s.prefilled, s.prefilled + n >= s.prefill_len))
-                dt = cost.step_time(nd, ctx_max, ctx_sum, chunks) + self._copy_s
+                if self.spec is not None and nd:
+                    # Speculative: the target verifies k + 1 tokens per sequence (and
+                    # the draft proposes them) in this step.
+                    dt = self.spec.step_time(cost, nd, ctx_max, ctx_sum, chunks) + self._copy_s
+                else:
+                    dt = cost.step_time(nd, ctx_max, ctx_sum, chunks) + self._copy_s
                 rec.steps += 1
                 rec.step_time_total += dt
                 rec.swap_copy_s += self._copy_s
@@ -294,6 +304,8 @@ class Replica(ReplicaMemory, ReplicaApply):
                 if self.fast:
                     if nd:
                         self._decode_fast(t, 1, t, None)
+                elif self.spec is not None:
+                    self._decode_spec(dseqs, t)
                 else:
                     self._decode_slow(dseqs, t)
                 self._prefill(plan.prefill, t)

@@ -8,7 +8,9 @@ SimPy replica and the real engine (through ``space.KVSpace``), and the compiled 
   then the latest arrival, then the highest request id), whether a victim is swapped
   out or recomputed, and what a recompute loses and later wins back from a prefix hit;
 - swap-in: whether a swapped request's blocks fit now;
-- decode epochs: how many decode steps surely fit in the free blocks.
+- decode epochs: how many decode steps surely fit in the free blocks;
+- speculative decoding: the draft tokens a step verifies (``spec_lookahead``) hold KV
+  slots too (``decode_slots``), reserved at admission and before every step.
 
 ``max_model_len < 0`` stands for "not set"; a swap space ``< 0`` for "unlimited".
 """
@@ -34,6 +36,25 @@ def admission_tokens(paged, prefill_len, max_model_len, prompt, output):
     if max_model_len >= 0:
         return max_model_len
     return prompt + output
+
+
+@kernel
+def spec_lookahead(k, remaining):
+    """Draft tokens a sequence verifies in a speculative-decoding step when ``remaining``
+    tokens are still to come: ``k``, but none past its last token (``remaining - 1``:
+    the step's own token is the one it always emits)."""
+    la = remaining - 1
+    if la > k:
+        la = k
+    return la if la > 0 else 0
+
+
+@kernel
+def decode_slots(context, lookahead):
+    """Token slots a decode step at ``context`` needs: the context, plus (speculative
+    decoding) the ``lookahead`` draft tokens whose KV the verify writes before it is
+    known which of them are accepted."""
+    return context + lookahead
 
 
 @kernel
@@ -112,3 +133,5 @@ def warm_up() -> None:
     recovered_by_hit(0, 0)
     swap_in_fits(1, 16, 0, 1)
     epoch_room(True, 1, 1, 16, 1)
+    spec_lookahead(4, 10)
+    decode_slots(1, 0)

@@ -15,6 +15,11 @@ prompt blocks (``prefixkeys``); a policy prices an admission through it
   its own prompt + output, i.e. its ``max_tokens``) at admission and never grows.
 - A ``watermark`` fraction of the blocks is kept free at admission (vLLM v0 does
   this) so that a new request does not force a preemption at its first decode.
+- ``lookahead`` (speculative decoding, ``k``): a decode step writes the KV of up to
+  ``k`` draft tokens besides its own (``rules.decode_slots``), so paged admission
+  reserves them with the prompt (as vLLM's ``num_lookahead_tokens``) and every step
+  grows a sequence to hold them; contiguous reservations already hold every slot a
+  request can write (drafts stop at its last token: ``rules.spec_lookahead``).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class KVRules:
     preemption: str = "recompute"      # recompute | swap
     victim: str = "priority"           # priority | latest
     prefix_caching: bool = False
+    lookahead: int = 0                 # speculative decoding: draft tokens a step verifies
 
     @classmethod
     def from_config(cls, kv) -> "KVRules":
@@ -80,12 +86,26 @@ class KVSpace:
         self.watermark_blocks = int(rules.watermark * capacity_blocks)
         self.max_len = -1 if rules.max_model_len is None else rules.max_model_len
         self.keys_of = keys_of if self.manager.prefix_caching else (lambda s: None)
+        self.lookahead = rules.lookahead
 
     # -- what a request takes --------------------------------------------------------
     def admission_tokens(self, seq: Seq) -> int:
-        """Token slots allocated when ``seq`` is admitted (``rules.admission_tokens``)."""
-        return kvr.admission_tokens(self.paged, seq.prefill_len, self.max_len,
+        """Token slots allocated when ``seq`` is admitted (``rules.admission_tokens``;
+        paged, with speculative decoding: its first verify's drafts too)."""
+        tokens = kvr.admission_tokens(self.paged, seq.prefill_len, self.max_len,
                                       seq.prompt_tokens, seq.output_tokens)
+        if self.lookahead and self.paged:
+            # The prefill emits one token; the next step verifies drafts after it.
+            tokens = kvr.decode_slots(tokens, self.decode_lookahead(seq, seq.generated + 1))
+        return tokens
+
+    def decode_lookahead(self, seq: Seq, generated: Optional[int] = None) -> int:
+        """Draft tokens ``seq`` verifies at its next step (``rules.spec_lookahead``; 0
+        without speculative decoding) when it holds ``generated`` tokens."""
+        if not self.lookahead:
+            return 0
+        g = seq.generated if generated is None else generated
+        return kvr.spec_lookahead(self.lookahead, seq.output_tokens - g)
 
     def fits(self, seq: Seq) -> Optional[str]:
         """None if ``seq`` can ever run here, else why not (``kvr.never_fits``)."""
@@ -125,6 +145,11 @@ class KVSpace:
         """Whether ``seq`` needs another block to hold ``context`` tokens."""
         return blocks_for(context, self.bs) > self.manager.blocks_of(seq.rid)
 
+    def growth_blocks(self, seq: Seq, tokens: int) -> int:
+        """Blocks ``seq`` must take to hold ``tokens`` tokens (0 if it holds them)."""
+        need = blocks_for(tokens, self.bs) - self.manager.blocks_of(seq.rid)
+        return need if need > 0 else 0
+
     def grow(self, seq: Seq, context: int) -> int:
         return self.manager.grow(seq.rid, context)
 
@@ -146,18 +171,21 @@ class KVSpace:
 
     # -- steps shared by both executors -----------------------------------------------------
     def make_room(self, due: list, running: Callable[[], list],
-                  preempt: Callable[[Seq], None]) -> list:
+                  preempt: Callable[[Seq], None],
+                  blocks: Optional[Callable[[Seq], int]] = None) -> list:
         """Preempt until each request in ``due`` (decoders about to cross a block
-        boundary) can take one more block: victims are chosen by ``select_victim``
-        among ``running()`` and handed to ``preempt``, which must take them out of
-        the running set; a victim that was due leaves ``due``. Returns the victims."""
+        boundary) can take one more block (``blocks(seq)`` more, when given: a
+        speculative step's drafts may cross several): victims are chosen by
+        ``select_victim`` among ``running()`` and handed to ``preempt``, which must take
+        them out of the running set; a victim that was due leaves ``due``. Returns the
+        victims."""
         victims = []
-        need = len(due)
+        need = len(due) if blocks is None else sum(blocks(s) for s in due)
         while need > self.manager.num_free:
             victim = select_victim(running(), self.rules.victim)
             if victim in due:
                 due.remove(victim)
-                need -= 1
+                need -= 1 if blocks is None else blocks(victim)
             preempt(victim)
             victims.append(victim)
         return victims
