@@ -5,7 +5,8 @@ Azure-conv-like traffic (lognormal prompts ~1k tokens, outputs ~200) at a load
 that keeps each replica busy but stable, for 10k, 100k and 1M requests (pass
 sizes as arguments to change). A benchmark, not a test: it prints its figures.
 
-    python benchmarks/sim_speed.py [--loop auto|compiled|simpy] [--policy NAME] [10000 100000 1000000]
+    python benchmarks/sim_speed.py [--loop auto|compiled|simpy] [--policy NAME]
+        [--cost profile|fitted] [10000 100000 1000000]
 
 The default runs this configuration on the compiled loop (``simulator.loops.compiled``,
 numba); ``--loop simpy`` on SimPy. Both give identical results.
@@ -24,7 +25,7 @@ from simulator.loops.simulate import simulate
 REPLICAS = 4
 
 
-def scenario(n: int, policy: str = "chunked"):
+def scenario(n: int, policy: str = "chunked", cost: str = "profile"):
     return validate_scenario({
         "name": "speed", "seed": 1,
         "workload": {"kind": "synthetic", "num_requests": n,
@@ -34,15 +35,17 @@ def scenario(n: int, policy: str = "chunked"):
         "cluster": {"replicas": REPLICAS, "router": "least_outstanding"},
         "engine": {"policy": policy, "max_num_seqs": 64, "max_num_batched_tokens": 512,
                    "kv": {"num_blocks": 16384}},
+        "model": {"cost": {"kind": cost, "path": "profiles/h200-llama3-8b-refbench.json"}},
     })
 
 
-def main(sizes: list[int], loop: str = "auto", policy: str = "chunked") -> None:
+def main(sizes: list[int], loop: str = "auto", policy: str = "chunked",
+         cost: str = "profile") -> None:
     if loop in ("auto", "compiled"):
         from simulator.loops.simulate import Unsupported
         t0 = time.perf_counter()
         try:
-            simulate(scenario(200, policy), loop="compiled")
+            simulate(scenario(200, policy, cost), loop="compiled")
             print(f"compiled loop ready in {time.perf_counter() - t0:.1f} s (compiling takes "
                   f"~45 s once per machine and version; later runs load the cache)")
         except Unsupported as e:
@@ -50,7 +53,7 @@ def main(sizes: list[int], loop: str = "auto", policy: str = "chunked") -> None:
     print(f"{'requests':>10} {'wall s':>8} {'req/s':>9} {'steps':>10} {'steps/s':>9} "
           f"{'max RSS MB':>10}  loop")
     for n in sizes:
-        sc = scenario(n, policy)
+        sc = scenario(n, policy, cost)
         t0 = time.perf_counter()
         res = simulate(sc, loop=loop)
         wall = time.perf_counter() - t0
@@ -62,7 +65,8 @@ def main(sizes: list[int], loop: str = "auto", policy: str = "chunked") -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    opts = {"--loop": "auto", "--policy": "chunked"}
+    opts = {"--loop": "auto", "--policy": "chunked", "--cost": "profile"}
     while args[:1] and args[0] in opts:
         opts[args[0]], args = args[1], args[2:]
-    main([int(a) for a in args] or [10_000, 100_000, 1_000_000], opts["--loop"], opts["--policy"])
+    main([int(a) for a in args] or [10_000, 100_000, 1_000_000], opts["--loop"], opts["--policy"],
+         opts["--cost"])
