@@ -31,19 +31,16 @@ import simpy
 
 from simulator.config.scenario import Scenario
 from simulator.cost import build_cost_model, profile_search_dirs
-from simulator.model.kv.blocks import request_blocks
 from simulator.report.kv import kv_run_stats
 from simulator.model.kv.space import KVRules
 from simulator.model.kv.prefixkeys import WorkloadKeys
 from simulator.wire.network import ConnectionPools, H2Connections, NetworkTiming, Topology
 from simulator.report.recorder import Recorder
-from simulator.loops.simpy.replica import Replica, SimSeq
-from simulator.cluster.routers import make_router
 from simulator.config.scenario import engine_policy
-from simulator.wire.stream import DisconnectDraws, StreamTiming, client_downlinks_bps
+from simulator.wire.stream import StreamTiming
 from simulator.loops.compiled import (COMPILE_MIN_REQUESTS, Handback, kernel_reason,
                                       run_compiled, worth_compiling)
-from simulator.wire.per_request import Wire
+from simulator.loops.simpy.driver import run_simpy
 from simulator.loops.traffic import run_traffic, traffic_reason
 from simulator.workload import Workload, build_workload
 
@@ -205,7 +202,12 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     ``simpy`` always uses SimPy; ``compiled`` insists (``Unsupported`` if it cannot, or on
     a hand-back). ``progress``: called as ``progress(loop, rec)`` when the event loop
     (``"compiled"`` or ``"simpy"``) is about to start filling the recorder ``rec``, so a
-    caller can watch the run (the compiled loop may first have to be compiled)."""
+    caller can watch the run (the compiled loop may first have to be compiled).
+
+    Longer than most functions here, on purpose: it is the order of a run (draw the
+    seeded streams, build the parts every loop shares, choose the loop and say why, run,
+    hand back) in one place; each part is a call (``_connections``, ``_cost_models``,
+    ``run_compiled``, ``run_traffic``, ``run_simpy``)."""
     if loop not in LOOPS:
         raise ValueError(f"unknown loop {loop!r}; known: {', '.join(LOOPS)}")
     seed = scenario.seed if seed is None else seed
@@ -226,48 +228,10 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     env = simpy.Environment()
     n = len(workload)
     rec = Recorder(n, n_rep)
-    net = NetworkTiming.from_config(scenario.network)
-    stream = StreamTiming.from_config(scenario.stream, net.one_way)
-    ncfg = scenario.network
-    rich = scenario.stream.rich or ncfg.rich
-    topo = Topology.from_config(ncfg, ncfg.clients, n_rep) if ncfg.regions is not None else None
-    # With regions a client keeps separate connections to each serving region.
-    n_keys = ncfg.clients * (len(topo.serving_names) if topo is not None else 1)
-    if ncfg.protocol == "http2":
-        pools = H2Connections(n_keys, ncfg.h2_max_streams, ncfg.keepalive_s,
-                              ncfg.connection_reuse)
-    else:
-        pools = ConnectionPools(n_keys, ncfg.pool_size, ncfg.keepalive_s,
-                                ncfg.connection_reuse)
-    clients = (workload.client % ncfg.clients if workload.client is not None
-               else rng_net.integers(0, ncfg.clients, size=n))
-    wire = None
-
-    def on_finish(s: SimSeq, delivered_at: float) -> None:
-        if wire is None:
-            pools.release(s.client, delivered_at, s.pooled)
-        else:
-            wire.finished(s, delivered_at)
-
+    net, stream, topo, pools, clients, rich = _connections(scenario, workload, rng_net)
     kv_args = replica_kv_args(scenario)
     keys_of = WorkloadKeys(workload, bs) if kv_args["kv_rules"].prefix_caching else None
-    if cost_model is not None:
-        if n_rep > 1:
-            raise ValueError("a given cost_model serves one replica only")
-        costs = [cost_model]
-    elif scenario.cluster.pools:
-        # A mixed fleet: each slot steps on its pool's cost model (``cluster.pools``).
-        from simulator.cluster.pools import plan_pools, slot_pools
-        costs = [build_cost_model(p.cost, np.random.default_rng(rng_cost.integers(2**63)),
-                                  profile_search_dirs(base_dir),
-                                  profile=profile if p.cost == scenario.model.cost else None)
-                 for p in slot_pools(plan_pools(scenario))]
-    else:
-        # Each replica draws its own noise stream so adding replicas does not shift others.
-        costs = [build_cost_model(scenario.model.cost,
-                                  np.random.default_rng(rng_cost.integers(2**63)),
-                                  profile_search_dirs(base_dir), profile=profile)
-                 for _ in range(n_rep)]
+    costs = _cost_models(scenario, cost_model, profile, base_dir, rng_cost)
     spec = None
     if eng.speculative is not None:
         # Speculative decoding (``engine.speculative``): its acceptance draws have their
@@ -353,76 +317,59 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         res = results(end, stats, "simpy" if why is None else f"simpy ({why})")
         res.meta.update(extra)
         return res
-    replicas = [Replica(env, i, pol, costs[i], capacity, rec, stream.frame_time, stream.one_way,
-                        on_finish, series_interval=_series_interval(workload),
-                        mode="slow" if rich else mode, streams=rich, **kv_args)
-                for i in range(n_rep)]
-    router = make_router(scenario.cluster.router, n_rep, rng_router, topology=topo,
-                         params=scenario.cluster.router_params)
-    if rich:
-        wire = Wire(scenario, env, rec, replicas, router, pools, topo, net,
-                     client_downlinks_bps(scenario.stream, ncfg.clients, rng_link),
-                     DisconnectDraws.sample(scenario.stream.disconnect, n, rng_disc))
-
-    arrival = workload.arrival_s
-    prompt = workload.prompt_tokens
-    output = workload.output_tokens
-    prio = workload.priority
-    rec.arrival[:] = arrival
-
-    def deliver(seq: SimSeq) -> None:
-        rid = seq.rid
-        seq.enqueued = env.now
-        rec.enqueued[rid] = env.now
-        if replicas[0].rejects(seq):
-            # Can never fit in this replica's KV cache: rejected, reported as not finished.
-            rec.rejected[rid] = True
-            if wire is None:
-                pools.release(seq.client, env.now + net.one_way, seq.pooled)
-            else:
-                wire.rejected(seq, env.now)
-            return
-        if wire is None:
-            k = router.pick(replicas, seq)
-        else:
-            k = wire.replica_for(seq)
-            seq.stream = wire.open_stream(seq, env.now)
-        rec.replica[rid] = k
-        replicas[k].enqueue(seq)
-
-    def arrivals():
-        t = 0.0
-        for rid in range(n):
-            a = arrival[rid]
-            if a > t:
-                yield env.timeout(a - t)
-                t = a
-            c = int(clients[rid])
-            if wire is None:
-                is_new, pooled = pools.acquire(c, env.now)
-                rec.new_connection[rid] = is_new
-            else:
-                pooled = False   # wire.send routes the request, then takes its connection
-            p = int(prompt[rid])
-            o = int(output[rid])
-            seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), request_blocks(p, o, bs), c, pooled)
-            if keys_of is not None:
-                seq.keys = keys_of(rid)
-            if wire is None:
-                t_net = net.send_time(p) + (net.handshake if is_new else 0.0)
-            else:
-                t_net = wire.send(seq, env.now)
-            env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))
-
-    env.process(arrivals())
-    if progress is not None:
-        progress("simpy", rec)
-    env.run(until=scenario.max_sim_time_s)
-    res = results(env.now, [r.kv.manager.stats for r in replicas],
-                  "simpy" if why is None else f"simpy ({why})")
-    if wire is not None:
-        res.meta.update(wire.summary(float(env.now)))
+    end, stats, wire_meta = run_simpy(
+        scenario=scenario, env=env, rec=rec, workload=workload, policy=pol, costs=costs,
+        capacity=capacity, kv_args=kv_args, pools=pools, net=net, stream=stream, topo=topo,
+        keys_of=keys_of, clients=clients, mode=mode, rich=rich,
+        series_interval=_series_interval(workload), rng_router=rng_router,
+        rng_link=rng_link, rng_disc=rng_disc, progress=progress)
+    res = results(end, stats, "simpy" if why is None else f"simpy ({why})")
+    res.meta.update(wire_meta)
     return res
+
+
+def _connections(scenario: Scenario, workload: Workload, rng_net):
+    """The wire a run shares across loops: network and stream timing, the regions'
+    topology (or None), the clients' connection pools (HTTP/1.1 or HTTP/2) and each
+    request's client. Returns ``(net, stream, topo, pools, clients, rich)``, ``rich``:
+    whether the per-request wire model is on."""
+    ncfg = scenario.network
+    n_rep = scenario.cluster.replicas
+    net = NetworkTiming.from_config(ncfg)
+    stream = StreamTiming.from_config(scenario.stream, net.one_way)
+    rich = scenario.stream.rich or ncfg.rich
+    topo = Topology.from_config(ncfg, ncfg.clients, n_rep) if ncfg.regions is not None else None
+    # With regions a client keeps separate connections to each serving region.
+    n_keys = ncfg.clients * (len(topo.serving_names) if topo is not None else 1)
+    if ncfg.protocol == "http2":
+        pools = H2Connections(n_keys, ncfg.h2_max_streams, ncfg.keepalive_s,
+                              ncfg.connection_reuse)
+    else:
+        pools = ConnectionPools(n_keys, ncfg.pool_size, ncfg.keepalive_s,
+                                ncfg.connection_reuse)
+    clients = (workload.client % ncfg.clients if workload.client is not None
+               else rng_net.integers(0, ncfg.clients, size=len(workload)))
+    return net, stream, topo, pools, clients, rich
+
+
+def _cost_models(scenario: Scenario, cost_model, profile, base_dir, rng_cost) -> list:
+    """One cost model per replica: ``cost_model`` when given (one replica only), a mixed
+    fleet's slot by slot on its pool's (``cluster.pools``), else ``model.cost``'s. Each
+    replica draws its own noise stream, so adding replicas does not shift the others."""
+    n_rep = scenario.cluster.replicas
+    if cost_model is not None:
+        if n_rep > 1:
+            raise ValueError("a given cost_model serves one replica only")
+        return [cost_model]
+    if scenario.cluster.pools:
+        from simulator.cluster.pools import plan_pools, slot_pools
+        return [build_cost_model(p.cost, np.random.default_rng(rng_cost.integers(2**63)),
+                                 profile_search_dirs(base_dir),
+                                 profile=profile if p.cost == scenario.model.cost else None)
+                for p in slot_pools(plan_pools(scenario))]
+    return [build_cost_model(scenario.model.cost, np.random.default_rng(rng_cost.integers(2**63)),
+                             profile_search_dirs(base_dir), profile=profile)
+            for _ in range(n_rep)]
 
 
 def _series_interval(wl: Workload) -> float:
