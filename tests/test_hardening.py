@@ -539,3 +539,19 @@ def test_sweep_out_and_size_are_checked_before_any_point_runs(tmp_path, monkeypa
     with pytest.raises(LatsimError, match="--grid: running 1 point"):
         sweep.run_sweep(big, REPO, [sweep.parse_axis("engine.policy=fifo")], tmp_path / "o",
                         workers=1)
+
+
+def test_validation_on_a_busy_cpu_box_says_the_errors_measure_the_load(capsys, monkeypatch):
+    """Wall-clock validation on a loaded 2-core box read as -60% TTFT error with no word
+    of why: a load average over half the cores now prints a warning first."""
+    import os
+
+    from simulator.cli import main as M
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.8, 1.0, 1.0))
+    M._warn_if_busy("cpu")
+    assert "validate on a quiet machine" in capsys.readouterr().out
+    M._warn_if_busy("cuda")       # a GPU's step times do not share the host's cores
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    M._warn_if_busy("cpu")
+    assert capsys.readouterr().out == ""

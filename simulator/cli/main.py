@@ -496,6 +496,7 @@ def validate(
                           output_tokens=rng.integers(2, max_output_tokens + 1, n),
                           priority=rng.integers(0, 3, n), class_names=("P0", "P1", "P2"))
         settings = v.engine_settings(max_num_seqs, max_num_batched_tokens, chunk_size, aging_s)
+        _warn_if_busy(device)
         if endpoint is not None:
             from simulator.cli.serve import _need
             _need("fastapi", "uvicorn", "httpx")
@@ -542,6 +543,20 @@ def _engine_import(name: str):
             raise LatsimError("the real engine needs torch: pip install 'latsim[engine]' "
                               "(on CPU: pip install torch==2.13.0 first)") from None
         raise
+
+
+def _warn_if_busy(device: str) -> None:
+    """Validation against a real engine compares wall-clock times with a profile timed on
+    an idle machine: other work on a CPU box stretches every step and the errors then
+    measure the load, not the simulator. Say so when the load average shows it."""
+    import os
+    if device != "cpu" or not hasattr(os, "getloadavg"):
+        return
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 0.5 * cores:
+        console.print(f"warning: load average {load:.1f} on {cores} cores: the real engine's "
+                      f"times will include that load; validate on a quiet machine",
+                      style="yellow", highlight=False)
 
 
 def _mount() -> None:
