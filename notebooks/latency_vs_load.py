@@ -55,7 +55,8 @@ WORKERS = min(2, os.cpu_count() or 1)
 # %%
 import time
 
-from simulator.config.scenario import apply_overrides, read_yaml
+from simulator.config.scenario import read_yaml
+from simulator.config.yamlfile import apply_overrides
 from simulator.planning.sweep import parse_axis, run_sweep
 
 base = apply_overrides(read_yaml(SCENARIO), OVERRIDES)

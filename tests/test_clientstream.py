@@ -10,7 +10,8 @@ import pytest
 
 from conftest import make_scenario_dict
 from simulator.wire.clientstream import ClientStream, Link, StreamParams, StreamStats
-from simulator.config.scenario import StreamConfig, validate_scenario
+from simulator.config.scenario import validate_scenario
+from simulator.config.wire import StreamConfig
 from simulator.errors import LatsimError
 from simulator.wire.stream import DisconnectDraws, client_downlinks_bps, stream_params
 

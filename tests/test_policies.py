@@ -42,7 +42,7 @@ def test_policy_as_a_mapping_with_its_own_parameters():
                                "max_num_batched_tokens": 256})
     assert sc.engine.policy == "fair_score"
     assert sc.engine.policy_params == {"w_wait": 1.0, "chunk_size": 64}
-    from simulator.config.scenario import engine_policy
+    from simulator.config.engine import engine_policy
     pol = engine_policy(sc.engine)
     assert pol.params.w_wait == 1.0 and pol.chunk_size == 64
     assert list(pol.order_array) == [5.0, 3.0, 1.0, 1.0, 0.5]

@@ -47,7 +47,7 @@ def parse_spec(text: str) -> dict:
     """``k=4,acceptance=0.7[,draft=MODEL]`` -> the ``engine.speculative`` mapping
     (``ngram`` without a draft)."""
     from pydantic import ValidationError
-    from simulator.config.scenario import SpeculativeConfig
+    from simulator.config.engine import SpeculativeConfig
     out: dict = {}
     for part in (text or "").split(","):
         key, eq, val = part.partition("=")
@@ -161,7 +161,7 @@ def _measured(profile: Path, kind: str, model: Optional[str]):
 
 def _check_profile_model(prof: dict, model: str, path: Path) -> None:
     """``--model`` with ``--profile``: the profile must be of that model."""
-    from simulator.config.scenario import ModelShape, _profile_model_check
+    from simulator.config.model import ModelShape, _profile_model_check
     from simulator.cost.roofline.model import model_arch
     arch = _named("--model", lambda: model_arch(model, [Path.cwd()]))
     shape = ModelShape(name=arch.name, n_layers=arch.layers, d_model=arch.hidden,

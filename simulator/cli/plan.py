@@ -21,7 +21,8 @@ console = Console()
 
 def _base(scenario: Path, set_: Optional[List[str]]) -> tuple[dict, Path]:
     """The scenario file as a mapping with ``--set`` applied, validated once, and its folder."""
-    from simulator.config.scenario import apply_overrides, read_yaml, validate_scenario
+    from simulator.config.scenario import read_yaml, validate_scenario
+    from simulator.config.yamlfile import apply_overrides
     data = read_yaml(scenario)
     if not isinstance(data, dict):
         raise LatsimError("a scenario must be a YAML mapping", source=str(scenario))

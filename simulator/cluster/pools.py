@@ -57,7 +57,7 @@ class Pool:
 def pool_scenario(sc, pool):
     """The scenario as one replica of ``pool`` sees it: ``model.cost`` is the pool's,
     ``cluster`` a plain one of its replicas (its ``gpus_per_replica``)."""
-    from simulator.config.scenario import ClusterConfig
+    from simulator.config.cluster import ClusterConfig
     cost = pool.cost if pool.cost is not None else sc.model.cost
     cl: dict = {"replicas": max(1, pool.replicas)}
     gpus = pool.gpus_per_replica

@@ -36,7 +36,7 @@ from simulator.model.kv.space import KVRules
 from simulator.model.kv.prefixkeys import WorkloadKeys
 from simulator.wire.network import ConnectionPools, H2Connections, NetworkTiming, Topology
 from simulator.report.recorder import Recorder
-from simulator.config.scenario import engine_policy
+from simulator.config.engine import engine_policy
 from simulator.wire.stream import StreamTiming
 from simulator.loops.compiled import (COMPILE_MIN_REQUESTS, Handback, kernel_reason,
                                       run_compiled, worth_compiling)

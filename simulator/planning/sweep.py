@@ -34,7 +34,8 @@ from typing import Any, Optional
 import pandas as pd
 import yaml
 
-from simulator.config.scenario import parse_override, validate_scenario
+from simulator.config.scenario import validate_scenario
+from simulator.config.yamlfile import parse_override
 from simulator.errors import LatsimError
 from simulator.planning.executors import load_profile_for, make_executor
 

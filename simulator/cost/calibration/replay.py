@@ -64,7 +64,7 @@ def replay(run: RecordedRun, scenario, step_ms: Callable, *,
     Long, and one function: one loop whose state (the clock and its warp, the anchors
     still ahead, the queues, the steps recorded so far) every stage of a step reads and
     writes; the stages that stand alone are the nested functions."""
-    from simulator.config.scenario import engine_policy
+    from simulator.config.engine import engine_policy
     from simulator.loops.simulate import kv_capacity_blocks
     from simulator.model.kv.blocks import request_blocks
     from simulator.model.kv.space import KVRules, KVSpace

@@ -1,0 +1,147 @@
+"""``engine``: the serving engine: batch limits, the scheduling policy (by name, with
+its own parameters), KV-cache settings and speculative decoding."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import (Field, ValidationError, field_validator,
+                      model_serializer, model_validator)
+
+from simulator.errors import LatsimError
+from simulator.model.scheduling import check_policy_name, make_policy, policy_class
+from simulator.config.strict import _Strict
+
+
+class KVConfig(_Strict):
+    """KV cache: capacity from GPU memory (or an explicit block count), allocation,
+    preemption under memory pressure, and prefix caching (see ``kvspace``)."""
+
+    block_size: int = Field(16, ge=1, le=4096)
+    num_blocks: Optional[int] = Field(None, ge=1, description="overrides the memory-derived count")
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    allocation: Literal["paged", "contiguous"] = Field(
+        "paged", description="paged: blocks on demand; contiguous: reserve max length up front")
+    max_model_len: Optional[int] = Field(None, ge=1, description="longest request (prompt + "
+                                         "output); contiguous reserves this much per request")
+    watermark: float = Field(0.0, ge=0, lt=1, description="fraction of blocks kept free "
+                             "at admission")
+    preemption: Literal["recompute", "swap"] = "recompute"
+    victim: Literal["priority", "latest"] = Field(
+        "priority", description="whom to preempt: lowest class then latest arrival, or latest")
+    swap_space_gb: float = Field(4.0, ge=0, description="CPU memory for swapped-out KV")
+    swap_gb_per_s: float = Field(25.0, gt=0, description="GPU<->CPU copy bandwidth (PCIe)")
+    prefix_caching: bool = False
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        if self.prefix_caching and self.allocation == "contiguous":
+            raise ValueError("prefix_caching needs allocation: paged (contiguous "
+                             "reservations are private to a request)")
+        return self
+
+
+def _policy_spec(data: Any) -> Any:
+    """``policy: {kind: name, param: value, ...}`` -> ``policy: name`` plus
+    ``policy_params`` (the same thing, flat enough for ``--set`` and sweep axes)."""
+    if isinstance(data, dict) and isinstance(data.get("policy"), dict):
+        data = dict(data)
+        spec = dict(data["policy"])
+        kind = spec.pop("kind", None)
+        if not isinstance(kind, str):
+            raise ValueError("policy: a mapping needs a 'kind' naming the policy")
+        data["policy"] = kind
+        data["policy_params"] = {**(data.get("policy_params") or {}), **spec}
+    return data
+
+
+def _check_policy_params(name: str, params: dict) -> None:
+    """The named policy takes these parameters (its own ``Params``)."""
+    cls = policy_class(name)
+    try:
+        cls.Params(**params)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        msg = "unknown parameter" if err["type"] == "extra_forbidden" else \
+            err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"policy {name!r}, parameter {key!r}: {msg}") from None
+
+
+class SpeculativeConfig(_Strict):
+    """Speculative decoding (``engine.speculative``): each decode step proposes ``k``
+    draft tokens per sequence (``draft``: a small draft model, ``draft_model``, run
+    ``k`` times; ``ngram``: prompt lookup on the host) and the target verifies them in
+    one pass; each draft is accepted with probability ``acceptance`` (i.i.d.)."""
+
+    method: Literal["draft", "ngram"]
+    k: int = Field(4, ge=1, le=32, strict=True, description="draft tokens proposed per step")
+    acceptance: float = Field(ge=0, le=1, description="probability each draft token is "
+                              "accepted (i.i.d., Leviathan et al. 2023)")
+    draft_model: Optional[str] = Field(None, description="method draft: a catalogued model "
+                                       "(e.g. llama-3.2-1b) or a config.json path")
+
+    @field_validator("draft_model")
+    @classmethod
+    def _known(cls, v):
+        if v is not None:
+            from simulator.cost import catalog
+            try:
+                catalog.model(v)
+            except LatsimError as e:
+                raise ValueError(str(e).removeprefix("field 'model': ")) from None
+        return v
+
+    @model_validator(mode="after")
+    def _needs_draft(self):
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("method draft needs draft_model (a catalogued model, e.g. "
+                             "llama-3.2-1b)")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("draft_model is for method draft (ngram proposes from the "
+                             "prompt)")
+        return self
+
+
+class EngineConfig(_Strict):
+    """One replica's engine: scheduling policy and its limits. ``policy`` is a
+    registered policy's name, or ``{kind: name, ...its parameters}``."""
+
+    policy: str = "chunked"
+    policy_params: dict[str, Any] = Field(default_factory=dict,
+                                          description="the policy's own parameters")
+    max_num_seqs: int = Field(256, ge=1, le=1_000_000)
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
+    chunk_size: Optional[int] = Field(None, ge=1, description="max prefill chunk (default: "
+                                      "budget), for policies that chunk")
+    aging_s: float = Field(30.0, gt=0, description="priority_aging: one class per aging_s "
+                           "waited (its default)")
+    kv: KVConfig = Field(default_factory=KVConfig)
+    speculative: Optional[SpeculativeConfig] = Field(None, description="speculative "
+                                                     "decoding what-if (None: off)")
+
+    _spec = model_validator(mode="before")(classmethod(lambda cls, v: _policy_spec(v)))
+    _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        # Off, it is not written (a scenario without it echoes as it did before).
+        d = handler(self)
+        if self.speculative is None and isinstance(d, dict):
+            d.pop("speculative", None)
+        return d
+
+    @model_validator(mode="after")
+    def _params(self):
+        _check_policy_params(self.policy, self.policy_params)
+        return self
+
+
+def engine_policy(eng: EngineConfig, name: Optional[str] = None):
+    """The ``Policy`` an engine config describes (``name`` overrides its policy; the
+    engine's ``policy_params`` then apply only if they name the same policy)."""
+    name = name or eng.policy
+    return make_policy(name, max_num_seqs=eng.max_num_seqs,
+                       max_num_batched_tokens=eng.max_num_batched_tokens,
+                       params=eng.policy_params if name == eng.policy else None,
+                       chunk_size=eng.chunk_size, aging_s=eng.aging_s)
