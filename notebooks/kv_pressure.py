@@ -46,7 +46,8 @@ import numpy as np
 
 from simulator.config.scenario import load_scenario
 from simulator.report.kv import kv_capacity_line
-from simulator.report.output import run_outputs, series_table, write_run
+from simulator.report.files import write_run
+from simulator.report.output import run_outputs, series_table
 from simulator.loops.simulate import kv_capacity_blocks, simulate
 from simulator.workload import build_workload
 

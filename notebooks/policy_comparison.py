@@ -61,7 +61,8 @@ print(f"{sc.name}: policies {', '.join(policies)}")
 # %%
 import time
 
-from simulator.report.output import run_outputs, series_table, write_run
+from simulator.report.files import write_run
+from simulator.report.output import run_outputs, series_table
 from simulator.loops.simulate import simulate
 
 t0 = time.perf_counter()

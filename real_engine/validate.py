@@ -25,7 +25,7 @@ from simulator.config.scenario import validate_scenario
 from simulator.cost.calibration import METRICS, compare  # noqa: F401 (re-exported)
 from simulator.report.metrics import add_derived, requests_table, summarize
 from simulator.report.recorder import ItlHistogram
-from simulator.report.output import json_safe
+from simulator.report.files import json_safe
 from simulator.loops.simulate import simulate
 from simulator.workload import Workload
 

@@ -113,10 +113,10 @@ def test_bad_out_is_refused_before_the_run(capsys, tmp_path, monkeypatch, no_sim
     f.write_text("x")
     out = {"a file": f, "under a file": f / "sub", "not writable": tmp_path / "ro" / "out"}[case]
     if case == "not writable":
-        import simulator.report.output as output
+        import simulator.report.files as files
         (tmp_path / "ro").mkdir()
-        real = output.os.access
-        monkeypatch.setattr(output.os, "access",
+        real = files.os.access
+        monkeypatch.setattr(files.os, "access",
                             lambda p, m: False if Path(p) == tmp_path / "ro" else real(p, m))
     code, _, err = cli(["run", write(tmp_path, small()), "--out", out], capsys)
     line = error_line(err)
@@ -143,13 +143,13 @@ def test_out_that_holds_files_needs_force_and_force_keeps_other_files(capsys, tm
 
 def test_an_interrupted_run_leaves_no_table_that_looks_whole(capsys, tmp_path, monkeypatch):
     """Ctrl-C while writing leaves no ``--out`` folder and no partial files."""
-    import simulator.report.output as output
+    import simulator.report.files as files
 
     def half_then_interrupt(res, path, fmt="csv", rows=0):
         """Write half a table, then behave as Ctrl-C does."""
         Path(path).write_text("rid,priority\n0,1\n")   # half a table...
         raise KeyboardInterrupt                          # ...then Ctrl-C
-    monkeypatch.setattr(output, "write_requests", half_then_interrupt)
+    monkeypatch.setattr(files, "write_requests", half_then_interrupt)
     code, _, err = cli(["run", write(tmp_path, small()), "--out", tmp_path / "out"], capsys)
     assert code == 130 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
@@ -343,7 +343,7 @@ def _wait_for(cond, what: str):
 
 def test_a_long_run_announces_compiling_and_shows_progress(monkeypatch):
     """The run watcher says the loop is compiling, then how many requests are settled."""
-    m = importlib.import_module("simulator.cli.main")   # (the package exports main())
+    m = importlib.import_module("simulator.cli.run")
     monkeypatch.setattr(m, "compiled_loop_cached", lambda: False)
     buf = io.StringIO()
     watch = m.RunProgress("chunked", 1000, Console(file=buf, force_terminal=False, width=200))
@@ -375,7 +375,7 @@ def test_the_requests_table_is_streamed_in_chunks_exactly(tmp_path):
     from simulator.loops.simulate import simulate
     from simulator.config.scenario import validate_scenario
     from simulator.report.metrics import requests_table
-    from simulator.report.output import write_requests
+    from simulator.report.files import write_requests
     d = small(57)
     d["workload"]["classes"] = [{"name": "P0, urgent", "share": 1}, {"name": "P1", "share": 2}]
     res = simulate(validate_scenario(d))
@@ -404,7 +404,7 @@ def test_the_summary_without_the_table_is_the_same_summary():
 
 def test_big_runs_write_parquet_and_plots_need_csv(capsys, tmp_path):
     """Above the CSV limit the table is Parquet; a bad ``--table-format`` is one line."""
-    from simulator.report.output import REQUESTS_CSV_MAX, table_format
+    from simulator.report.files import REQUESTS_CSV_MAX, table_format
     assert table_format("auto", REQUESTS_CSV_MAX) == "csv"
     assert table_format("auto", REQUESTS_CSV_MAX + 1) == "parquet"
     assert table_format("csv", 10**7) == "csv"
@@ -479,7 +479,8 @@ def test_version(capsys):
 def test_tables_at_80_columns_never_split_a_number():
     """Five runs side by side at 80 columns: split into tables that fit, every number whole."""
     from simulator.loops.simulate import simulate
-    from simulator.report.output import fmt, print_run, run_summary
+    from simulator.report.output import run_summary
+    from simulator.report.tables import fmt, print_run
     from simulator.config.scenario import validate_scenario
     d = small(60)
     d["workload"]["classes"] = [{"name": "P0", "share": 1}, {"name": "P1", "share": 1}]
@@ -513,7 +514,7 @@ def test_usage_errors_are_one_line(capsys):
 
 def test_a_bug_is_one_line_and_exit_70(capsys, monkeypatch):
     """An unexpected exception is one 'internal error' line, exit 70."""
-    m = importlib.import_module("simulator.cli.main")   # (the package exports main())
+    m = importlib.import_module("simulator.cli.run")
 
     def bug(*a, **k):
         """A command that fails the way a bug does."""
@@ -547,7 +548,7 @@ def test_validation_on_a_busy_cpu_box_says_the_errors_measure_the_load(capsys, m
     import importlib
     import os
 
-    M = importlib.import_module("simulator.cli.main")   # the module, not its main()
+    M = importlib.import_module("simulator.cli.engine")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.8, 1.0, 1.0))
     M._warn_if_busy("cpu")

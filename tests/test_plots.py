@@ -25,7 +25,8 @@ def _labelled_lines(ax) -> list:
 def run_dir(tmp_path_factory):
     """A two-policy, two-replica, three-class run written as `latsim run --out` does."""
     from simulator.config.scenario import load_scenario
-    from simulator.report.output import run_outputs, series_table, write_run
+    from simulator.report.files import write_run
+    from simulator.report.output import run_outputs, series_table
     from simulator.loops.simulate import simulate
 
     sc, base = load_scenario(REPO / "scenarios" / "policies-compare.yaml",

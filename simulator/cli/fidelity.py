@@ -8,7 +8,7 @@ the fidelity commands that need no engine.
 - ``calibrate SCENARIO --run DIR``: engine facts and engine-specific coefficients
   measured on a recorded serving run (``simulator.cost.calibration``), real vs
   simulated latency before and after, and the calibrated profile (``--out``).
-- ``validate --run DIR SCENARIO`` (``validate_run``, called by ``simulator.cli.main``):
+- ``validate --run DIR SCENARIO`` (``validate_run``, called by ``simulator.cli.engine``):
   real vs simulated for a recorded run and where the error comes from.
 
 Command functions only; ``simulator.cli.main`` registers them. Exit codes: 0 done; 1 it
@@ -125,7 +125,7 @@ def fit(
     the cross-validated (leave-one-out) relative error per row kind."""
     from simulator.cost.fit import fit as fit_profile
     from simulator.cost.fitstore import fit_to_dict, physical_rates
-    from simulator.report.output import json_safe
+    from simulator.report.files import json_safe
     prof, raw = _read_profile(profile)
     res = fit_profile(prof, cv=True)
     d = fit_to_dict(res, prof, source="latsim fit")
@@ -270,7 +270,7 @@ def calibrate(
     from simulator.cost.calibration import (ReplayError, calibrate as run_calibration,
                                             simulate_run)
     from simulator.cost.fitted import FittedCostModel
-    from simulator.report.output import json_safe
+    from simulator.report.files import json_safe
     if out is not None and out.suffix != ".json":
         raise LatsimError("must be a .json file", source="--out", value=str(out), has_value=True)
     cases, sc, base = load_cases(scenario, run, policy, set_)
@@ -348,7 +348,7 @@ def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[
     """``latsim validate --run DIR SCENARIO``: real vs simulated P50/P99 for a recorded
     run, and the model's step time against the measured one per step kind."""
     from simulator.cost.calibration import ReplayError, validate_recorded
-    from simulator.report.output import json_safe
+    from simulator.report.files import json_safe
     cases, _, base = load_cases(scenario, [run], label)
     k = cases[0]
     try:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from simulator.errors import LatsimError
-from simulator.report.output import fmt
+from simulator.report.tables import fmt
 
 console = Console()
 

@@ -25,8 +25,9 @@ def report(
         ..., help="a `latsim run --out`, `latsim sweep` or `latsim validate --out` folder, "
         "or a sweep table (.csv)"),
 ) -> None:
-    """Write PNG plots (latency CDFs, E2E breakdown, time series, latency vs load,
-    fidelity) next to the results and print their paths, one per line."""
+    """Write PNG plots next to the results and print their paths, one per line.
+
+    Latency CDFs, the E2E breakdown, time series, latency vs load, fidelity."""
     from simulator.report.plots import plot_run, plot_sweep
 
     if not results_dir.exists():

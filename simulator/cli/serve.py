@@ -257,7 +257,8 @@ def bench(
     import pandas as pd
 
     from simulator.wire.benchclient import bench_outputs, need_h2, run_bench
-    from simulator.report.output import json_safe, latency_table, throughput_table
+    from simulator.report.files import json_safe
+    from simulator.report.tables import latency_table, throughput_table
     from simulator.workload import Workload
     _need("httpx")
     if not url.startswith(("http://", "https://")):

@@ -1,0 +1,26 @@
+"""What every command module shares: printing an error as the one line on stderr with
+its exit code, and reading a ``--policies`` list."""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from simulator.errors import LatsimError, error_line
+
+
+def _fail(e: Exception) -> None:
+    """Print ``e`` as the one error line on stderr and exit with its code (2: bad input)."""
+    sys.stderr.write(error_line(e) + "\n")
+    sys.stderr.flush()
+    raise typer.Exit(getattr(e, "exit_code", 2))
+
+
+def _policy_list(text: str) -> list[str]:
+    """``--policies a,b`` as a checked list."""
+    from simulator.model.scheduling import check_policy_name
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        return [check_policy_name(p) for p in names]
+    except ValueError as e:
+        raise LatsimError(str(e), source="--policies") from None

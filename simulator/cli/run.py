@@ -1,0 +1,356 @@
+"""``latsim run``: simulate a scenario, print its latencies, write its result files.
+
+The command function ``run`` (registered by ``simulator.cli.main``), the memory and
+time estimate a run prints or refuses on before it starts, the progress watcher
+(``RunProgress``) and the one-line reasons a run did not finish. Bad input is a
+``LatsimError`` printed on one line (exit 2); requests that never finished exit 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from simulator.cli.common import _fail, _policy_list
+from simulator.errors import LatsimError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+RUN_REQUESTS_PER_S = {"compiled": 50_000, "simpy": 3_000}   # rough, for the time estimate
+
+
+def _loop_guess(loop: str, n: int) -> str:
+    """The loop a run of ``n`` requests most likely takes (``simulate`` decides)."""
+    from simulator.loops.compiled import worth_compiling
+    if loop == "simpy" or (loop == "auto" and not worth_compiling(n)):
+        return "simpy"
+    return "compiled"
+
+
+def _check_size(n: float, runs: int, loop: str, yes: bool, source: str) -> None:
+    """Refuse (unless ``yes``) a run whose memory estimate exceeds what is available,
+    and say how long a long one will take, before it starts."""
+    from simulator.errors import available_memory, gib
+    from simulator.report.output import run_memory
+    which = _loop_guess(loop, int(min(n, 2**62)))
+    need = run_memory(n, which)
+    have = available_memory()
+    if have is not None and need > have and not yes:
+        raise LatsimError(f"{n:,.0f} requests need about {gib(need)} of memory, {gib(have)} "
+                          "is available: lower workload.num_requests (or the rate or "
+                          "duration), or pass --yes to try anyway", source=source,
+                          field="workload")
+    secs = n * runs / RUN_REQUESTS_PER_S[which]
+    if secs >= 10:
+        console.print(f"about {_duration(secs)} to simulate {n:,.0f} requests"
+                      + (f" x {runs} runs" if runs > 1 else "")
+                      + f" ({which} loop), {gib(need)} of memory", highlight=False)
+
+
+def _duration(secs: float) -> str:
+    return f"{secs:,.0f} s" if secs < 120 else f"{secs / 60:,.0f} min"
+
+
+def compiled_loop_cached() -> bool:
+    """Whether the compiled event loop's machine code is cached for these sources (so a
+    run loads it in about a second instead of compiling it)."""
+    from simulator import kernel
+    d = getattr(kernel, "CACHE_DIR", None)
+    return d is not None and any(Path(d).glob("*/loop.run-*.nbi"))
+
+
+class RunProgress:
+    """``simulate``'s progress callback for one run: says when the compiled loop is being
+    compiled, and once the run has taken ``DELAY_S`` shows how many requests are settled
+    (finished, rejected or cancelled), on stderr: a bar on a terminal, a line every
+    ``NOTE_S`` otherwise. ``close`` stops it."""
+
+    DELAY_S = 2.0
+    NOTE_S = 10.0
+
+    def __init__(self, label: str, n: int, out: Console) -> None:
+        self.label, self.n, self.out = label, n, out
+        self.rec = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._bar = None
+
+    def __call__(self, loop: str, rec) -> None:
+        self.rec, self.loop, self.t0 = rec, loop, time.perf_counter()
+        self.compiling = loop == "compiled" and not compiled_loop_cached()
+        if self.compiling:
+            self.out.print("latsim: compiling the event loop for this machine and these "
+                           "sources (once: about 1-2 minutes; later runs load it in about "
+                           "a second)", markup=False, highlight=False, soft_wrap=True)
+        if self._thread is None and self.n:
+            self._thread = threading.Thread(target=self._watch, daemon=True)
+            self._thread.start()
+
+    def settled(self) -> int:
+        """Requests finished, rejected or cancelled so far (estimated from a sample of at
+        most ~100,000 requests, so that watching costs the run nothing)."""
+        rec = self.rec
+        step = max(1, self.n // 100_000)
+        done = ~np.isnan(rec.last_delivered[::step]) | rec.rejected[::step] | \
+            rec.cancelled[::step]
+        return min(self.n, int(done.sum()) * step)
+
+    def _watch(self) -> None:
+        last_note = 0.0
+        while not self._stop.wait(0.25):
+            elapsed = time.perf_counter() - self.t0
+            if elapsed < self.DELAY_S:
+                continue
+            done = self.settled()
+            if done and self.compiling:
+                self.compiling = False   # the loop runs: compiled (or loaded) by now
+            what = "compiling the event loop" if self.compiling and not done else "requests"
+            if self.out.is_terminal:
+                if self._bar is None:
+                    from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
+                                               TextColumn, TimeElapsedColumn)
+                    self._bar = Progress(TextColumn(f"[bold]{escape(self.label)}"), BarColumn(),
+                                         MofNCompleteColumn(), TextColumn("{task.description}"),
+                                         TimeElapsedColumn(), console=self.out,
+                                         transient=True)
+                    self._bar.start()
+                    self._task = self._bar.add_task(what, total=self.n)
+                self._bar.update(self._task, completed=done, description=what)
+            elif elapsed - last_note >= self.NOTE_S:
+                last_note = elapsed
+                self.out.print(f"latsim: {self.label}: " + (
+                    f"compiling the event loop, {elapsed:,.0f} s" if what != "requests" else
+                    f"{done:,} of {self.n:,} requests settled, {elapsed:,.0f} s"),
+                    markup=False, highlight=False)
+
+    def close(self) -> None:
+        """Stop watching (the run ended or failed)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def run(
+    scenario: Path = typer.Argument(..., help="scenario YAML"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="override: a.b=value"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for result files (new or "
+                                       "empty; --force to replace the results in it)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed"),
+    policies: Optional[str] = typer.Option(None, "--policies",
+                                           help="comma-separated policies to compare"),
+    plots: bool = typer.Option(False, "--plots", help="also write PNG plots to --out"),
+    loop: str = typer.Option("auto", "--loop", help="auto: the compiled loop where it covers "
+                             "the run and the run is large enough, else SimPy (same "
+                             "results; the run line says which and why); compiled: insist "
+                             "on it; simpy: SimPy"),
+    force: bool = typer.Option(False, "--force", help="--out may hold an earlier run: its "
+                               "results are replaced (other files are left alone)"),
+    yes: bool = typer.Option(False, "--yes", help="run even when the memory estimate is "
+                             "above what this machine has available"),
+    table_format: str = typer.Option("auto", "--table-format", help="requests table: csv, "
+                                     "parquet, or auto (CSV up to 100,000 requests per run, "
+                                     "Parquet above)"),
+) -> None:
+    """Simulate a scenario and print P50/P90/P99 latencies and the E2E breakdown.
+
+    Exit 0 when every request finished (or left as the scenario's clients chose); 1 when
+    some never finished (too large for the KV cache, or cut by max_sim_time_s: a line
+    says how many and why); 2 on bad input, before anything runs."""
+    try:
+        _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_format)
+    except LatsimError as e:
+        _fail(e)
+    except MemoryError:
+        _fail(LatsimError("out of memory: the run does not fit in this machine's memory "
+                          "(lower its sizes: requests, replicas, clients, batch slots)",
+                          source=str(scenario)))
+
+
+def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_format) -> None:
+    """``latsim run``: check everything, simulate each run, write the results at once."""
+    if loop not in ("auto", "compiled", "simpy"):
+        raise LatsimError("must be 'auto', 'compiled' or 'simpy'",
+                          source="--loop", value=loop, has_value=True)
+    if seed is not None and seed < 0:
+        raise LatsimError("must be >= 0", source="--seed", value=seed, has_value=True)
+    if plots and out is None:
+        raise LatsimError("--plots needs --out (the plots are drawn from the result files)",
+                          source="--plots")
+    from simulator.config.scenario import load_scenario
+    from simulator.cost import load_profile, profile_search_dirs, resolve_profile_path
+    from simulator.loops.simulate import Unsupported, kv_capacity_blocks, never_fit, simulate
+    from simulator.report.kv import kv_capacity_line
+    from simulator.report.metrics import unfinished
+    from simulator.report.files import (StagedDir, check_out_dir, file_labels,
+                                        table_format as pick_format, write_csv, write_requests,
+                                        write_run_facts)
+    from simulator.report.output import run_summary, series_table
+    from simulator.report.tables import print_run
+    from simulator.workload import build_workload
+
+    pick_format(table_format, 0)   # a bad --table-format fails now
+    sc, base = load_scenario(scenario, set_)
+    if policies:
+        sc = sc.model_copy(update={"policies": _policy_list(policies)})
+    if out is not None:
+        check_out_dir(out, force=force)
+    runs = sc.policy_runs()
+    s = sc.seed if seed is None else seed
+    expected = getattr(sc.workload, "expected_requests", None)
+    sized = expected is not None
+    if sized:
+        _check_size(expected(), len(runs), loop, yes, str(scenario))
+    capacity = kv_capacity_blocks(sc)
+    console.print(kv_capacity_line(sc, capacity), highlight=False)
+    # Same traffic for every policy: build the workload once from the seed.
+    wl_rng = np.random.default_rng(np.random.SeedSequence(s).spawn(4)[0])
+    wl = build_workload(sc.workload, wl_rng, base)
+    n = len(wl)
+    if not sized:
+        _check_size(n, len(runs), loop, yes, str(scenario))
+    fmt = pick_format(table_format, n)
+    if plots and fmt == "parquet":
+        raise LatsimError(f"--plots draws from CSV tables; this run of {n:,} requests writes "
+                          "Parquet: add --table-format csv", source="--plots")
+    _never_fit_lines(runs, wl, never_fit, kv_capacity_blocks, str(scenario))
+    profile = None
+    if getattr(sc.model.cost, "path", None) is not None:
+        profile = load_profile(resolve_profile_path(sc.model.cost.path,
+                                                    profile_search_dirs(base)))
+    staged = StagedDir(out) if out is not None else None
+    multi = len(runs) > 1
+    outs, why_not = {}, {}
+    names = file_labels([label for label, _ in runs]) if multi else {}
+    try:
+        wall = 0.0
+        for label, psc in runs:
+            watch = RunProgress(label, n, err_console)
+            t0 = time.perf_counter()
+            try:
+                res = simulate(psc, s, base_dir=base, workload=wl, profile=profile, loop=loop,
+                               progress=watch)
+            except Unsupported as e:
+                raise LatsimError(f"the {loop} loop cannot run this scenario: {e}",
+                                  source="--loop", value=loop, has_value=True) from None
+            finally:
+                watch.close()
+            outs[label] = run_summary(res)
+            wall += time.perf_counter() - t0
+            if staged is not None:
+                ext = "parquet" if fmt == "parquet" else "csv"
+                tail = f"-{names[label]}" if multi else ""
+                with _writing(out):
+                    write_requests(res, staged.path / f"requests{tail}.{ext}", fmt)
+                    write_csv([series_table(res)], staged.path / f"timeseries{tail}.csv")
+            why_not[label] = _unfinished_text(unfinished(_settle_frame(res), psc.max_sim_time_s),
+                                              psc.max_sim_time_s)
+            del res
+        first = next(iter(outs.values()))["run"]
+        console.print(f"[bold]{escape(sc.name)}[/]: {n} requests, "
+                      f"{sc.cluster.replicas} replica(s), "
+                      f"KV capacity {first['kv_capacity_tokens']:,} tokens/replica, "
+                      f"seed {s}, simulated in {wall:.2f} s "
+                      f"({', '.join(sorted({o['run']['event_loop'] for o in outs.values()}))})")
+        print_run(console, outs)
+        files = []
+        if staged is not None:
+            with _writing(out):
+                write_run_facts(staged.path, sc, outs)
+                if plots:
+                    from simulator.report.plots import plot_run
+                    plot_run(staged.path)
+            files = staged.commit()
+            staged = None
+        if files:
+            console.print(f"wrote {', '.join(str(f) for f in files)}")
+    finally:
+        if staged is not None:
+            staged.discard()
+    bad = {k: v for k, v in why_not.items() if v[1]}
+    for label, (text, _) in why_not.items():
+        if text:
+            console.print(f"{'[bold red]not finished[/]' if label in bad else 'not finished'}"
+                          f"{f' ({escape(label)})' if multi else ''}: {text}", highlight=False)
+    if bad:
+        raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _writing(out):
+    """Writing results: an OS error (a full disk, a quota) is one line naming --out."""
+    try:
+        yield
+    except OSError as e:
+        raise LatsimError(f"cannot write the results: {e.strerror or e}", source="--out",
+                          value=str(out), has_value=True) from None
+
+
+def _settle_frame(res):
+    """The columns ``metrics.unfinished`` reads, without building the whole table."""
+    import pandas as pd
+    rec = res.rec
+    return pd.DataFrame({"finished": ~np.isnan(rec.last_delivered), "rejected": rec.rejected,
+                         "cancelled": rec.cancelled, "refused": rec.refused,
+                         "timed_out": rec.timed_out}, copy=False)
+
+
+def _unfinished_text(counts: dict, max_sim_time_s) -> tuple[str, bool]:
+    """A run's unfinished requests as one sentence, and whether they make it fail (exit 1):
+    rejected or cut off did not get what was asked; cancelled by their clients did."""
+    parts = []
+    if counts["rejected"]:
+        parts.append(f"{counts['rejected']:,} rejected: too large for the KV cache, they can "
+                     "never run (see the warning before the run)")
+    if counts["cut"]:
+        parts.append(f"{counts['cut']:,} still queued or running when the clock stopped at "
+                     f"max_sim_time_s = {max_sim_time_s:g} s")
+    if counts["stuck"]:
+        parts.append(f"{counts['stuck']:,} never completed although the run ended")
+    if counts["cancelled"]:
+        parts.append(f"{counts['cancelled']:,} cancelled after their clients disconnected "
+                     "(stream.disconnect)")
+    # Traffic control did what the scenario asked: not a failure of the run.
+    if counts.get("refused"):
+        parts.append(f"{counts['refused']:,} refused by admission control "
+                     "(cluster.admission; see rejected_by_reason)")
+    if counts.get("timed_out"):
+        parts.append(f"{counts['timed_out']:,} given up by their clients (client timeouts)")
+    failed = bool(counts["rejected"] or counts["cut"] or counts["stuck"])
+    return "; ".join(parts), failed
+
+
+def _never_fit_lines(runs, wl, never_fit, capacity_of, source: str) -> None:
+    """Before the run: how many requests each run's KV cache can never hold (a warning),
+    or an error when it can hold none of them."""
+    for label, psc in runs:
+        nf = never_fit(psc, wl, capacity_of(psc))
+        bad = nf["over_capacity"] + nf["over_max_model_len"]
+        if not bad:
+            continue
+        why = []
+        if nf["over_capacity"]:
+            why.append(f"{nf['over_capacity']:,} need more KV blocks than the "
+                       f"{nf['usable_blocks']:,} a replica can give (the largest needs "
+                       f"{nf['largest_blocks']:,})")
+        if nf["over_max_model_len"]:
+            why.append(f"{nf['over_max_model_len']:,} exceed engine.kv.max_model_len "
+                       f"{psc.engine.kv.max_model_len:,}")
+        where = f" ({escape(label)})" if len(runs) > 1 else ""
+        if bad == len(wl):
+            raise LatsimError(f"no request can ever run{where}: the KV cache is too small for "
+                              f"all {len(wl):,} ({'; '.join(why)}); raise engine.kv.num_blocks "
+                              "or gpu_memory_gb, or shorten the requests", source=source,
+                              field="engine.kv")
+        console.print(f"[yellow]warning[/]{where}: {bad:,} of {len(wl):,} requests can never "
+                      f"run and will be rejected: {'; '.join(why)}", highlight=False)
