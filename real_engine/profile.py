@@ -266,6 +266,10 @@ def run_profile(model: str | ModelConfig = "tiny", device: str = "cpu",
     None (not written). ``engine``: reuse a built engine (its model must be
     ``model``); otherwise one is built with enough KV blocks for the grid.
     ``time_budget_s``: rows left when it runs out are skipped (noted in meta).
+
+    Long, as one timed session: the grid's row kinds (prefill, partial prefill, decode,
+    eager decode, mixed) share the warmed engine, the clock budget and the log, and
+    are measured in one fixed order so that profiles from different machines compare.
     """
     t_start = time.perf_counter()
     cfg = engine.model.cfg if engine is not None else resolve_config(model)

@@ -549,6 +549,7 @@ def test_validation_on_a_busy_cpu_box_says_the_errors_measure_the_load(capsys, m
     import os
 
     M = importlib.import_module("simulator.cli.engine")
+    monkeypatch.delenv("LATSIM_NO_LOAD_WARNING", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.8, 1.0, 1.0))
     M._warn_if_busy("cpu")

@@ -178,7 +178,11 @@ def run(
 
 
 def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_format) -> None:
-    """``latsim run``: check everything, simulate each run, write the results at once."""
+    """``latsim run``: check everything, simulate each run, write the results at once.
+
+    Long because its order is the command's promise: every check (flags, scenario, KV
+    sizes, memory, the out folder) before the first simulated second, then the runs,
+    then the files staged and moved into place together; each step is a call."""
     if loop not in ("auto", "compiled", "simpy"):
         raise LatsimError("must be 'auto', 'compiled' or 'simpy'",
                           source="--loop", value=loop, has_value=True)

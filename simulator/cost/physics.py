@@ -85,6 +85,8 @@ by them), used by the roofline model of a replica on ``tp x pp`` GPUs:
 
 Every number lives in one float64 vector ``c`` (indices ``C_*`` below) so the
 evaluation is a pure ``@kernel`` the compiled event loop calls as well as Python.
+The layout of ``c`` and the kernels that read it stay in this one module (longer than
+most): an index defined in one file and read in another is how the two drift apart.
 """
 from __future__ import annotations
 

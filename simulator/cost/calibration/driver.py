@@ -61,7 +61,8 @@ def calibrate(cases: Sequence[RunCase], profile: dict, *, facts_only: bool = Fal
     ``facts_only``) refit the engine-specific coefficients to the runs' intervals; last
     the step tail (``measure_tail``). Runs without a step log are replayed again under
     the new coefficients and refitted (``rounds`` times in all), since the steps their
-    tokens did not time are priced by the model."""
+    tokens did not time are priced by the model. (Its length is that sequence of
+    stages, each a call; the report it assembles is what ``latsim calibrate`` prints.)"""
     from simulator.cost.fit import fit
     from simulator.cost.fitstore import fit_to_dict
     from simulator.cost.fitted import fitted_constants, step_tail

@@ -193,6 +193,14 @@ class Replica(ReplicaMemory, ReplicaApply):
 
     # -- the engine loop -------------------------------------------------------------
     def _run(self):
+        """The engine loop, as a SimPy process: wait for work; make room for the running
+        requests (preempting if blocks are short), bring swapped ones back, ask the
+        policy for the step, price it, wait its time, apply it; or run a decode epoch
+        (steps with nothing to decide, priced together) while nobody waits.
+
+        One generator, kept whole: every stage reads and writes the replica's state
+        between two yields, and splitting it into sub-generators puts a ``yield from``
+        frame on every step of the hottest loop of the SimPy model."""
         env = self.env
         rec = self.rec
         policy = self.policy
