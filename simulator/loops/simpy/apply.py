@@ -60,10 +60,19 @@ class ReplicaApply:
         self.kv_tokens += len(dseqs)
         self._outstanding -= len(dseqs)
         if done:
-            gone = set(map(id, done))
-            self.decoding = [s for s in self.decoding if id(s) not in gone]
-            for s in done:
-                self._finish(s, t, s.depart)
+            self._finish_decoded(done, t)
+
+    def _drop_decoding(self, done) -> None:
+        """Take the requests ``done`` out of the decoding list (order kept)."""
+        gone = set(map(id, done))
+        self.decoding = [s for s in self.decoding if id(s) not in gone]
+
+    def _finish_decoded(self, done, t: float) -> None:
+        """Requests that produced their last token in the step ending at ``t``: out of
+        the decoding list, then finished at their last frame's departure."""
+        self._drop_decoding(done)
+        for s in done:
+            self._finish(s, t, s.depart)
 
     def _decode_spec(self, dseqs, t: float) -> None:
         """One speculative decoding step for ``dseqs`` (``model.speculative``): each
@@ -106,10 +115,7 @@ class ReplicaApply:
         self.kv_tokens += total
         self._outstanding -= total
         if done:
-            gone = set(map(id, done))
-            self.decoding = [s for s in self.decoding if id(s) not in gone]
-            for s in done:
-                self._finish(s, t, s.depart)
+            self._finish_decoded(done, t)
 
     def _prefill(self, chunks, t: float) -> None:
         """Prefill progress; a chunk that completes its prefill yields a token: the
@@ -183,8 +189,7 @@ class ReplicaApply:
                 done.append(s)
         if not done:
             return
-        gone = set(map(id, done))
-        self.decoding = [s for s in self.decoding if id(s) not in gone]
+        self._drop_decoding(done)
         self._last_tok[t] -= len(done)
         recompute = False
         for s in done:
