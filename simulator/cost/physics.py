@@ -169,6 +169,12 @@ C_KV_BYTES = C_TP + 13           # bytes per K or V element (0: dtype_bytes)
 C_ATTN_TFLOPS = C_TP + 14        # attention peak TFLOP/s (0: peak_tflops)
 C_PARAMS_READ = C_TP + 15        # linear weights a step reads (MoE: every expert; 0: params_linear)
 N_CONST = C_TP + 16
+# -- optional, after the constants: a decode table (``with_decode_table``) ---------------
+# Row ``nd`` holds ``step_terms`` of a decode-only step of ``nd`` sequences (7 numbers)
+# and the decode-attention unit of an eager step of that batch: an event loop's decode
+# steps then cost a lookup and one p-norm, with the same bits as computing them.
+DT_COLS = 8
+DECODE_TABLE_BATCH = 1024        # the largest batch with a row (larger ones are computed)
 
 NAMES = {
     C_LAYERS: "layers", C_DMODEL: "d_model", C_HEADS: "heads", C_KV_HEADS: "kv_heads",
@@ -199,12 +205,19 @@ INDEX = {v: k for k, v in NAMES.items()}
 def pnorm(a, b, p):
     """``(a^p + b^p)^(1/p)`` for non-negative ``a``, ``b``: the larger one, softened
     where they are close (at most ``2^(1/p)`` times it)."""
-    m = a if a > b else b
+    if a > b:
+        m, s = a, b
+    else:
+        m, s = b, a
     if m <= 0.0:
         return 0.0
-    x = a / m
-    y = b / m
-    return m * (x ** p + y ** p) ** (1.0 / p)
+    # ``m (1 + r^p)^(1/p)`` with ``r = s / m``: where ``r^p`` is below half an ulp of 1
+    # the root is exactly 1, so the smaller term is skipped (most steps: ``p_step`` is
+    # large) without changing a bit of the result.
+    t = (s / m) ** p
+    if t < 1.1e-16:
+        return m
+    return m * (1.0 + t) ** (1.0 / p)
 
 
 @kernel
@@ -284,8 +297,12 @@ def chunk_attention_ms(c, n, prior):
 
 
 @kernel
-def decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine):
-    """Device time (ms) of the batched decode attention (module doc). One block per
+def decode_attention_unit(c, nd, eager_in_graph_engine):
+    """Device time (ms) of the batched decode attention per unit of its context
+    measure (``decode_x``): the longest context for an engine that pads decode
+    attention, the sum of the contexts for a paged one. Both bounds (module doc) grow
+    in proportion to that measure for a given batch, and so does their p-norm: a run of
+    decode steps of one batch computes this once (``decode_run_ms``). One block per
     (sequence, query head) streams its keys; at most ``SMs * blocks_per_SM`` blocks run
     at once, so past that the batch runs in waves and each further wave pays
     ``wave_cost`` of the latency bound again (a cliff when a batch spills into one more
@@ -294,17 +311,18 @@ def decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine):
         return 0.0
     L = c[C_LAYERS]
     e = c[C_E_DECODE_EAGER] if eager_in_graph_engine else c[C_E_DECODE]
+    kvb = 2.0 * kv_heads_per_gpu(c) * c[C_HEAD_DIM] * kv_elem_bytes(c)
+    # Throughput: the K/V bytes of every key read, at HBM * e.
+    thr = L * kvb / (c[C_HBM_GBS] * e) * 1e-6
+    # Latency: one block streams one head's keys of the longest context.
+    lat = L * 2.0 * c[C_HEAD_DIM] * kv_elem_bytes(c) / c[C_CTA_DECODE] * 1e-6
     if c[C_PADDED] > 0.0:
-        keys = float(nd) * float(ctx_max)
-        longest = float(ctx_max)
+        # keys = batch x longest context: per unit of the longest context.
+        thr *= float(nd)
     else:
         # A paged engine reads each sequence's own pages, and splits the work by page:
-        # the mean context stands in for the longest one.
-        keys = float(ctx_sum)
-        longest = keys / nd
-    kvb = 2.0 * kv_heads_per_gpu(c) * c[C_HEAD_DIM] * kv_elem_bytes(c)
-    thr = keys * L * kvb / (c[C_HBM_GBS] * e) * 1e-6
-    lat = longest * L * 2.0 * c[C_HEAD_DIM] * kv_elem_bytes(c) / c[C_CTA_DECODE] * 1e-6
+        # the mean context (sum / batch) stands in for the longest one.
+        lat /= float(nd)
     slots = c[C_SMS] * c[C_DEC_BLOCKS_PER_SM]
     if slots > 0.0:
         # Each further wave of blocks streams the longest context again; the part of
@@ -312,6 +330,23 @@ def decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine):
         waves = np.ceil(float(nd) * c[C_HEADS] / tp_of(c) / slots)
         lat *= 1.0 + c[C_WAVE_COST] * (waves - 1.0)
     return pnorm(lat, thr, c[C_P_ATTN])
+
+
+@kernel(inline=True)
+def decode_x(c, ctx_max, ctx_sum):
+    """The context measure decode attention grows with: the longest context (padded)
+    or the contexts' sum (paged)."""
+    return float(ctx_max) if c[C_PADDED] > 0.0 else float(ctx_sum)
+
+
+@kernel
+def decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine):
+    """Device time (ms) of the batched decode attention of ``nd`` sequences (longest
+    context ``ctx_max``, contexts summing to ``ctx_sum``): ``decode_attention_unit``
+    times the measure it grows with."""
+    if nd <= 0:
+        return 0.0
+    return decode_x(c, ctx_max, ctx_sum) * decode_attention_unit(c, nd, eager_in_graph_engine)
 
 
 @kernel
@@ -380,6 +415,45 @@ def fixed_floor_ms(c):
     return c[C_DEV_STEP_MS] + c[C_DEV_LAYER_US] * c[C_LAYERS] * 1e-3
 
 
+@kernel(inline=True)
+def table_row(c, nd):
+    """Where batch ``nd``'s row of the decode table starts in ``c``, or -1 (no table,
+    or a batch beyond it)."""
+    n = (c.shape[0] - N_CONST) // DT_COLS
+    if nd < 0 or nd >= n:
+        return -1
+    return N_CONST + DT_COLS * nd
+
+
+@kernel
+def fill_decode_table(c, out):
+    """``out[nd]``: ``step_terms`` of a decode-only step of ``nd`` sequences, and the
+    decode-attention unit of an eager step of that batch (``c``: constants only)."""
+    z = np.zeros(1, dtype=np.int64)
+    f = np.zeros(1, dtype=np.bool_)
+    graphs = c[C_GRAPHS] > 0.0
+    for nd in range(out.shape[0]):
+        host, floor, base, ar, p2p, unit, shift = step_terms(c, nd, 1, z, z, f, 0, False)
+        out[nd, 0] = host
+        out[nd, 1] = floor
+        out[nd, 2] = base
+        out[nd, 3] = ar
+        out[nd, 4] = p2p
+        out[nd, 5] = unit
+        out[nd, 6] = shift
+        out[nd, 7] = decode_attention_unit(c, nd, graphs)
+
+
+def with_decode_table(c: np.ndarray, max_batch: int = DECODE_TABLE_BATCH) -> np.ndarray:
+    """The constants ``c[:N_CONST]`` followed by a decode table for batches up to
+    ``max_batch``: every kernel gives the same bits with or without it, faster with it.
+    Build it from the final constants (a table does not follow later edits of them)."""
+    base = np.ascontiguousarray(c[:N_CONST], dtype=np.float64)
+    table = np.zeros((max_batch + 1, DT_COLS))
+    fill_decode_table(base, table)
+    return np.concatenate([base, table.ravel()])
+
+
 @kernel
 def device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine):
     """Device time (ms) of a step (module doc)."""
@@ -387,11 +461,13 @@ def device_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine
 
 
 @kernel
-def device_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine):
-    """``device_ms`` of a step whose ``nd`` decoding sequences each run ``q`` query tokens
-    (``q = 1``: a decode; ``k + 1``: a speculative verify, every row sampled). The
-    decode attention reads each sequence's KV once (its ``q`` queries share the keys;
-    the caller passes the contexts the last query sees)."""
+def device_terms(c, nd, q, chn, chp, chf, nch, eager_in_graph_engine):
+    """The device terms of a step whose ``nd`` decoding sequences each run ``q`` query
+    tokens (``q = 1``: a decode; ``k + 1``: a speculative verify, every row sampled),
+    apart from its decode contexts: ``(base, allreduce, pipeline send, unit)``, where
+    ``base`` is the linear layers' soft maximum, the elementwise passes and the prefill
+    chunks' attention, and ``unit`` the decode attention per unit of ``decode_x`` (the
+    ``q`` queries of a sequence share its keys: they are read once)."""
     T = float(nd * q)
     S = float(nd * q)
     att = 0.0
@@ -401,11 +477,71 @@ def device_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_e
             S += 1.0
         att += chunk_attention_ms(c, chn[i], chp[i])
     t_w, t_f = linear_times(c, T, S)
-    gemm = pnorm(t_w, t_f, c[C_P_GEMM])
-    act = act_ms(c, T)
-    dec = decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine)
+    base = pnorm(t_w, t_f, c[C_P_GEMM]) + act_ms(c, T) + att
     ar, p2p = comm_times(c, T)
-    return gemm + act + att + dec + ar + p2p
+    unit = 0.0
+    if nd > 0:
+        i = table_row(c, nd)
+        if i >= 0 and eager_in_graph_engine == (c[C_GRAPHS] > 0.0):
+            unit = c[i + 7]
+        else:
+            unit = decode_attention_unit(c, nd, eager_in_graph_engine)
+    return base, ar, p2p, unit
+
+
+@kernel(inline=True)
+def device_sum(base, ar, p2p, unit, x):
+    """A step's device time from ``device_terms`` and its decode-context measure
+    (one order of additions, so a step costs the same bits however it is reached)."""
+    return base + x * unit + ar + p2p
+
+
+@kernel
+def device_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, eager_in_graph_engine):
+    """Device time (ms) of a step of ``nd`` sequences running ``q`` query tokens each
+    (``device_terms``; the caller passes the contexts the last query sees)."""
+    base, ar, p2p, unit = device_terms(c, nd, q, chn, chp, chf, nch, eager_in_graph_engine)
+    return device_sum(base, ar, p2p, unit, decode_x(c, ctx_max, ctx_sum))
+
+
+@kernel
+def step_terms(c, nd, q, chn, chp, chf, nch, force_eager):
+    """What a step costs apart from its decode contexts: ``(host, floor, base,
+    allreduce, pipeline send, unit, shift)`` -- the host time the device may hide (a
+    graph replay's, if one runs the step), the kernels' floor, ``device_terms``, and
+    ``shift``, the keys a graph's padded rows add to the contexts' sum. A run of decode
+    steps of one batch shares them (``decode_run_ms``); ``terms_core_ms`` finishes a
+    step from them."""
+    graphs = c[C_GRAPHS] > 0.0
+    host = host_ms(c, nd, chp, nch)
+    # Every launched kernel holds the device for a minimum time too (launch latency,
+    # ramp-up and tail), a fixed share of what launching it costs the host; a graph
+    # replay saves the host's launches, not the kernels' minimum durations.
+    floor = c[C_DEV_PER_HOST] * host + fixed_floor_ms(c)
+    if graphs and nch == 0 and nd > 0 and not force_eager:
+        gb = graph_batch(c, nd * q)
+        if gb > 0:
+            # A graph replays the bucket holding the ``nd * q`` tokens, padded by whole
+            # sequences; padded rows attend to one key each: they cost tokens, not context.
+            ns = (gb + q - 1) // q
+            base, ar, p2p, unit = device_terms(c, ns, q, chn, chp, chf, 0, False)
+            return c[C_H_GRAPH], floor, base, ar, p2p, unit, float(ns - nd)
+    base, ar, p2p, unit = device_terms(c, nd, q, chn, chp, chf, nch, graphs)
+    return host, floor, base, ar, p2p, unit, 0.0
+
+
+@kernel(inline=True)
+def terms_core_ms(c, host, floor, base, ar, p2p, unit, shift, ctx_max, ctx_sum):
+    """``step_core_ms`` from ``step_terms`` and the step's decode contexts."""
+    dev = device_sum(base, ar, p2p, unit, decode_x(c, ctx_max, ctx_sum + shift))
+    return pnorm(host, dev + floor, c[C_P_STEP])
+
+
+@kernel(inline=True)
+def finish_ms(c, core, n_seqs):
+    """A step's milliseconds from its core: the per-step host bookkeeping outside the
+    forward added, times the what-if scale."""
+    return (core + (c[C_BOOK_MS] + c[C_BOOK_SEQ_MS] * float(n_seqs))) * c[C_SCALE]
 
 
 @kernel
@@ -417,24 +553,15 @@ def step_core_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch, force_eager):
 
 @kernel
 def step_core_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, force_eager):
-    """``step_core_ms`` with ``q`` query tokens per decoding sequence (``device_q_ms``);
-    a graph replays the bucket holding the ``nd * q`` tokens, padded by whole
-    sequences."""
-    graphs = c[C_GRAPHS] > 0.0
-    host = host_ms(c, nd, chp, nch)
-    # Every launched kernel holds the device for a minimum time too (launch latency,
-    # ramp-up and tail), a fixed share of what launching it costs the host; a graph
-    # replay saves the host's launches, not the kernels' minimum durations.
-    floor = c[C_DEV_PER_HOST] * host + fixed_floor_ms(c)
-    if graphs and nch == 0 and nd > 0 and not force_eager:
-        gb = graph_batch(c, nd * q)
-        if gb > 0:
-            ns = (gb + q - 1) // q
-            # Padded rows attend to one key each; they cost tokens, not context.
-            dev = device_q_ms(c, ns, q, ctx_max, ctx_sum + (ns - nd), chn, chp, chf, 0, False)
-            return pnorm(c[C_H_GRAPH], dev + floor, c[C_P_STEP])
-    dev = device_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, graphs)
-    return pnorm(host, dev + floor, c[C_P_STEP])
+    """``step_core_ms`` with ``q`` query tokens per decoding sequence (``step_terms``)."""
+    if nch == 0 and q == 1 and not force_eager:
+        i = table_row(c, nd)
+        if i >= 0:
+            return terms_core_ms(c, c[i], c[i + 1], c[i + 2], c[i + 3], c[i + 4], c[i + 5],
+                                 c[i + 6], ctx_max, ctx_sum)
+    host, floor, base, ar, p2p, unit, shift = step_terms(c, nd, q, chn, chp, chf, nch,
+                                                         force_eager)
+    return terms_core_ms(c, host, floor, base, ar, p2p, unit, shift, ctx_max, ctx_sum)
 
 
 @kernel
@@ -449,9 +576,8 @@ def step_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch):
 @kernel
 def step_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch):
     """``step_ms`` with ``q`` query tokens per decoding sequence (``step_core_q_ms``)."""
-    ms = step_core_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, False)
-    ms += c[C_BOOK_MS] + c[C_BOOK_SEQ_MS] * float(nd + nch)
-    return ms * c[C_SCALE]
+    return finish_ms(c, step_core_q_ms(c, nd, q, ctx_max, ctx_sum, chn, chp, chf, nch, False),
+                     nd + nch)
 
 
 @kernel
@@ -500,23 +626,41 @@ def rows_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, has_chunk, force_eager, out)
 @kernel
 def decode_run_ms(c, nd, ctx_max0, ctx_sum0, k, out):
     """``step_ms`` of ``k`` consecutive decode-only steps whose longest context grows
-    by one per step and whose contexts' sum grows by ``nd`` (into ``out[:k]``)."""
-    chn = np.zeros(1, dtype=np.int64)
-    chp = np.zeros(1, dtype=np.int64)
-    chf = np.zeros(1, dtype=np.bool_)
+    by one per step and whose contexts' sum grows by ``nd`` (into ``out[:k]``): the
+    batch's ``step_terms`` once, then each step's context (the same bits as ``k``
+    calls of ``step_ms``)."""
+    i = table_row(c, nd)
+    if i >= 0:
+        host, floor, base, ar, p2p, unit, shift = (c[i], c[i + 1], c[i + 2], c[i + 3],
+                                                   c[i + 4], c[i + 5], c[i + 6])
+    else:
+        z = np.zeros(1, dtype=np.int64)
+        f = np.zeros(1, dtype=np.bool_)
+        host, floor, base, ar, p2p, unit, shift = step_terms(c, nd, 1, z, z, f, 0, False)
     for j in range(k):
-        out[j] = step_ms(c, nd, ctx_max0 + j, ctx_sum0 + nd * j, chn, chp, chf, 0)
+        core = terms_core_ms(c, host, floor, base, ar, p2p, unit, shift, ctx_max0 + j,
+                             ctx_sum0 + nd * j)
+        out[j] = finish_ms(c, core, nd)
 
 
 @kernel
 def decode_run_outside(c, nd, ctx_max0, ctx_sum0, k):
-    """How many of ``decode_run_ms``'s steps lie outside the fitted range."""
-    chn = np.zeros(1, dtype=np.int64)
-    chp = np.zeros(1, dtype=np.int64)
-    chf = np.zeros(1, dtype=np.bool_)
+    """How many of ``decode_run_ms``'s steps lie outside the fitted range
+    (``outside_range`` of each: the batch is the run's, only the context grows)."""
+    if nd <= 0 or k <= 0:
+        return 0
+    if nd > c[C_RANGE_TOKENS] or nd > c[C_RANGE_BATCH]:
+        return k
+    if c[C_PADDED] > 0.0:
+        # The longest context grows by one per step: the steps from the first one past
+        # the range on (contexts are whole numbers of tokens).
+        first = np.floor(c[C_RANGE_DECODE_CTX] - ctx_max0) + 1.0
+        if first < 0.0:
+            first = 0.0
+        return int(k - first) if first < k else 0
     n = 0
     for j in range(k):
-        if outside_range(c, nd, ctx_max0 + j, ctx_sum0 + nd * j, chn, chp, chf, 0):
+        if (ctx_sum0 + nd * j) / nd > c[C_RANGE_DECODE_CTX]:
             n += 1
     return n
 

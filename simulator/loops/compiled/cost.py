@@ -86,4 +86,5 @@ def pack_cost(cost) -> tuple:
     one = T.pack_table([1.0], [1.0], [1.0])
     empty = T.pack_tables(one, one, one)
     empty = empty + T.blended(empty, 2)
-    return (np.array([KIND_PHYSICS], dtype=np.int64), np.zeros(T.C_NCONST)) + empty + (cost.c,)
+    return ((np.array([KIND_PHYSICS], dtype=np.int64), np.zeros(T.C_NCONST)) + empty
+            + (cost.stepping_constants(),))
