@@ -51,11 +51,15 @@ class Gateway:
 
     def __init__(self, env, workload, arec, fleet, router, pools, net, clients, admission,
                  estimator, keys_of, block_size: int, client_ids,
-                 track_ttft: bool = False) -> None:
+                 track_ttft: bool = False, entry=None) -> None:
         self.env, self.wl, self.arec, self.fleet = env, workload, arec, fleet
         self.router, self.pools, self.net = router, pools, net
         self.clients, self.admission, self.estimator = clients, admission, estimator
         self.keys_of, self.bs, self.client_ids = keys_of, block_size, client_ids
+        # ``entry(ready, seq)``: the slots a request may enter by, among the ready ones
+        # that can hold it (disaggregated serving: the prefill replicas; none when it
+        # fits nowhere); None: every ready one.
+        self.entry = entry
         n = len(workload)
         self.n = n
         cap = arec.n
@@ -145,7 +149,9 @@ class Gateway:
         self.arec.enqueued[aid] = now
         fleet = self.fleet
         ready = fleet.ready
-        if fleet.mixed:
+        if self.entry is not None:
+            ready = self.entry(ready, seq)
+        elif fleet.mixed:
             # Pools of different KV capacity: route among the replicas that can hold it.
             ready = [i for i in ready if not fleet.replicas[i].rejects(seq)]
         if (not ready) if fleet.mixed else fleet.built[0].rejects(seq):
@@ -343,7 +349,7 @@ class Gateway:
         no last byte, and a first byte only if it came before its client left), every
         attempt's KV work summed, and the traffic columns."""
         arec, m = self.arec, self.next_aid
-        f = np.where(self.last_sent >= 0, self.last_sent, np.arange(self.n))
+        f = self.final_attempts()
         for name in ("enqueued", "scheduled", "first_token", "last_token", "first_delivered",
                      "last_delivered"):
             getattr(rec, name)[:] = getattr(arec, name)[f]
@@ -377,6 +383,11 @@ class Gateway:
         rec.series = arec.series
         rec.steps, rec.step_time_total = arec.steps, arec.step_time_total
         rec.swap_copy_s = arec.swap_copy_s
+
+    def final_attempts(self) -> np.ndarray:
+        """Each request's row comes from this attempt: its last one sent (its first when
+        none was)."""
+        return np.where(self.last_sent >= 0, self.last_sent, np.arange(self.n))
 
     def attempts_table(self) -> dict:
         """Every attempt sent: its request, whether it is the first, send time, outcome

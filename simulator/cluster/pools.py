@@ -44,6 +44,7 @@ class Pool:
     price: Optional[float]
     cost: Any             # its cost config
     scaled: bool          # the autoscaler's pool
+    role: str = "mixed"   # mixed | prefill | decode (``cluster.disagg``)
 
     @property
     def slots(self) -> range:
@@ -90,7 +91,7 @@ def plan_pools(sc) -> list[Pool]:
                         gpus=psc.cluster.gpus_per_replica,
                         price=(p.gpu_cost_per_hour if p.gpu_cost_per_hour is not None
                                else cl.gpu_cost_per_hour),
-                        cost=psc.model.cost, scaled=p.name == scaled))
+                        cost=psc.model.cost, scaled=p.name == scaled, role=p.role))
         first += n
     return out
 

@@ -2,7 +2,7 @@
 types), the router, admission control and the autoscaler in front of them."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -13,13 +13,22 @@ from simulator.config.registry import COST_MODELS, ROUTERS
 from simulator.config.strict import _Strict
 
 
+ROLES = ("mixed", "prefill", "decode")
+
+
 class PoolConfig(_Strict):
     """One pool of a mixed fleet (``cluster.pools``): ``replicas`` of the engine on their
     own cost model (``cost``: a ``model.cost`` of its own, e.g. a roofline on another GPU
     type or TP; left out: ``model.cost``), hence their own step times and KV capacity
-    (its memory plan), billed at their own price."""
+    (its memory plan), billed at their own price. ``role``: what its replicas do with a
+    request (``cluster.disagg``): ``mixed`` serves it whole (the default, a colocated
+    engine), ``prefill`` runs its prompt and first token and hands its KV on,
+    ``decode`` takes that KV and generates the rest."""
 
     name: str = Field(..., min_length=1, max_length=64)
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed", description="mixed (whole requests), prefill or decode (disaggregated "
+        "serving: a prefill pool and a decode pool with a KV link between them)")
     replicas: int = Field(1, ge=0, le=10_000, description="replicas of this pool (with an "
                           "autoscaler on this pool: the start)")
     cost: Optional[plugin(COST_MODELS)] = Field(None, description="this pool's cost model "
@@ -29,6 +38,25 @@ class PoolConfig(_Strict):
                                             "model, else cluster.gpus_per_replica)")
     gpu_cost_per_hour: Optional[float] = Field(None, ge=0, description="price of one of its "
                                                "GPU-hours (default: cluster.gpu_cost_per_hour)")
+
+
+class KVTransferConfig(_Strict):
+    """The link a prefill replica sends a request's KV cache over to its decode replica
+    (disaggregated serving, ``cluster.disagg``): a transfer of B bytes takes
+    ``latency_us + B / gbs``, and the transfers leaving one prefill replica share its
+    one link (they queue on it, first come first served).
+
+    Defaults: ``gbs`` 50 GB/s is one 400 Gb/s NDR InfiniBand port (NVIDIA ConnectX-7
+    datasheet: 400 Gb/s = 50 GB/s per port), a replica with one NIC for its KV traffic
+    (a TP-8 node with one port per GPU moves up to 8 x 50 = 400 GB/s: set it); within one
+    NVLink domain (H100 NVLink 4: 450 GB/s per direction per GPU, NVIDIA H100 datasheet)
+    it is far higher. ``latency_us`` 10 us: a few microseconds of RDMA network latency
+    (NIC plus switch hops) and the transfer's request and completion messages, rounded
+    up; at 50 GB/s it is the time of 500 KB, under two tokens of a 70B model's KV."""
+
+    gbs: float = Field(50.0, gt=0, description="GB/s (1e9 bytes/s) of one prefill "
+                       "replica's outgoing KV link")
+    latency_us: float = Field(10.0, ge=0, description="fixed time of one transfer, us")
 
 
 class ClusterConfig(_Strict):
@@ -52,6 +80,9 @@ class ClusterConfig(_Strict):
     pools: Optional[list[PoolConfig]] = Field(None, min_length=1, description="a mixed "
                                               "fleet: pools of replicas, each with its own "
                                               "cost model and price")
+    kv_transfer: Optional[KVTransferConfig] = Field(
+        None, description="the KV link from prefill to decode pools (disaggregated "
+        "serving; default: one 400 Gb/s InfiniBand port, 50 GB/s, 10 us)")
 
     _spec = model_validator(mode="before")(classmethod(lambda cls, v: router_spec(v)))
 
@@ -72,6 +103,19 @@ class ClusterConfig(_Strict):
         elif self.replicas != total:
             raise ValueError(f"cluster.replicas ({self.replicas}) must equal the pools' "
                              f"total ({total}); leave it out with pools")
+        check_roles(self)
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prefill and decode run on separate pools (a pool has a role)."""
+        return any(p.role != "mixed" for p in self.pools or [])
+
+    @model_validator(mode="after")
+    def _kv_transfer(self):
+        if self.kv_transfer is not None and not self.disaggregated:
+            raise ValueError("cluster.kv_transfer is the link between prefill and decode "
+                             "pools; give the pools roles (cluster.pools[].role) or leave it out")
         return self
 
     @field_validator("router")
@@ -85,3 +129,25 @@ class ClusterConfig(_Strict):
     def _router_params(self):
         check_router_params(self.router, self.router_params)
         return self
+
+
+def check_roles(cl: ClusterConfig) -> None:
+    """A disaggregated cluster (a pool with a role) needs prefill and decode replicas and
+    no ``mixed`` pool beside them; the autoscaler does not scale a role (``ValueError``
+    naming the pool and its role)."""
+    roles = {p.role for p in cl.pools or []}
+    if roles <= {"mixed"}:
+        return
+    if "mixed" in roles:
+        p = next(p for p in cl.pools if p.role == "mixed")
+        raise ValueError(f"cluster.pools: pool {p.name!r} has role 'mixed' beside prefill/decode "
+                         "pools; a disaggregated cluster has only prefill and decode pools")
+    for role in ("prefill", "decode"):
+        n = sum(p.replicas for p in cl.pools if p.role == role)
+        if n < 1:
+            have = ", ".join(f"{p.name!r} ({p.role}, {p.replicas} replicas)" for p in cl.pools)
+            raise ValueError(f"cluster.pools: a disaggregated cluster needs at least one "
+                             f"{role} replica; the pools are {have}")
+    if cl.autoscaler is not None:
+        raise ValueError("cluster.autoscaler: autoscaling a disaggregated cluster (pools with "
+                         "roles) is not modelled; size its pools by hand or with latsim plan")

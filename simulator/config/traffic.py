@@ -239,6 +239,11 @@ def check_traffic(sc) -> None:
     elif auto is not None and not auto.min_replicas <= cl.replicas <= auto.max_replicas:
         raise ValueError(f"cluster.replicas ({cl.replicas}) must be within the autoscaler's "
                          f"min_replicas..max_replicas ({auto.min_replicas}..{auto.max_replicas})")
+    if sc.client is not None and getattr(cl, "disaggregated", False):
+        # A client that gives up cancels its request where it is; a disaggregated request
+        # is in flight between two replicas for part of its life (not modelled).
+        raise ValueError("client: timeouts and retries are not modelled on a disaggregated "
+                         "cluster (pools with prefill/decode roles); leave client out")
     on = [k for k, v in (("cluster.admission", cl.admission), ("client", sc.client),
                          ("cluster.autoscaler", auto), ("cluster.pools", pools),
                          ("report.utilization", sc.report.utilization or None))

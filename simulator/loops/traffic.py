@@ -71,11 +71,23 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     trackers = [UtilTracker(costs[i]) if track else None for i in range(slots)]
     gateway = None
     fleet_pools = None
+    disagg = None
     if cl.pools:
         # A mixed fleet (``cluster.pools``): each slot its pool's capacity and KV sizes.
         from simulator.cluster.pools import plan_pools, slot_pools
         fleet_pools = plan_pools(sc)
         of_slot = slot_pools(fleet_pools)
+        if cl.disaggregated:
+            # Prefill and decode pools (``cluster.disagg``); the decode side has its own
+            # router of the cluster's kind, on its own stream.
+            from simulator.cluster.disagg import Disaggregation
+            from simulator.config.cluster import KVTransferConfig
+            n_dec = sum(p.n_slots for p in fleet_pools if p.role == "decode")
+            disagg = Disaggregation(
+                env, sc, fleet_pools,
+                make_router(cl.router, n_dec, np.random.default_rng(rng_router.integers(2**63)),
+                            params=cl.router_params),
+                cl.kv_transfer or KVTransferConfig(), arec.n)
 
     def on_finish(seq, delivered_at: float) -> None:
         gateway.finished(seq, delivered_at)
@@ -87,6 +99,9 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
                       stream.one_way, on_finish, series_interval=series_interval, mode=mode,
                       **kva)
         rep.util = trackers[slot]
+        if disagg is not None:
+            rep.handoff = disagg
+            rep.hands_off = of_slot[slot].role == "prefill"
         return rep
 
     if fleet_pools is None:
@@ -97,6 +112,8 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
                       ready_slots=[s for p in fleet_pools for s in p.slots[:p.replicas]],
                       scalable=scaled[0].slots if scaled else [])
         fleet.mixed = True
+        if disagg is not None:
+            disagg.attach(fleet)
     router = make_router(cl.router, slots, rng_router, params=cl.router_params)
     eng = sc.engine
     adm = cl.admission
@@ -107,7 +124,8 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
                       Clients(ccfg, rng_traffic),
                       Admission(adm, workload.class_names) if adm is not None else None,
                       estimator, keys_of, eng.kv.block_size, clients,
-                      track_ttft=auto is not None and auto.metric == "p99_ttft")
+                      track_ttft=auto is not None and auto.metric == "p99_ttft",
+                      entry=disagg.entry if disagg is not None else None)
     scaler = None
     if auto is not None:
         scaler = Autoscaler(env, auto, fleet, capacity if fleet_pools is None else None,
@@ -120,11 +138,14 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     end = float(env.now)
     gateway.fold(rec)
     meta = {"traffic": _traffic_meta(gateway, scaler, fleet),
-            "cluster": _cluster_meta(sc, fleet, end, fleet_pools, gateway),
+            "cluster": _cluster_meta(sc, fleet, end, fleet_pools, gateway, disagg),
             "attempts": gateway.attempts_table(),
             "fleet_timeline": fleet.timeline()}
     if fleet_pools is not None:
         meta["slot_pools"] = [(p.name, p.capacity, p.gpus) for p in of_slot]
+    if disagg is not None:
+        rec.disagg = disagg.columns(gateway.final_attempts())
+        meta["disaggregation"] = disagg.summary()
     if track:
         meta["utilization"] = trackers
     return end, [r.kv.manager.stats for r in fleet.built], meta
@@ -197,12 +218,12 @@ def _traffic_meta(gw: Gateway, scaler, fleet) -> dict:
     return res
 
 
-def _cluster_meta(sc, fleet, end: float, pools=None, gateway=None) -> dict:
+def _cluster_meta(sc, fleet, end: float, pools=None, gateway=None, disagg=None) -> dict:
     """Fleet size and what it cost (summary.json ``cluster``); with pools, per pool too
     (``pools``), the cluster's GPU-hours and cost their sums."""
     tl = fleet.timeline()
     if pools is not None:
-        pm = _pools_meta(pools, fleet, end, gateway)
+        pm = _pools_meta(pools, fleet, end, gateway, disagg)
         return {**{k: pm.pop(k) for k in ("gpu_hours", "cost_usd", "gpu_cost_per_hour")},
                 **_fleet_shape(tl, end, fleet), **pm}
     gpus = sc.cluster.gpus_per_replica
@@ -234,38 +255,51 @@ def _fleet_shape(tl: np.ndarray, end: float, fleet) -> dict:
     }
 
 
-def _pools_meta(pools, fleet, end: float, gateway) -> dict:
+def _pools_meta(pools, fleet, end: float, gateway, disagg=None) -> dict:
     """Per pool (``cluster.pools``): what it is, what it held and cost, and how many
     requests it served (admitted attempts, retries included) and completed (the
     requests whose completing attempt ran there); the cluster's GPU-hours and cost are
-    the pools' sums (cost None when a pool has no price)."""
+    the pools' sums (cost None when a pool has no price). Disaggregated (``disagg``): a
+    decode pool counts the requests handed to it, and ``completed_share`` is within the
+    pool's role."""
     from simulator.cluster.gateway import DONE
     held = fleet.held_s(end)
     slot_of = np.full(len(held), -1, dtype=np.int64)
     for k, p in enumerate(pools):
         slot_of[list(p.slots)] = k
-    served = gateway.a_slot[:gateway.next_aid]
-    served = np.bincount(slot_of[served[served >= 0]], minlength=len(pools))
-    f = np.where(gateway.last_sent >= 0, gateway.last_sent, np.arange(gateway.n))
+    f = gateway.final_attempts()
     ok = gateway.outcome == DONE
-    done = gateway.a_slot[f][ok]
-    completed = np.bincount(slot_of[done[done >= 0]], minlength=len(pools))
     ttft = gateway.arec.first_delivered[f][ok] - gateway.wl.arrival_s[ok]
-    pool_done = np.where(done >= 0, slot_of[np.maximum(done, 0)], -1)
-    n_done = max(1, int(completed.sum()))
+
+    def tally(a_slot):
+        served = a_slot[:gateway.next_aid]
+        served = np.bincount(slot_of[served[served >= 0]], minlength=len(pools))
+        done = a_slot[f][ok]
+        completed = np.bincount(slot_of[done[done >= 0]], minlength=len(pools))
+        return served, completed, np.where(done >= 0, slot_of[np.maximum(done, 0)], -1)
+    served, completed, pool_done = tally(gateway.a_slot)
+    if disagg is not None:
+        dec = np.array([p.role == "decode" for p in pools])
+        d_served, d_completed, d_done = tally(disagg.d_slot)
+        served = np.where(dec, d_served, served)
+        completed = np.where(dec, d_completed, completed)
+    else:
+        d_done = pool_done
     out = {}
     for k, p in enumerate(pools):
+        n_done = max(1, int(sum(completed[j] for j, q in enumerate(pools) if q.role == p.role)))
         rep_h = float(held[list(p.slots)].sum()) / 3600.0
         hours = rep_h * p.gpus
+        mine = (d_done if p.role == "decode" else pool_done) == k
         out[p.name] = {
-            "gpu": p.gpu, "cost_model": getattr(p.cost, "kind", None),
+            "role": p.role, "gpu": p.gpu, "cost_model": getattr(p.cost, "kind", None),
             "gpus_per_replica": p.gpus, "replicas_start": p.replicas,
             "replicas_mean": rep_h * 3600.0 / end if end > 0 else float(p.replicas),
             "autoscaled": p.scaled, "kv_capacity_blocks": p.capacity,
             "requests_served": int(served[k]), "requests_completed": int(completed[k]),
             "completed_share": int(completed[k]) / n_done,
-            "p99_ttft_ms": (float(np.percentile(ttft[pool_done == k], 99)) * 1000.0
-                            if (pool_done == k).any() else None),
+            "p99_ttft_ms": (float(np.percentile(ttft[mine], 99)) * 1000.0
+                            if mine.any() else None),
             "gpu_hours": hours, "gpu_cost_per_hour": p.price,
             "cost_usd": hours * p.price if p.price is not None else None,
         }

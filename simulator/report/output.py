@@ -77,7 +77,7 @@ def _outputs(res, df: pd.DataFrame) -> dict:
     out["cluster"] = cluster_summary(res, df, good_mask(df, res.scenario))
     # The rich stream/network model's totals (see simulate._Wire), when it was on; the
     # gateway's attempt tallies (``loops.traffic``), when traffic control was on.
-    for key in ("stream", "network", "traffic", "speculative"):
+    for key in ("stream", "network", "traffic", "speculative", "disaggregation"):
         if key in res.meta:
             out[key] = res.meta[key]
     return out

@@ -143,6 +143,9 @@ class Recorder:
         # part in and the tokens they emitted; None when off.
         self.spec_steps = None
         self.spec_tokens = None
+        # Disaggregated serving (``cluster.disagg``): per-request columns set at the end
+        # of the run (decode_queue_s, kv_transfer_s, kv_bytes, decode_replica); else None.
+        self.disagg = None
         self.swap_copy_s = 0.0     # step time spent copying KV to and from CPU
         self.steps = 0
         self.step_time_total = 0.0

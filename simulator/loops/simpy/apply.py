@@ -156,6 +156,9 @@ class ReplicaApply:
                         self.rec.itl.add(t - s.last_t)
                     self._finish(s, t, t + ft)
                 continue
+            if self.hands_off:
+                self._hand_off(s, t)    # a prefill replica (``handoff``)
+                continue
             s.where = "d"
             self.decoding.append(s)
             if self.fast:

@@ -44,6 +44,7 @@ import simpy
 
 from simulator.model.kv.space import KVRules, KVSpace
 from simulator.loops.simpy.apply import ReplicaApply
+from simulator.loops.simpy.handoff import ReplicaHandoff
 from simulator.loops.simpy.memory import ReplicaMemory
 from simulator.model.scheduling import SchedulerState, Seq, StepPlan
 
@@ -67,7 +68,10 @@ class SimSeq(Seq):
         self.key = 0           # fast mode: context = key + ticks
         self.finish_tick = 0   # fast mode: ticks value at which it has all its tokens
         self.keys = None       # prefix-cache keys of its prompt blocks (or None)
-        self.where = "q"       # q waiting, p prefilling, d decoding, s swapped, x gone
+        # q waiting, p prefilling, d decoding, s swapped, x gone; disaggregated serving
+        # (``handoff``): t sent on by its prefill replica, i waiting for a decode replica
+        # to take it in, l its KV landing there
+        self.where = "q"
         self.ver = 0           # fast mode: heap entries with another version are stale
         self.grow_tick = 0     # fast mode: tick of the step that needs its next block
         self.join_tick = 0     # fast mode: ticks when it last joined the decoders
@@ -77,7 +81,7 @@ class SimSeq(Seq):
         self.stream = None     # optional per-request stream model (``clientstream``)
 
 
-class Replica(ReplicaMemory, ReplicaApply):
+class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
     """A SimPy engine loop over one replica's queue and running set.
 
     ``kv_rules`` sets allocation, preemption and prefix caching (default: paged,
@@ -154,6 +158,14 @@ class Replica(ReplicaMemory, ReplicaApply):
         self.busy_s = 0.0
         self.steps_run = 0
         self.util = None
+        # Disaggregated serving (``handoff``): the coordinator, whether this replica hands
+        # requests on after their first token (a prefill replica), and the decode side's
+        # hand-offs waiting to be taken in, landed, and taken in but not yet landed.
+        self.handoff = None
+        self.hands_off = False
+        self.incoming: deque[SimSeq] = deque()
+        self.landed: list[SimSeq] = []
+        self._landing = 0
         self.process = env.process(self._run())
 
     @property
@@ -209,7 +221,11 @@ class Replica(ReplicaMemory, ReplicaApply):
         while True:
             if self._cancels:
                 self._apply_cancels(env.now)
+            if self.landed:
+                self._join_landed()
             if not (self.decoding or self.prefilling or len(self.waiting) or self.swapped):
+                if self.incoming:
+                    self._intake(env.now)
                 self._wakeup = env.event()
                 yield self._wakeup
                 self._wakeup = None
@@ -222,6 +238,8 @@ class Replica(ReplicaMemory, ReplicaApply):
             if self.swapped and not hold:
                 self._swap_in(now)
             hold = hold or bool(self.swapped)
+            if self.incoming and not hold:
+                self._intake(now)
             decoding = self.decoding
             if self._streams:
                 # ``block`` backpressure: a request whose client's buffer is full is not

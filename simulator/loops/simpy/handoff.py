@@ -1,0 +1,108 @@
+"""Disaggregated serving inside a replica (``cluster.disagg``): a prefill replica hands a
+request on after its first token, a decode replica takes it in. A mixin of ``Replica``;
+the coordinator that routes, times the KV transfer and records it is
+``cluster.disagg.Disaggregation`` (``Replica.handoff``).
+
+Prefill side (``hands_off``): when a request's prefill completes and it has more tokens
+to make, its first token is emitted as on any replica (TTFT ends here, as in DistServe)
+and the request, instead of joining the decoders, is handed to the coordinator
+(``_hand_off``). It leaves the running set and the outstanding tokens a router reads;
+its KV blocks stay held until the coordinator says the transfer is done
+(``release_sent``).
+
+Decode side: a handed-off request waits in ``incoming`` (first come, first served). At a
+step boundary where new requests may be admitted (no preemption or swap-in pending, as
+vLLM admits), the replica takes in the oldest while it has a batch slot
+(``max_num_seqs``, counting requests whose KV is still on its way) and its KV fits
+above the watermark: ``KVSpace.swap_in``, the rule of a swapped request coming back,
+since it is the same thing (a request with a prompt and one generated token whose KV
+exists elsewhere, taking those slots here). Only then does the KV move: the decode side
+pulls it into blocks it has reserved, as DistServe and vLLM's NIXL connector do, so the
+KV always sits in some GPU's blocks. When the transfer lands (``land``) the request
+joins the decoders at the next step boundary with its context its prompt plus its first
+token; the decode replica never prefills it (unless a recompute preemption there drops
+its KV: it is then prefilled again where it is, as any preempted request).
+
+An arrival that can be taken in now, or a landing, ends a run of decode-only steps priced
+together (an epoch) at its next step boundary, as an admissible arrival does
+(``Replica.enqueue``). Client cancellation is not modelled for a request between
+replicas (the configuration refuses ``client`` timeouts with roles).
+"""
+from __future__ import annotations
+
+from simulator.model.kv import rules as kvr
+
+
+class ReplicaHandoff:
+    """Mixin: both sides of a disaggregated replica (see module doc)."""
+
+    # -- prefill side ------------------------------------------------------------------
+    def _hand_off(self, s, t: float) -> None:
+        """``s`` produced its first token in the step that ended at ``t``: hand it on."""
+        s.where = "t"
+        s.last_t = t                        # its first token left the engine at t
+        s.depart = t + self.frame_time      # ... and the server one frame later
+        del self.by_id[s.rid]
+        self._outstanding -= s.output_tokens - s.generated
+        self.handoff.hand_off(self, s, t)
+
+    def release_sent(self, s) -> None:
+        """The KV of ``s`` has reached its decode replica: free its blocks here."""
+        self.kv.free(s)
+        self.kv_tokens -= s.prompt_tokens + s.generated
+
+    # -- decode side -------------------------------------------------------------------
+    def receive(self, s) -> None:
+        """``s`` (handed off by a prefill replica) is routed here now."""
+        s.where = "i"
+        self.incoming.append(s)
+        self.by_id[s.rid] = s
+        self._outstanding += s.output_tokens - s.generated
+        self._nudge(len(self.incoming) == 1 and self._intake_fits(s))
+
+    def land(self, s) -> None:
+        """The KV of ``s`` has arrived: it decodes from the next step boundary on."""
+        self.landed.append(s)
+        self._nudge(True)
+
+    def _nudge(self, now: bool) -> None:
+        """Wake an idle loop; end an epoch at its next step boundary when ``now``."""
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+        elif now and self._in_epoch:
+            self._in_epoch = False
+            self.process.interrupt()
+
+    def _intake_fits(self, s) -> bool:
+        kv = self.kv
+        return (len(self.decoding) + len(self.prefilling) + self._landing < self.max_num_seqs
+                and bool(kvr.swap_in_fits(s.prompt_tokens + s.generated, kv.bs,
+                                          kv.watermark_blocks, kv.manager.num_free)))
+
+    def _intake(self, now: float) -> None:
+        """Take in waiting hand-offs, oldest first, while a batch slot and their KV fit;
+        each one's transfer then starts (``Disaggregation.admitted``)."""
+        kv = self.kv
+        while self.incoming and (len(self.decoding) + len(self.prefilling) + self._landing
+                                 < self.max_num_seqs):
+            s = self.incoming[0]
+            tokens = kv.swap_in(s)
+            if not tokens:
+                break
+            self.incoming.popleft()
+            self.kv_tokens += tokens
+            self._landing += 1
+            s.where = "l"
+            self.handoff.admitted(self, s, now)
+
+    def _join_landed(self) -> None:
+        """Requests whose KV has landed join the decoders (at a step boundary)."""
+        for s in self.landed:
+            self._landing -= 1
+            s.where = "d"
+            self.decoding.append(s)
+            if self.fast:
+                self._join_fast(s, s.last_t)
+            else:
+                s.context = s.prompt_tokens + s.generated
+        self.landed.clear()
