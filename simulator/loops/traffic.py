@@ -35,7 +35,8 @@ def traffic_reason(scenario) -> Optional[str]:
         (cl.admission is not None, "admission control"),
         (scenario.client is not None, "client timeouts and retries"),
         (cl.autoscaler is not None, "autoscaling"),
-        (cl.pools is not None, "replica pools"),
+        (cl.pools is not None, "disaggregated prefill/decode pools"
+         if cl.disaggregated else "replica pools"),
         (scenario.report.utilization, "utilisation series")) if on]
     return ", ".join(parts) or None
 

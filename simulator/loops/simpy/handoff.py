@@ -8,7 +8,8 @@ to make, its first token is emitted as on any replica (TTFT ends here, as in Dis
 and the request, instead of joining the decoders, is handed to the coordinator
 (``_hand_off``). It leaves the running set and the outstanding tokens a router reads;
 its KV blocks stay held until the coordinator says the transfer is done
-(``release_sent``).
+(``release_sent``). A prefill replica whose blocks are all held so (its decode pool
+cannot keep up) admits nobody until a transfer lands: DistServe's backpressure.
 
 Decode side: a handed-off request waits in ``incoming`` (first come, first served). At a
 step boundary where new requests may be admitted (no preemption or swap-in pending, as
@@ -44,12 +45,17 @@ class ReplicaHandoff:
         s.depart = t + self.frame_time      # ... and the server one frame later
         del self.by_id[s.rid]
         self._outstanding -= s.output_tokens - s.generated
+        self._sent += 1
         self.handoff.hand_off(self, s, t)
 
     def release_sent(self, s) -> None:
-        """The KV of ``s`` has reached its decode replica: free its blocks here."""
+        """The KV of ``s`` has reached its decode replica: free its blocks here (and wake
+        the loop if it waits for them: waiting requests and every block held by KV still
+        to be sent)."""
         self.kv.free(s)
         self.kv_tokens -= s.prompt_tokens + s.generated
+        self._sent -= 1
+        self._nudge(False)
 
     # -- decode side -------------------------------------------------------------------
     def receive(self, s) -> None:

@@ -166,6 +166,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self.incoming: deque[SimSeq] = deque()
         self.landed: list[SimSeq] = []
         self._landing = 0
+        self._sent = 0
         self.process = env.process(self._run())
 
     @property
@@ -274,6 +275,13 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                     self.busy_s += self._copy_s
                     if self.util is not None:
                         self.util.idle_copy(self._copy_s)
+                    continue
+                if self._sent:
+                    # A prefill replica whose blocks hold KV still to be sent (``handoff``):
+                    # the first transfer to land frees some (``release_sent`` wakes it).
+                    self._wakeup = env.event()
+                    yield self._wakeup
+                    self._wakeup = None
                     continue
                 # Only waiting requests that cannot be admitted and nothing running: the
                 # enqueue-time check rejects requests larger than the cache, so this is a

@@ -1,0 +1,280 @@
+"""Disaggregated prefill/decode (issue 16 item 9; ``cluster.disagg``): prefill and decode
+pools with a KV link between them, checked against closed forms (transfer time from the
+model's KV bytes, zero-load TTFT and second token from the pools' own step costs), the
+DistServe interference claim, conservation, bad input and the planner's split search."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import make_scenario, make_scenario_dict
+from test_fuzz import run_cli
+from simulator.cost import build_cost_model
+from simulator.loops.simulate import simulate
+from simulator.report.output import run_outputs
+
+H100_TP4 = {"kind": "roofline", "gpu": "h100-80gb", "tp": 4}
+H100 = {"kind": "roofline", "gpu": "h100-80gb", "tp": 1}
+SPLIT = [{"name": "pre", "role": "prefill", "replicas": 1},
+         {"name": "dec", "role": "decode", "replicas": 1}]
+NET = {"distance_km": 500, "tls": "1.3"}    # a network that takes time
+
+
+def one_request(prompt: int, output: int, pools=SPLIT, link=None, net=NET, n=1, rate=1.0):
+    """One Llama-2-70B request (or ``n``) on H100s at TP4 (roofline), whole-prompt
+    prefill; ``net`` None: no network time."""
+    cluster = {"pools": pools, **({"kv_transfer": link} if link else {})}
+    return make_scenario(
+        **({"network": net} if net else {}),
+        workload={"kind": "synthetic", "num_requests": n, "arrival": {"kind": "poisson",
+                                                                      "rate": rate},
+                  "prompt_tokens": {"kind": "constant", "value": prompt},
+                  "output_tokens": {"kind": "constant", "value": output}},
+        engine={"policy": "fifo", "max_num_seqs": 32, "max_num_batched_tokens": 4096},
+        model={"name": "llama-2-70b", "cost": H100_TP4}, cluster=cluster)
+
+
+def test_kv_bytes_per_token_of_llama_2_70b_from_the_catalog():
+    """2 (K and V) x 80 layers x 8 KV heads x 128 head dim x 2 bytes (bf16) = 327,680."""
+    from simulator.cluster.disagg import kv_bytes_per_token
+    from simulator.cost.catalog import model
+    arch = model("llama-2-70b")
+    assert (arch.layers, arch.kv_heads, arch.head_dim) == (80, 8, 128)
+    assert 2 * 80 * 8 * 128 * 2 == 327_680
+    assert kv_bytes_per_token(one_request(100, 2)) == 327_680
+    fp8 = one_request(100, 2).model_copy(deep=True)
+    fp8.model.cost.kv_dtype = "fp8"
+    assert kv_bytes_per_token(fp8) == 163_840
+
+
+@pytest.mark.parametrize("gbs, latency_us", [(50.0, 10.0), (12.5, 200.0)])
+def test_zero_load_ttft_transfer_and_second_token_in_closed_form(gbs, latency_us):
+    """One request, nothing else running: TTFT is the network plus the prefill pool's
+    step time for the whole prompt (the same as a colocated replica's), the transfer
+    takes latency + prompt x 327,680 B / bandwidth, and the second token comes one
+    decode step (batch 1 at context prompt + 1, the decode pool's cost model) after the
+    transfer lands; the breakdown still adds up."""
+    p = 2000
+    res = simulate(one_request(p, 2, link={"gbs": gbs, "latency_us": latency_us}))
+    df, out = run_outputs(res)
+    r = df.iloc[0]
+    cost = build_cost_model(res.scenario.model.cost, np.random.default_rng(0), [])
+    prefill = cost.step_time(0, 0, 0, [(p, 0, True)])
+    decode = cost.step_time(1, p + 1, p + 1, [])
+    xfer = latency_us * 1e-6 + p * 327_680 / (gbs * 1e9)
+    assert r["t_queue"] == 0.0
+    assert r["t_prefill"] == pytest.approx(prefill, rel=1e-12)
+    assert r["kv_bytes"] == p * 327_680
+    assert r["kv_transfer_s"] == pytest.approx(xfer, rel=1e-9)
+    assert r["decode_queue_s"] == 0.0          # the decode replica was idle
+    assert r["t_decode"] == pytest.approx(xfer + decode, rel=1e-9)
+    assert r["replica"] == 0 and r["decode_replica"] == 1
+    # TTFT = network in + prefill + the first frame out (the prefill replica sends it).
+    colo = run_outputs(simulate(one_request(p, 2, pools=[{"name": "m", "replicas": 1}])))[0]
+    assert r["ttft"] == pytest.approx(colo.iloc[0]["ttft"], rel=1e-12)
+    assert r["t_net"] > 0 and r["ttft"] == pytest.approx(
+        r["t_net"] + prefill + (r["first_delivered"] - r["first_token"]), rel=1e-12)
+    # The second token carries the transfer: the colocated replica decodes it at once.
+    assert r["t_decode"] - colo.iloc[0]["t_decode"] == pytest.approx(xfer, rel=1e-9)
+    parts = r[["t_net", "t_queue", "t_prefill", "t_decode", "t_stream"]].sum()
+    assert parts == pytest.approx(r["e2el"], rel=1e-12)
+    d = out["disaggregation"]
+    assert d["transfers"] == 1 and d["kv_gb"] == pytest.approx(p * 327_680 / 1e9)
+    assert d["kv_transfer_ms"]["max"] == pytest.approx(xfer * 1e3, rel=1e-9)
+
+
+def test_transfers_from_one_prefill_replica_queue_on_its_link():
+    """Two prompts handed off while the first one's bytes are still on the link: the
+    second transfer starts when the first's bytes are through (it waits for them, not for
+    the first's latency), so it lands exactly one transfer's bytes after the first."""
+    p = 1000
+    sc = one_request(p, 3, link={"gbs": 1.0, "latency_us": 1000.0}, net=None, n=2,
+                     rate=1e9)                     # both arrive together
+    df = run_outputs(simulate(sc))[0].sort_values("first_token")
+    bytes_s = p * 327_680 / 1e9
+    landed = (df["first_token"] + df["decode_queue_s"] + df["kv_transfer_s"]).to_numpy()
+    x = df["kv_transfer_s"].to_numpy()
+    assert x[0] == pytest.approx(1e-3 + bytes_s, rel=1e-9)          # an idle link
+    assert df["first_token"].iloc[1] < landed[0] - 1e-3              # handed off meanwhile
+    assert landed[1] == pytest.approx(landed[0] + bytes_s, rel=1e-9)
+    assert x[1] > 1e-3 + bytes_s + 0.01                              # it waited
+
+
+def _interference(pools, n=400, rate=8.0, spy=None):
+    """Llama-3-8B on H100s, chunked prefill in 512-token steps, 1-3k-token prompts."""
+    sc = make_scenario(
+        seed=2, workload={"kind": "synthetic", "num_requests": n,
+                          "arrival": {"kind": "poisson", "rate": rate},
+                          "prompt_tokens": {"kind": "uniform", "low": 1000, "high": 3000},
+                          "output_tokens": {"kind": "uniform", "low": 100, "high": 300}},
+        engine={"policy": "chunked", "max_num_seqs": 64, "max_num_batched_tokens": 512},
+        model={"name": "llama-3-8b", "cost": H100},
+        cluster={"router": "least_outstanding", "pools": pools})
+    return sc
+
+
+@pytest.fixture(scope="module")
+def interference():
+    """Colocated (two mixed replicas) against one prefill + one decode replica, same
+    GPUs and traffic; every step's prefill chunks recorded per replica."""
+    import simulator.loops.traffic as T
+    chunks: dict = {}
+    built: list = []
+    base = T.Replica
+
+    class Spy:
+        def __init__(self, cost, index):
+            self._c, self._i = cost, index
+
+        def __getattr__(self, name):
+            return getattr(self._c, name)
+
+        def step_time(self, nd, ctx_max, ctx_sum, ch):
+            chunks.setdefault(self._i, []).append(len(ch))
+            return self._c.step_time(nd, ctx_max, ctx_sum, ch)
+
+    class Replica(base):
+        def __init__(self, env, index, policy, cost, *a, **k):
+            super().__init__(env, index, policy, Spy(cost, index), *a, **k)
+            built.append(self)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(T, "Replica", Replica)
+    try:
+        out = {}
+        for name, pools in (("colocated", [{"name": "m", "replicas": 2}]),
+                            ("disaggregated", SPLIT)):
+            chunks.clear()
+            built.clear()
+            res = simulate(_interference(pools))
+            out[name] = (res, *run_outputs(res), dict(chunks), list(built))
+    finally:
+        mp.undo()
+    return out
+
+
+def test_decode_pool_never_runs_prefill_and_tpot_p99_drops(interference):
+    """DistServe's claim: with the same two GPUs, the colocated replicas' decodes share
+    steps with 512-token prefill chunks, the decode pool's never do, so P99 TPOT is
+    lower disaggregated (TTFT pays for it: one replica prefills everything)."""
+    _r, _df, co, co_chunks, _b = interference["colocated"]
+    _r, df, dis, dis_chunks, _b = interference["disaggregated"]
+    assert sum(n > 0 for n in dis_chunks[1]) == 0            # decode replica: no chunk
+    assert sum(n > 0 for n in dis_chunks[0]) > 0              # prefill replica: chunks
+    assert all(sum(n > 0 for n in v) > 0 for v in co_chunks.values())
+    co_tpot, dis_tpot = co["overall"]["p99_tpot_ms"], dis["overall"]["p99_tpot_ms"]
+    assert dis_tpot < 0.9 * co_tpot, (dis_tpot, co_tpot)
+    assert dis["overall"]["p99_ttft_ms"] > co["overall"]["p99_ttft_ms"]
+    assert (df["preemptions"] == 0).all()
+
+
+def test_conservation_kv_returns_to_zero_and_pools_report(interference):
+    """Every request finishes exactly once, handed off and transferred once; both pools'
+    KV blocks are free at the end; per pool: role, requests, GPU-hours and cost."""
+    res, df, out, _c, built = interference["disaggregated"]
+    n = len(df)
+    assert out["overall"]["outcomes"]["completed"] == n
+    assert df["rid"].is_unique and df["finished"].all()
+    for rep in built:
+        assert rep.kv.manager.num_used == 0 and rep.kv_tokens == 0
+        assert not (rep.waiting or rep.decoding or rep.prefilling or rep.incoming
+                    or rep.landed or rep._landing)
+    d = out["disaggregation"]
+    assert d["handed_off"] == d["transfers"] == n
+    assert d["kv_gb"] == pytest.approx(df["kv_bytes"].sum() / 1e9)
+    assert (df["kv_bytes"] == df["prompt_tokens"] * 131_072).all()   # Llama-3-8B bf16
+    assert (df["decode_queue_s"] >= 0).all() and (df["kv_transfer_s"] > 0).all()
+    assert (df["t_decode"] >= df["decode_queue_s"] + df["kv_transfer_s"]).all()
+    parts = df[["t_net", "t_queue", "t_prefill", "t_decode", "t_stream"]].sum(axis=1)
+    np.testing.assert_allclose(parts, df["e2el"], rtol=1e-12, atol=1e-12)
+    pools = out["cluster"]["pools"]
+    assert {k: v["role"] for k, v in pools.items()} == {"pre": "prefill", "dec": "decode"}
+    assert pools["pre"]["requests_completed"] == pools["dec"]["requests_completed"] == n
+    assert out["cluster"]["gpu_hours"] == pytest.approx(2 * res.sim_end / 3600.0)
+    assert "disaggregated prefill/decode pools" in res.meta["loop"]
+
+
+def test_deterministic_per_seed():
+    sc = _interference(SPLIT, n=150)
+    a, b = (json.dumps(run_outputs(simulate(sc))[1], default=str) for _ in range(2))
+    assert a == b
+    c = json.dumps(run_outputs(simulate(sc, seed=9))[1], default=str)
+    assert a != c
+
+
+def test_a_slow_decode_pool_holds_the_prefill_pools_memory():
+    """Backpressure: with a decode replica of few KV blocks, hand-offs wait to be taken
+    in (decode_queue_s), their KV still held by the prefill replica meanwhile."""
+    pools = [{"name": "pre", "role": "prefill", "replicas": 1},
+             {"name": "dec", "role": "decode", "replicas": 1}]
+    sc = _interference(pools, n=200, rate=20.0)
+    sc.engine.kv.num_blocks = 1200                 # ~19k tokens: a handful of requests
+    res = simulate(sc)
+    df, out = run_outputs(res)
+    assert out["overall"]["outcomes"]["completed"] == 200
+    assert out["disaggregation"]["decode_queue_ms"]["p99"] > 100.0
+    ts = __import__("simulator.report.output", fromlist=["series_table"]).series_table(res)
+    pre = ts[(ts["replica"] == 0)]
+    assert pre["kv_blocks_reserved"].max() > 600     # prompts held while they wait
+
+
+def _write(tmp_path, **cluster):
+    data = make_scenario_dict(model={"name": "llama-3-8b", "cost": H100},
+                              engine={"policy": "chunked"}, cluster=cluster)
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("cluster, words", [
+    ({"pools": [{"name": "p", "role": "prefill", "replicas": 2}]},
+     ["at least one decode replica", "'p' (prefill, 2 replicas)"]),
+    ({"pools": [{"name": "d", "role": "decode", "replicas": 1},
+                {"name": "p", "role": "prefill", "replicas": 0}]},
+     ["at least one prefill replica"]),
+    ({"pools": [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"},
+                {"name": "m"}]}, ["pool 'm' has role 'mixed'"]),
+    ({"pools": [{"name": "p", "role": "prefil"}, {"name": "d", "role": "decode"}]},
+     ["role", "prefil"]),
+    ({"pools": [{"name": "m"}], "kv_transfer": {"gbs": 10}}, ["cluster.kv_transfer"]),
+    ({"pools": SPLIT, "kv_transfer": {"gbs": 0}}, ["gbs", "0"]),
+])
+def test_bad_disaggregated_cluster_is_one_line_exit_2(tmp_path, cluster, words):
+    path = _write(tmp_path, **cluster)
+    code, _out, err = run_cli(["run", path])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("latsim: error: ") and str(path) in lines[0]
+    assert "cluster" in lines[0] and all(w in lines[0] for w in words), lines[0]
+
+
+def test_client_timeouts_and_autoscaling_are_refused_with_roles():
+    with pytest.raises(Exception, match="not modelled on a disaggregated"):
+        make_scenario(model={"name": "llama-3-8b", "cost": H100}, cluster={"pools": SPLIT},
+                      client={"read_timeout_s": 3.0})
+    with pytest.raises(Exception, match="autoscaling a disaggregated"):
+        make_scenario(model={"name": "llama-3-8b", "cost": H100}, cluster={
+            "pools": SPLIT, "autoscaler": {"pool": "dec", "max_replicas": 2, "target": 1}})
+
+
+def test_the_compiled_loop_refuses_and_auto_says_why():
+    from simulator.loops.simulate import Unsupported
+    sc = one_request(500, 4, net=None)
+    with pytest.raises(Unsupported, match="disaggregated prefill/decode pools"):
+        simulate(sc, loop="compiled")
+
+
+def test_shipped_scenario_runs(tmp_path):
+    from conftest import REPO
+    code, out, err = run_cli(["run", REPO / "scenarios" / "disaggregated.yaml", "--set",
+                              "workload.num_requests=60", "--out", tmp_path / "o"])
+    assert code == 0, err
+    runs = json.loads((tmp_path / "o" / "summary.json").read_text())
+    dis, colo = runs["disaggregated"], runs["colocated"]
+    assert [p["role"] for p in dis["cluster"]["pools"].values()] == ["prefill", "decode"]
+    assert dis["disaggregation"]["transfers"] == 60 and "disaggregation" not in colo
+    assert [p["role"] for p in colo["cluster"]["pools"].values()] == ["mixed"]
+    assert dis["cluster"]["gpu_hours"] / dis["run"]["sim_end_s"] == pytest.approx(8 / 3600)
