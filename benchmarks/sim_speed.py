@@ -6,7 +6,7 @@ that keeps each replica busy but stable, for 10k, 100k and 1M requests (pass
 sizes as arguments to change). A benchmark, not a test: it prints its figures.
 
     python benchmarks/sim_speed.py [--loop auto|compiled|simpy] [--policy NAME]
-        [--cost profile|fitted] [10000 100000 1000000]
+        [--cost fitted|profile] [10000 100000 1000000]
 
 The default runs this configuration on the compiled loop (``simulator.loops.compiled``,
 numba); ``--loop simpy`` on SimPy. Both give identical results.
@@ -25,7 +25,7 @@ from simulator.loops.simulate import simulate
 REPLICAS = 4
 
 
-def scenario(n: int, policy: str = "chunked", cost: str = "profile"):
+def scenario(n: int, policy: str = "chunked", cost: str = "fitted"):
     return validate_scenario({
         "name": "speed", "seed": 1,
         "workload": {"kind": "synthetic", "num_requests": n,
@@ -40,7 +40,7 @@ def scenario(n: int, policy: str = "chunked", cost: str = "profile"):
 
 
 def main(sizes: list[int], loop: str = "auto", policy: str = "chunked",
-         cost: str = "profile") -> None:
+         cost: str = "fitted") -> None:
     if loop in ("auto", "compiled"):
         from simulator.loops.simulate import Unsupported
         t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def main(sizes: list[int], loop: str = "auto", policy: str = "chunked",
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    opts = {"--loop": "auto", "--policy": "chunked", "--cost": "profile"}
+    opts = {"--loop": "auto", "--policy": "chunked", "--cost": "fitted"}
     while args[:1] and args[0] in opts:
         opts[args[0]], args = args[1], args[2:]
     main([int(a) for a in args] or [10_000, 100_000, 1_000_000], opts["--loop"], opts["--policy"],

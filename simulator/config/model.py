@@ -125,7 +125,7 @@ class ModelConfig(_Strict):
     name: Optional[str] = Field(None, description="catalogued model or config.json path")
     shape: ModelShape = Field(default_factory=ModelShape)
     cost: plugin(COST_MODELS) = Field(default_factory=lambda: COST_MODELS.validate(
-        {"kind": "profile", "path": "profiles/h200-llama3-8b-refbench.json"}))
+        {"kind": "fitted", "path": "profiles/h200-llama3-8b-refbench.json"}))
 
     @model_validator(mode="after")
     def _coherent(self, info):

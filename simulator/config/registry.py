@@ -82,5 +82,5 @@ class Registry(Generic[T]):
 ARRIVALS: Registry = Registry("arrival process", default="poisson")
 LENGTHS: Registry = Registry("length distribution", default="constant")
 WORKLOADS: Registry = Registry("workload", default="synthetic")
-COST_MODELS: Registry = Registry("cost model", default="profile")
+COST_MODELS: Registry = Registry("cost model", default="fitted")
 ROUTERS: Registry = Registry("router", default="round_robin")

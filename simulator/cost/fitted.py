@@ -153,11 +153,12 @@ class FittedCostModel:
     # -- the simulator's interface ------------------------------------------------------
     def stepping_constants(self) -> np.ndarray:
         """``c`` with its decode table (``physics.with_decode_table``): what the event
-        loops step with (the same bits as ``c``, faster). Rebuilt when ``c`` is
-        replaced; ``c`` is never edited in place once a model is built."""
-        if getattr(self, "_stepping_of", None) is not self.c:
+        loops step with (the same bits as ``c``, faster). Rebuilt whenever ``c``'s
+        values change (replaced or edited in place: compared byte for byte, ~0.1 µs)."""
+        key = self.c.tobytes()
+        if getattr(self, "_stepping_key", None) != key:
             self._stepping = ph.with_decode_table(self.c)
-            self._stepping_of = self.c
+            self._stepping_key = key
         return self._stepping
 
     def step_time(self, n_decode: int, decode_ctx_max: int, decode_ctx_sum: int,
