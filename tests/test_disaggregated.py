@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import make_scenario, make_scenario_dict
+from conftest import REPO as REPO_DIR, make_scenario, make_scenario_dict
 from test_fuzz import run_cli
 from simulator.cost import build_cost_model
 from simulator.loops.simulate import simulate
@@ -278,3 +278,76 @@ def test_shipped_scenario_runs(tmp_path):
     assert dis["disaggregation"]["transfers"] == 60 and "disaggregation" not in colo
     assert [p["role"] for p in colo["cluster"]["pools"].values()] == ["mixed"]
     assert dis["cluster"]["gpu_hours"] / dis["run"]["sim_end_s"] == pytest.approx(8 / 3600)
+
+
+# -- the planner: the cheapest split ------------------------------------------------------
+
+def _plan_base() -> dict:
+    """Llama-3-8B on H100s, 2k-token prompts at 14 req/s: one prefill replica cannot keep
+    P99 TTFT under 500 ms, one decode replica keeps TPOT far under 15 ms."""
+    return make_scenario_dict(
+        seed=3, workload={"kind": "synthetic", "num_requests": 200,
+                          "arrival": {"kind": "poisson", "rate": 14.0},
+                          "prompt_tokens": {"kind": "uniform", "low": 1000, "high": 3000},
+                          "output_tokens": {"kind": "uniform", "low": 50, "high": 150}},
+        engine={"policy": "chunked", "max_num_seqs": 64, "max_num_batched_tokens": 512},
+        model={"name": "llama-3-8b", "cost": H100},
+        cluster={"router": "least_outstanding", "pools": SPLIT})
+
+
+def test_planner_picks_the_cheapest_feasible_split_and_skips_with_reasons():
+    """Every point of prefill 1-3 x decode 1-2 x prefill TP 1|3 is either skipped before
+    running (TP 3 does not divide 32 heads) or simulated; the choice is the cheapest of
+    the points that, run on their own, meet both SLOs; the others say what they missed."""
+    from simulator.config.scenario import validate_scenario
+    from simulator.planning.disagg import DisaggPlanner
+    from simulator.planning.planner import parse_slo
+    from simulator.planning.sweep import parse_axis
+    slos = [parse_slo("p99_ttft_ms<=500", []), parse_slo("p99_tpot_ms<=15", [])]
+    axes = [parse_axis(a, "--search") for a in
+            ("prefill_replicas=1,2,3", "decode_replicas=1,2", "prefill_tp=1,3")]
+    pl = DisaggPlanner(_plan_base(), REPO_DIR, slos, axes, workers=1, prices=2.0)
+    try:
+        plan = pl.search()
+    finally:
+        pl.close()
+    assert len(pl.skipped) == 6 and all("divide" in why for _c, why in pl.skipped)
+    assert all(c["prefill_tp"] == 3 for c, _w in pl.skipped)
+    # Brute force: run each point as a plain scenario and check the SLOs by hand.
+    ok = {}
+    for p in (1, 2, 3):
+        for d in (1, 2):
+            data = _plan_base()
+            data["cluster"]["pools"] = [dict(SPLIT[0], replicas=p), dict(SPLIT[1], replicas=d)]
+            o = run_outputs(simulate(validate_scenario(data)))[1]["overall"]
+            ok[(p, d)] = o["p99_ttft_ms"] <= 500 and o["p99_tpot_ms"] <= 15
+    assert not ok[(1, 1)] and not ok[(1, 2)] and ok[(2, 1)]
+    cheapest = min((p + d, p, d) for (p, d), good in ok.items() if good)
+    ch = plan.chosen
+    assert (ch.params["prefill_replicas"], ch.params["decode_replicas"]) == cheapest[1:]
+    assert ch.gpus == 3 and ch.cost_per_hour == pytest.approx(3 * 2.0)
+    for c, ev in plan.best_per_combo:
+        assert ev.feasible == ok[(c["prefill_replicas"], c["decode_replicas"])]
+        if c["prefill_replicas"] == 1:
+            assert [t for t, _v in ev.violations] == ["p99_ttft_ms<=500"]
+
+
+def test_plan_disaggregate_cli_tries_every_split(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(_plan_base()))
+    code, out, err = run_cli(["plan", path, "--slo", "p99_ttft_ms<=500", "--slo",
+                              "p99_tpot_ms<=15", "--cost-per-gpu-hour", "2", "--disaggregate",
+                              "3", "--no-headroom", "--workers", "1", "--out", tmp_path / "o"])
+    assert code == 0, err
+    doc = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert doc["chosen"]["config"] == {"prefill_replicas": 2, "decode_replicas": 1}
+    text = " ".join(out.split())
+    assert "infeasible: prefill_replicas=1, decode_replicas=2: p99_ttft_ms<=500" in text
+    plain = tmp_path / "plain.yaml"
+    data = _plan_base()
+    data["cluster"] = {"replicas": 1}
+    plain.write_text(yaml.safe_dump(data))
+    code, _o, err = run_cli(["plan", plain, "--slo", "p99_ttft_ms<=500",
+                             "--cost-per-gpu-hour", "2", "--disaggregate", "3"])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "--disaggregate" in lines[0], err

@@ -139,6 +139,10 @@ def plan(
     headroom: bool = typer.Option(True, "--headroom/--no-headroom", help="find the max rate"),
     tol: float = typer.Option(0.05, "--headroom-tol", help="relative precision of the headroom"),
     runner_ups: int = typer.Option(3, "--runner-ups", help="how many runner-ups to show"),
+    disaggregate: Optional[int] = typer.Option(
+        None, "--disaggregate", help="a scenario with prefill and decode pools: try every "
+        "prefill:decode split of this many replicas (or --search prefill_replicas=..., "
+        "decode_replicas=...)"),
 ) -> None:
     """Find the cheapest configuration that meets every SLO for the scenario's traffic.
 
@@ -161,8 +165,18 @@ def plan(
     axes = [parse_axis(s, source="--search") for s in search or []]
     if gpu_list:
         gpu_list = [_gpu_name(g) for g in gpu_list]
-    pl = Planner(base, base_dir, slos, axes, seeds=seeds, executor=executor, workers=workers,
-                 gpus=gpu_list, prices=prices)
+    if sc.cluster.disaggregated:
+        # Prefill and decode pools: every split searched (``planning.disagg``).
+        from simulator.planning.disagg import DisaggPlanner
+        pl = DisaggPlanner(base, base_dir, slos, axes, total=disaggregate, seeds=seeds,
+                           executor=executor, workers=workers, gpus=gpu_list, prices=prices)
+    elif disaggregate is not None:
+        raise LatsimError("needs a scenario with a prefill pool and a decode pool "
+                          "(cluster.pools[].role)", source="--disaggregate",
+                          value=disaggregate, has_value=True)
+    else:
+        pl = Planner(base, base_dir, slos, axes, seeds=seeds, executor=executor,
+                     workers=workers, gpus=gpu_list, prices=prices)
     try:
         for combo, why in pl.skipped:
             console.print(f"[yellow]skipped[/] {_params_text(combo)}: {why}", highlight=False)
@@ -204,7 +218,8 @@ def config_text(ev) -> str:
     """``replicas=N, key=value, ...`` for one configuration."""
     from simulator.planning.planner import REPLICAS
     rest = {k: v for k, v in ev.params.items() if k != REPLICAS}
-    return ", ".join([f"replicas={ev.params[REPLICAS]}"] + [f"{k}={v}" for k, v in rest.items()])
+    head = [f"replicas={ev.params[REPLICAS]}"] if REPLICAS in ev.params else []
+    return ", ".join(head + [f"{k}={v}" for k, v in rest.items()]) or "(base scenario)"
 
 
 def _costs(ev, per_gpu_hour) -> tuple[float, float]:
@@ -221,8 +236,8 @@ def _costs(ev, per_gpu_hour) -> tuple[float, float]:
 def print_plan(con: Console, plan, per_gpu_hour, n_runner_ups: int, combos: int,
                sizes: int) -> None:
     """The planner's answer as a person reads it."""
-    con.print(f"search space: {combos * sizes} configurations ({combos} combination(s) x "
-              f"{sizes} replica counts); simulated {plan.runs} run(s)"
+    shape = f" ({combos} combination(s) x {sizes} replica counts)" if sizes > 1 else ""
+    con.print(f"search space: {combos * sizes} configurations{shape}; simulated {plan.runs} run(s)"
               + (f"; {len(plan.skipped)} combination(s) skipped (cannot run)"
                  if plan.skipped else ""))
     if plan.transfer:
@@ -231,7 +246,8 @@ def print_plan(con: Console, plan, per_gpu_hour, n_runner_ups: int, combos: int,
     if ch is None:
         con.print("[bold red]No configuration in the search space meets the SLOs.[/]")
         con.print(f"binding SLO: [bold]{plan.binding}[/] ({plan.binding_detail})")
-        t = Table(title="Each combination at its largest size", title_justify="left")
+        t = Table(title="Each combination at its largest size" if sizes > 1 else
+                  "Each configuration", title_justify="left")
         for c in ("configuration", "missed (worst value)"):
             t.add_column(c, overflow="fold")
         for _, ev in plan.best_per_combo:
@@ -273,7 +289,8 @@ def print_plan(con: Console, plan, per_gpu_hour, n_runner_ups: int, combos: int,
         con.print(t)
     bad = [ev for _, ev in plan.best_per_combo if not ev.feasible]
     for ev in bad:
-        con.print(f"[dim]infeasible even at its largest size: {config_text(ev)}: " +
+        where = " even at its largest size" if sizes > 1 else ""
+        con.print(f"[dim]infeasible{where}: {config_text(ev)}: " +
                   "; ".join(f"{s} ({_fmt(v)})" for s, v in ev.violations) + "[/]")
 
 

@@ -292,7 +292,8 @@ class Planner:
         if (self.base.get("cluster") or {}).get("pools"):
             # The search is over how many replicas of one engine; a mixed fleet has a
             # count per pool, and no single answer to "one more replica".
-            raise LatsimError("plan sizes a fleet of one engine type; this scenario is a mixed "
+            raise LatsimError("plan sizes a fleet of one engine type, or a prefill:decode "
+                              "split (pools with roles); this scenario is a mixed "
                               "fleet: plan each GPU type (--search gpu=..., tp=...) or "
                               "compare fleets with latsim sweep", source="cluster.pools")
         self.slos, self.seeds = slos, seeds
@@ -343,6 +344,16 @@ class Planner:
             if not plan.fits:
                 return plan.reason
         return None
+    def _point(self, params: dict) -> dict:
+        """The scenario mapping of one configuration."""
+        return point_scenario(self.base, params, self.policy_runs)
+
+    def _size(self, sc, params: dict) -> tuple[int, float]:
+        """GPUs of a configuration and its $ per hour (NaN without prices)."""
+        gpus = params[REPLICAS] * replica_gpus(sc)
+        return gpus, (gpus * price_of(self.prices, params) if self.prices is not None
+                      else math.nan)
+
     def close(self) -> None:
         """Release the executor."""
         self.executor.close()
@@ -354,17 +365,15 @@ class Planner:
             key = (tuple(sorted((k, repr(v)) for k, v in params.items())), mult)
             if key in self.cache or key in todo:
                 continue
-            data = point_scenario(self.base, params, self.policy_runs)
+            data = self._point(params)
             sc = validate_scenario(data, source=f"search point {describe(params)}",
                                    base_dir=self.base_dir)
             if mult != 1.0:
                 data = scale_rate(data, sc, mult)
             prof = load_profile_for(sc, self.base_dir, self._profiles)
             todo.append(key)
-            gpus = params[REPLICAS] * replica_gpus(sc)
-            self.cache[key] = Eval(params, mult, gpus, [None] * self.seeds, self.slos,
-                                   gpus * price_of(self.prices, params)
-                                   if self.prices is not None else math.nan)
+            gpus, per_hour = self._size(sc, params)
+            self.cache[key] = Eval(params, mult, gpus, [None] * self.seeds, self.slos, per_hour)
             for j in range(self.seeds):
                 tasks.append((key, j, (data, self.seed0 + j, str(self.base_dir), prof)))
         for i, row in self.executor.imap_unordered([t[2] for t in tasks]):
