@@ -197,6 +197,19 @@ def test_conservation_kv_returns_to_zero_and_pools_report(interference):
     assert "disaggregated prefill/decode pools" in res.meta["loop"]
 
 
+def test_the_columns_survive_a_table_written_in_chunks(interference):
+    """A big run's requests table is written in slices of rows: the disaggregation
+    columns are sliced with the rest."""
+    import pandas as pd
+    from simulator.report.chunks import requests_chunks
+    from simulator.report.metrics import requests_table
+    res = interference["disaggregated"][0]
+    whole = requests_table(res)
+    assert {"decode_queue_s", "kv_transfer_s", "kv_bytes", "decode_replica"} <= set(whole)
+    parts = pd.concat(list(requests_chunks(res, rows=97)), ignore_index=True)
+    pd.testing.assert_frame_equal(whole, parts)
+
+
 def test_deterministic_per_seed():
     sc = _interference(SPLIT, n=150)
     a, b = (json.dumps(run_outputs(simulate(sc))[1], default=str) for _ in range(2))

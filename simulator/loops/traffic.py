@@ -145,7 +145,7 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     if fleet_pools is not None:
         meta["slot_pools"] = [(p.name, p.capacity, p.gpus) for p in of_slot]
     if disagg is not None:
-        rec.disagg = disagg.columns(gateway.final_attempts())
+        rec.set_disagg(disagg.columns(gateway.final_attempts()))
         meta["disaggregation"] = disagg.summary()
     if track:
         meta["utilization"] = trackers

@@ -71,11 +71,10 @@ def requests_table(res) -> pd.DataFrame:
         with np.errstate(invalid="ignore", divide="ignore"):
             df["tokens_per_step"] = np.where(rec.spec_steps > 0, rec.spec_tokens
                                              / np.maximum(rec.spec_steps, 1), np.nan)
-    if rec.disagg is not None:
-        # Disaggregated serving: the parts of t_decode spent waiting to be taken in by a
-        # decode replica and moving the KV there, the bytes moved, and which replica.
-        for name, col in rec.disagg.items():
-            df[name] = col
+    # Disaggregated serving: the parts of t_decode spent waiting to be taken in by a
+    # decode replica and moving the KV there, the bytes moved, and which replica.
+    for name in rec.disagg_columns:
+        df[name] = getattr(rec, name)
     add_traffic_columns(df, rec)
     add_derived(df)
     df["wait_error"] = df["wait_estimate"] - df["t_queue"]

@@ -143,9 +143,9 @@ class Recorder:
         # part in and the tokens they emitted; None when off.
         self.spec_steps = None
         self.spec_tokens = None
-        # Disaggregated serving (``cluster.disagg``): per-request columns set at the end
-        # of the run (decode_queue_s, kv_transfer_s, kv_bytes, decode_replica); else None.
-        self.disagg = None
+        # Disaggregated serving (``cluster.disagg``): the names of per-request arrays set
+        # as attributes at the end of the run (``set_disagg``); empty otherwise.
+        self.disagg_columns: tuple = ()
         self.swap_copy_s = 0.0     # step time spent copying KV to and from CPU
         self.steps = 0
         self.step_time_total = 0.0
@@ -154,3 +154,10 @@ class Recorder:
         """Record per request the speculative verify steps and their tokens."""
         self.spec_steps = np.zeros(self.n, dtype=np.int64)
         self.spec_tokens = np.zeros(self.n, dtype=np.int64)
+
+    def set_disagg(self, columns: dict) -> None:
+        """Per-request columns of disaggregated serving (``Disaggregation.columns``), kept
+        as arrays on the recorder so a slice of rows slices them too."""
+        for name, col in columns.items():
+            setattr(self, name, col)
+        self.disagg_columns = tuple(columns)
