@@ -146,7 +146,7 @@ show(OUT / "timeseries.png")
 # keep low classes from starving, differently: aging lets any class catch up with any
 # other given time (one class per `aging_s`), the fair score's starvation bonus is
 # capped at 1.5 classes. `scenarios/fairness-overload.yaml`: one replica with 16 slots
-# takes three classes at 12.5 req/s, past what it serves, so queues build. The table
+# takes three classes at 13.5 req/s, past the ~12.7 it serves, so queues build. The table
 # gives each class's median and longest wait for a slot (s), and strict priority (aging
 # off) for reference.
 

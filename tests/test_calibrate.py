@@ -405,13 +405,19 @@ def test_fit_prints_coefficients_and_stores_a_fit_reused_while_the_rows_match(tm
     code, text = latsim("fit", path)
     assert code == 0, text
     for word in ("h_step_ms", "host time of every eager step", "e_gemm", "TFLOP/s",
-                 "Leave-one-out", "prefill", "decode", "mixed"):
+                 "Leave-one-out", "prefill", "decode", "mixed", "capped median",
+                 "repeat spread"):
         assert word in text, word
     code, text = latsim("fit", path, "--json", "--write")
     assert code == 0, text
     out = json.loads(text[:text.rindex("}") + 1])
     assert set(out["cv_error"]) == {"prefill", "decode", "mixed"}
     assert all(0 <= v["median"] <= v["p90"] <= v["max"] for v in out["cv_error"].values())
+    # The decode rows' repeat spread (4.3% median) is what their raw leave-one-out
+    # error (4.8%) is made of; against rows capped by those holding more work, 1.6%.
+    cv = out["cv_error"]
+    assert cv["decode"]["capped_median"] < 0.03 < cv["decode"]["median"]
+    assert cv["decode"]["repeat_spread_median"] > 0.03
     prof = json.loads(path.read_text())
     assert prof["meta"]["fit"]["digest"] == out["digest"]
     assert load_profile(path)["prefill"] == load_profile(REFBENCH)["prefill"]

@@ -74,18 +74,20 @@ def test_padded_vs_paged_decode_context():
 def test_refbench_conversion_matches_committed_profile(data_dir):
     """The shipped refbench profile is the conversion of data/h200-refbench/profile.csv
     plus one documented calibration step (profiles/README.md): the engine facts that
-    ``latsim calibrate --facts-only`` measured on the engine's two recorded runs, in its
-    ``engine`` section, with the report in ``meta.calibration``. Nothing else differs,
-    the report names those runs by the hash of their files as they are in data/, and the
-    bookkeeping it records is what the runs' host gaps give (the other facts are
-    re-measured in tests/test_calibrate.py)."""
+    ``latsim calibrate`` measured on the engine's two recorded runs, in its ``engine``
+    section, the report in ``meta.calibration`` and the refitted coefficients in
+    ``meta.fit``. Nothing else differs, the report names those runs by the hash of their
+    files as they are in data/, and the bookkeeping it records is what the runs' host
+    gaps give (the other facts and the refit are re-done in tests/test_calibrate.py)."""
     from simulator.cost.calibration import apply_calibration, read_recorded_run, run_digest
     from simulator.cost.convert import refbench_to_profile
     from simulator.cost.runs import measure_bookkeeping, read_run
     conv = refbench_to_profile(data_dir / "h200-refbench" / "profile.csv")
     committed = json.loads(REFBENCH.read_text())
     cal = committed["meta"]["calibration"]
-    assert apply_calibration(conv, cal) == committed
+    fitted = dict(committed, meta={k: v for k, v in committed["meta"].items() if k != "fit"})
+    assert apply_calibration(conv, cal) == fitted
+    assert committed["meta"]["fit"]["source"] == "calibrated on load50-fifo, load90-chunked"
     assert cal["base_profile"] == "data/h200-refbench/profile.csv"
     runs = data_dir / "h200-refbench" / "runs"
     names = ["load50-fifo", "load90-chunked"]

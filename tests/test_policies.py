@@ -169,7 +169,8 @@ def test_fair_score_bounds_starvation_one_class_apart():
     runs = _fair_runs()
     fair, strict = runs["fair_score"], runs["strict-priority"]
     wait = fair.rec.scheduled - fair.rec.enqueued
-    assert np.nanmax(wait[fair.workload.priority == 2]) > 12.0      # the bound is exercised
+    # The bound is exercised: some P2 request waited past the 10 s where it starts.
+    assert np.nanmax(wait[fair.workload.priority == 2]) > 10.5
     for low, high in ((1, 0), (2, 1)):
         assert _overtaken(fair, low, high, 10.0, cap=15.0) == 0
     assert _overtaken(strict, 2, 1, 10.0, cap=15.0) > 1000

@@ -42,10 +42,15 @@ def test_plan_runs_on_every_scenario(path, tmp_path):
     r = CliRunner().invoke(app, ["plan", str(path), *sets, "--slo", "p99_e2el_ms<=1e12",
                                  "--cost-per-gpu-hour", "2", "--search", "replicas=1:2",
                                  "--no-headroom", "--workers", "1", "--out", str(out)])
-    if "pools" in (yaml.safe_load(path.read_text()).get("cluster") or {}):
-        # A mixed fleet has a replica count per pool: plan says so before any run.
+    pools = (yaml.safe_load(path.read_text()).get("cluster") or {}).get("pools")
+    if pools:
+        # A mixed fleet has a replica count per pool, a disaggregated one per role: plan
+        # says so before any run (the split is searched with --disaggregate, tested in
+        # tests/test_disaggregated.py).
         e = r.exception
-        assert getattr(e, "exit_code", None) == 2 and "mixed fleet" in str(e), (r.output, e)
+        roles = any(p.get("role", "mixed") != "mixed" for p in pools)
+        want = "count per role" if roles else "mixed fleet"
+        assert getattr(e, "exit_code", None) == 2 and want in str(e), (r.output, e)
         assert not out.exists()
         return
     assert r.exit_code == 0, (r.output, r.exception)

@@ -106,12 +106,21 @@ def fit_lines(res, prof: dict) -> list[str]:
 
 
 def error_rows(res) -> list[tuple]:
-    """``(kind, n, median, p90, max)`` of the leave-one-out relative error per row kind."""
+    """``(kind, n, median, p90, max, capped median, repeat spread)`` per row kind: the
+    leave-one-out relative error; its median against each row capped by the rows that
+    hold more work (more work never costs less: a row slower than one with more work
+    is noise no monotone model follows); and the median of the rows' own repeat spread,
+    ``(p90 - p10) / 2`` over their median, the noise a prediction cannot beat."""
+    import numpy as np
     out = []
+    rows = res.rows
+    spread = (rows.p90 - rows.p10) / (2.0 * rows.ms)
     for kind, e in res.errors.items():
         cv = e.get("cv") or {}
         if cv.get("n"):
-            out.append((kind, cv["n"], cv["median"], cv["p90"], cv["max"]))
+            capped = (e.get("cv_capped") or {}).get("median", float("nan"))
+            sp = float(np.median(spread[rows.kind == kind]))
+            out.append((kind, cv["n"], cv["median"], cv["p90"], cv["max"], capped, sp))
     return out
 
 
@@ -132,18 +141,23 @@ def fit(
     if as_json:
         out = {k: v for k, v in d.items() if k not in ("cv_residuals", "cv_capped")}
         out["achieved"] = physical_rates(res.c)
-        out["cv_error"] = {k: {"n": n, "median": m, "p90": p, "max": x}
-                           for k, n, m, p, x in error_rows(res)}
+        out["cv_error"] = {k: {"n": n, "median": m, "p90": p, "max": x, "capped_median": cm,
+                               "repeat_spread_median": sp}
+                           for k, n, m, p, x, cm, sp in error_rows(res)}
         typer.echo(json.dumps(json_safe(out), indent=1))
     else:
         for line in fit_lines(res, prof):
             console.print(line, markup=False, highlight=False)
         t = Table(title="Leave-one-out relative error per row kind", title_justify="left")
-        for col in ("rows", "n", "median", "p90", "max"):
+        for col in ("rows", "n", "median", "p90", "max", "capped median", "repeat spread"):
             t.add_column(col, justify="left" if col == "rows" else "right")
-        for kind, n, m, p, x in error_rows(res):
-            t.add_row(kind, str(n), f"{m:.2%}", f"{p:.2%}", f"{x:.2%}")
+        for kind, n, m, p, x, cm, sp in error_rows(res):
+            t.add_row(kind, str(n), f"{m:.2%}", f"{p:.2%}", f"{x:.2%}", f"{cm:.2%}", f"{sp:.2%}")
         console.print(t)
+        console.print("capped median: against each row capped by the rows holding more work; "
+                      "repeat spread: the rows' own (p90 - p10) / 2 over their median, "
+                      "the measurement noise a prediction cannot beat", markup=False,
+                      highlight=False)
     if write:
         raw.setdefault("meta", {})["fit"] = json_safe(d)
         profile.write_text(json.dumps(raw, indent=1) + "\n")

@@ -200,10 +200,16 @@ def allreduce_check(eff: Optional[dict] = None, root=None) -> list[dict]:
 
 
 def profile_fit(path: str):
-    """The fit (``fitted_constants``) of a shipped profile, by its path in the repository."""
+    """The fit of a shipped profile's rows (``fitted_constants``), by its path in the
+    repository. The rows' own fit, not a calibration stored beside it: a calibration on
+    serving runs adds the engine's host work around a step (building its inputs), while
+    the datasheet defaults describe the kernels as a profile times them."""
     from simulator.cost.fitted import fitted_constants
     from simulator.cost.profile import load_profile
-    return fitted_constants(load_profile(REPO_ROOT / path))
+    prof = load_profile(REPO_ROOT / path)
+    if "calibrated" in str(((prof.get("meta") or {}).get("fit") or {}).get("source", "")):
+        prof["meta"].pop("fit")
+    return fitted_constants(prof)
 
 
 def published_rows(path=None) -> list[dict]:
