@@ -14,12 +14,13 @@ Prints, in order:
 4. the step-time noise measured on the runs (each, and pooled);
 5. end to end: each run's trace replayed by the simulator with the old model, the new
    one (profile only; profile plus the measured bookkeeping and waves; the shipped
-   profile, which adds the measured step tail, ``latsim calibrate --facts-only``) and
+   profile, ``latsim calibrate`` on both runs: the facts, the step tail and the host
+   times and efficiencies refitted to the runs' step times) and
    the new one with seeded noise (median and range over seeds), against the real
    P50/P99 of TTFT, TPOT, ITL and E2E.
 
 The profile fitted here is the plain conversion of ``data/h200-refbench/profile.csv``
-(the shipped profile is it plus the engine facts measured on the runs).
+(the shipped profile is it calibrated on the runs, ``profiles/README.md``).
 
 Run: ``python benchmarks/cost_fit.py`` (about two minutes on two cores;
 ``--quick`` skips the noise seeds and the per-run wave measurements).
