@@ -364,3 +364,96 @@ def test_plan_disaggregate_cli_tries_every_split(tmp_path):
                              "--cost-per-gpu-hour", "2", "--disaggregate", "3"])
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and "--disaggregate" in lines[0], err
+
+
+# -- memory pressure on the decode side (review findings) ---------------------------------
+
+def _run_keeping_replicas(sc, watch=None):
+    """``simulate(sc)`` with every replica it builds kept (for their end state);
+    ``watch(rep)``: called after each decode-side intake."""
+    import simulator.loops.traffic as T
+    built: list = []
+    base = T.Replica
+
+    class Replica(base):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            built.append(self)
+
+        def _intake(self, now):
+            super()._intake(now)
+            if watch is not None:
+                watch(self)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(T, "Replica", Replica)
+    try:
+        res = simulate(sc)
+    finally:
+        mp.undo()
+    return res, built
+
+
+def _shipped(**sets):
+    """scenarios/disaggregated.yaml (its disaggregated run), 200 requests, with ``sets``
+    (``engine.kv`` fields)."""
+    from simulator.config.scenario import validate_scenario
+    data = yaml.safe_load((REPO_DIR / "scenarios" / "disaggregated.yaml").read_text())
+    data.pop("policies")
+    data["workload"]["num_requests"] = 200
+    data["engine"]["kv"] = {**data["engine"].get("kv", {}), **sets}
+    return validate_scenario(data, base_dir=REPO_DIR)
+
+
+def _assert_drained(built):
+    for rep in built:
+        assert rep.kv.manager.num_used == 0 and rep.kv_tokens == 0, rep.index
+        assert not (rep.by_id or rep._sent or rep._landing or len(rep.waiting)
+                    or rep.decoding or rep.prefilling or rep.incoming or rep.landed
+                    or rep.swapped), rep.index
+
+
+@pytest.mark.parametrize("kv", [{"preemption": "recompute"},
+                                {"preemption": "swap", "swap_space_gb": 0.05}],
+                         ids=["recompute", "swap"])
+@pytest.mark.parametrize("num_blocks", [200, 260])
+def test_a_decode_replica_under_memory_pressure_preempts_and_finishes(kv, num_blocks):
+    """A decode replica of few blocks preempts (its decoders grow): the run completes
+    (no request lost but those too large for the cache) and every replica ends empty.
+    Preempted requests come back before new hand-offs are taken in, and a replica whose
+    only blocks are held by KV still landing waits for it. Swap: a swap space of a few
+    victims (50 MB per GPU), the rest recomputed."""
+    res, built = _run_keeping_replicas(_shipped(num_blocks=num_blocks, **kv))
+    df, out = run_outputs(res)
+    oc = out["overall"]["outcomes"]
+    assert oc["completed"] + oc["rejected"] == 200 and oc["completed"] > 150, oc
+    dec = df[df["decode_replica"] == 1]
+    assert dec["preemptions"].sum() > 0
+    if kv["preemption"] == "swap":
+        assert dec["swapped_bytes"].sum() > 0
+    _assert_drained(built)
+    parts = df.loc[df["finished"], ["t_net", "t_queue", "t_prefill", "t_decode", "t_stream"]]
+    np.testing.assert_allclose(parts.sum(axis=1), df.loc[df["finished"], "e2el"],
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_contiguous_decode_intake_reserves_the_admission_reservation():
+    """Contiguous allocation reserves max_model_len (4000 tokens = 250 blocks) per
+    request: a decode replica of 1000 blocks holds at most 4 requests at a time, and the
+    KV it holds never exceeds its capacity (taking a hand-off in reserves what admitting
+    it would, not only the KV it brings)."""
+    held = []
+
+    def watch(rep):
+        if not rep.hands_off:
+            held.append((len(rep.decoding) + len(rep.prefilling) + rep._landing,
+                         rep.kv_tokens, rep.kv.reserved_tokens()))
+    sc = _interference(SPLIT, n=120, rate=20.0)
+    sc.engine.kv.num_blocks = 1000
+    sc.engine.kv.allocation = "contiguous"
+    sc.engine.kv.max_model_len = 4000
+    res, built = _run_keeping_replicas(sc, watch)
+    assert run_outputs(res)[1]["overall"]["outcomes"]["completed"] == 120
+    assert held and max(n for n, _t, _r in held) == 4
+    assert all(t <= r <= 1000 * 16 for _n, t, r in held)
+    _assert_drained(built)

@@ -12,12 +12,13 @@ its KV blocks stay held until the coordinator says the transfer is done
 cannot keep up) admits nobody until a transfer lands: DistServe's backpressure.
 
 Decode side: a handed-off request waits in ``incoming`` (first come, first served). At a
-step boundary where new requests may be admitted (no preemption or swap-in pending, as
-vLLM admits), the replica takes in the oldest while it has a batch slot
-(``max_num_seqs``, counting requests whose KV is still on its way) and its KV fits
-above the watermark: ``KVSpace.swap_in``, the rule of a swapped request coming back,
-since it is the same thing (a request with a prompt and one generated token whose KV
-exists elsewhere, taking those slots here). Only then does the KV move: the decode side
+step boundary where new requests may be admitted (no preemption or swap-in pending, and
+no request preempted here waiting to be recomputed: vLLM serves those first), the
+replica takes in the oldest while it has a batch slot (``max_num_seqs``, counting
+requests whose KV is still on its way) and its blocks fit above the watermark:
+``KVSpace.take_over`` reserves what admitting it here would (contiguous allocation: its
+whole reservation) or its KV, as a swapped request coming back (a request with a prompt
+and one generated token whose KV exists elsewhere). Only then does the KV move: the decode side
 pulls it into blocks it has reserved, as DistServe and vLLM's NIXL connector do, so the
 KV always sits in some GPU's blocks. When the transfer lands (``land``) the request
 joins the decoders at the next step boundary with its context its prompt plus its first
@@ -30,8 +31,6 @@ together (an epoch) at its next step boundary, as an admissible arrival does
 replicas (the configuration refuses ``client`` timeouts with roles).
 """
 from __future__ import annotations
-
-from simulator.model.kv import rules as kvr
 
 
 class ReplicaHandoff:
@@ -79,20 +78,28 @@ class ReplicaHandoff:
             self._in_epoch = False
             self.process.interrupt()
 
+    def _slot_free(self) -> bool:
+        """A batch slot (``max_num_seqs``) is free, counting requests still landing."""
+        return len(self.decoding) + len(self.prefilling) + self._landing < self.max_num_seqs
+
+    def _may_take_in(self) -> bool:
+        """New hand-offs may be taken in: a slot is free and no request preempted here
+        waits to come back (vLLM serves its preempted requests before new ones; taking
+        a hand-off into the blocks a preemption freed would starve them)."""
+        return not len(self.waiting) and self._slot_free()
+
     def _intake_fits(self, s) -> bool:
-        kv = self.kv
-        return (len(self.decoding) + len(self.prefilling) + self._landing < self.max_num_seqs
-                and bool(kvr.swap_in_fits(s.prompt_tokens + s.generated, kv.bs,
-                                          kv.watermark_blocks, kv.manager.num_free)))
+        """Whether ``s`` could be taken in now (``KVSpace.take_over``)."""
+        return self._may_take_in() and bool(self.kv.take_over(s, reserve=False))
 
     def _intake(self, now: float) -> None:
-        """Take in waiting hand-offs, oldest first, while a batch slot and their KV fit;
-        each one's transfer then starts (``Disaggregation.admitted``)."""
+        """Take in waiting hand-offs, oldest first, while they may (``_may_take_in``) and
+        their blocks fit (``KVSpace.take_over``); each one's transfer then starts
+        (``Disaggregation.admitted``)."""
         kv = self.kv
-        while self.incoming and (len(self.decoding) + len(self.prefilling) + self._landing
-                                 < self.max_num_seqs):
+        while self.incoming and self._may_take_in():
             s = self.incoming[0]
-            tokens = kv.swap_in(s)
+            tokens = kv.take_over(s)
             if not tokens:
                 break
             self.incoming.popleft()

@@ -265,7 +265,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 self._wakeup = None
                 continue
             if plan.is_empty:
-                if self.swapped and not (self.decoding or self.prefilling):
+                if self.swapped and not (self.decoding or self.prefilling or self._landing):
                     raise RuntimeError(f"replica {self.index}: swapped requests cannot "
                                        f"come back into an empty cache")
                 if self._copy_s:
@@ -276,9 +276,10 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                     if self.util is not None:
                         self.util.idle_copy(self._copy_s)
                     continue
-                if self._sent:
-                    # A prefill replica whose blocks hold KV still to be sent (``handoff``):
-                    # the first transfer to land frees some (``release_sent`` wakes it).
+                if self._sent or self._landing:
+                    # Blocks held by KV in flight (``handoff``): a prefill replica's still to
+                    # be sent, a decode replica's still landing; a landing frees or joins
+                    # them (``release_sent`` / ``land`` wake the loop).
                     self._wakeup = env.event()
                     yield self._wakeup
                     self._wakeup = None

@@ -221,6 +221,23 @@ class KVSpace:
         self.manager.allocate(seq.rid, tokens)
         return tokens
 
+    def take_over(self, seq: Seq, reserve: bool = True) -> int:
+        """Take over ``seq``, whose KV (its prompt and generated tokens) was made on another
+        replica (a disaggregated decode replica taking in a hand-off, ``loops.simpy.handoff``):
+        it reserves what admitting it here would (``admission_tokens``: contiguous, its
+        ``max_model_len`` or max tokens, since it never grows) or the KV it brings,
+        whichever is more, if those blocks fit above the watermark (``rules.swap_in_fits``:
+        KV coming back from elsewhere, as a swap-in). Returns the tokens of its KV, or 0
+        when it does not fit (nothing reserved); ``reserve`` False only says whether it
+        would."""
+        held = seq.prompt_tokens + seq.generated
+        tokens = max(self.admission_tokens(seq), held)
+        if not kvr.swap_in_fits(tokens, self.bs, self.watermark_blocks, self.manager.num_free):
+            return 0
+        if reserve:
+            self.manager.allocate(seq.rid, tokens)
+        return held
+
     def admit_plan(self, plan: StepPlan, lookup: Callable[[int], Seq],
                    admitted: Callable[[Seq, int, int], None]) -> StepPlan:
         """Allocate the blocks of the plan's admissions, in order, and call
