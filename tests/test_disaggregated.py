@@ -50,6 +50,32 @@ def test_kv_bytes_per_token_of_llama_2_70b_from_the_catalog():
     assert kv_bytes_per_token(fp8) == 163_840
 
 
+def test_one_kv_bytes_rule_for_transfers_and_swap_blocks():
+    """The transfer's bytes per token and a swap block's bytes come from one function
+    (``loops.simulate.kv_bytes_per_token``): at TP4 each GPU holds 2 of the 8 KV heads,
+    a quarter of the token; a model given by its shape has the shape's bytes."""
+    import simulator.cluster.disagg as D
+    from simulator.loops.simulate import kv_bytes_per_token, replica_kv_args
+    assert D.kv_bytes_per_token is kv_bytes_per_token
+    sc = one_request(100, 2)
+    assert kv_bytes_per_token(sc, per_gpu=True) == 327_680 / 4
+    assert replica_kv_args(sc)["block_bytes"] == 327_680 / 4 * sc.engine.kv.block_size
+    shaped = make_scenario()
+    assert kv_bytes_per_token(shaped) == kv_bytes_per_token(shaped, per_gpu=True) == (
+        shaped.model.shape.kv_bytes_per_token)
+
+
+def test_no_transfer_summary_is_nan_like_the_rest():
+    """A one-token answer ends on the prefill replica: nothing is handed off, and the
+    transfer statistics are NaN (as every empty statistic of summary.json; null in the
+    file)."""
+    out = run_outputs(simulate(one_request(500, 1)))[1]
+    d = out["disaggregation"]
+    assert d["handed_off"] == d["transfers"] == 0
+    for k in ("kv_transfer_ms", "kv_link_wait_ms", "decode_queue_ms"):
+        assert all(np.isnan(v) for v in d[k].values()), d[k]
+
+
 @pytest.mark.parametrize("gbs, latency_us", [(50.0, 10.0), (12.5, 200.0)])
 def test_zero_load_ttft_transfer_and_second_token_in_closed_form(gbs, latency_us):
     """One request, nothing else running: TTFT is the network plus the prefill pool's
@@ -192,6 +218,9 @@ def test_conservation_kv_returns_to_zero_and_pools_report(interference):
     np.testing.assert_allclose(parts, df["e2el"], rtol=1e-12, atol=1e-12)
     pools = out["cluster"]["pools"]
     assert {k: v["role"] for k, v in pools.items()} == {"pre": "prefill", "dec": "decode"}
+    # TTFT ends on the prefill pool: the decode pool reports none of it.
+    assert pools["pre"]["p99_ttft_ms"] == pytest.approx(out["overall"]["p99_ttft_ms"])
+    assert np.isnan(pools["dec"]["p99_ttft_ms"])
     assert pools["pre"]["requests_completed"] == pools["dec"]["requests_completed"] == n
     assert out["cluster"]["gpu_hours"] == pytest.approx(2 * res.sim_end / 3600.0)
     assert "disaggregated prefill/decode pools" in res.meta["loop"]
@@ -254,6 +283,8 @@ def _write(tmp_path, **cluster):
      ["role", "prefil"]),
     ({"pools": [{"name": "m"}], "kv_transfer": {"gbs": 10}}, ["cluster.kv_transfer"]),
     ({"pools": SPLIT, "kv_transfer": {"gbs": 0}}, ["gbs", "0"]),
+    ({"pools": SPLIT, "router": "nearest_region"}, ["cluster.router", "'nearest_region'"]),
+    ({"pools": SPLIT, "router": "region_load_rtt"}, ["cluster.router", "'region_load_rtt'"]),
 ])
 def test_bad_disaggregated_cluster_is_one_line_exit_2(tmp_path, cluster, words):
     path = _write(tmp_path, **cluster)

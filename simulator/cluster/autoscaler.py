@@ -73,6 +73,11 @@ class Fleet:
         self.scale_downs = 0
         self.mixed = False    # pools of different replicas (``cluster.pools``)
 
+    def holding(self, slots, seq) -> list:
+        """The ready slots among ``slots`` whose replica can hold ``seq`` (its KV cache is
+        large enough, ``Replica.rejects``): where a fleet of pools may route it."""
+        return [i for i in slots if self.state[i] == READY and not self.replicas[i].rejects(seq)]
+
     def count(self, state: str) -> int:
         return sum(1 for s in self.state if s == state)
 

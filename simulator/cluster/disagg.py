@@ -29,20 +29,11 @@ pools and ``loop: auto`` says so.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from simulator.cluster.autoscaler import READY
-
-
-def kv_bytes_per_token(pool_scenario) -> float:
-    """KV bytes one token of the model takes, all layers and KV heads, in the pool's KV
-    format: the model catalogue's ``ModelArch.kv_bytes_per_token`` for a roofline cost
-    model, else the scenario's ``model.shape``."""
-    cost = pool_scenario.model.cost
-    if getattr(cost, "kind", None) == "roofline":
-        from simulator.cost.roofline import model_arch
-        return float(model_arch(cost.model).kv_bytes_per_token(cost.kv_dtype))
-    return float(pool_scenario.model.shape.kv_bytes_per_token)
+from simulator.loops.simulate import kv_bytes_per_token
 
 
 class Disaggregation:
@@ -77,15 +68,14 @@ class Disaggregation:
         self.fleet = fleet
 
     def _decoders(self, seq) -> list:
+        """The decode replicas that can take ``seq`` (ready, their cache can hold it)."""
         f = self.fleet
-        return [f.replicas[i] for i in self.decode
-                if f.state[i] == READY and not f.replicas[i].rejects(seq)]
+        return [f.replicas[i] for i in f.holding(self.decode, seq)]
 
     def entry(self, ready: list, seq) -> list:
         """The ready prefill slots among ``ready`` that can hold ``seq``; none when no
         decode replica can (the gateway then refuses it as too large)."""
-        reps = self.fleet.replicas
-        ok = [i for i in ready if i in self.free_at and not reps[i].rejects(seq)]
+        ok = self.fleet.holding([i for i in ready if i in self.free_at], seq)
         return ok if ok and self._decoders(seq) else []
 
     # -- a request's way --------------------------------------------------------------------
@@ -138,7 +128,8 @@ class Disaggregation:
 
         def ms(x: np.ndarray) -> dict:
             if not len(x):
-                return {"mean": None, "median": None, "p99": None, "max": None}
+                # No such wait: NaN, as every other empty statistic of the summary.
+                return dict.fromkeys(("mean", "median", "p99", "max"), math.nan)
             return {"mean": float(x.mean()) * 1e3, "median": float(np.median(x)) * 1e3,
                     "p99": float(np.percentile(x, 99)) * 1e3, "max": float(x.max()) * 1e3}
         return {"kv_link_gbs": self.link.gbs, "kv_link_latency_us": self.link.latency_us,

@@ -153,7 +153,7 @@ class Gateway:
             ready = self.entry(ready, seq)
         elif fleet.mixed:
             # Pools of different KV capacity: route among the replicas that can hold it.
-            ready = [i for i in ready if not fleet.replicas[i].rejects(seq)]
+            ready = fleet.holding(ready, seq)
         if (not ready) if fleet.mixed else fleet.built[0].rejects(seq):
             self.arec.rejected[aid] = True
             self._refuse(aid, Decision(TOO_LARGE, math.inf), now)

@@ -14,6 +14,7 @@ from simulator.config.strict import _Strict
 
 
 ROLES = ("mixed", "prefill", "decode")
+REGION_ROUTERS = ("nearest_region", "region_load_rtt")
 
 
 class PoolConfig(_Strict):
@@ -148,6 +149,12 @@ def check_roles(cl: ClusterConfig) -> None:
             have = ", ".join(f"{p.name!r} ({p.role}, {p.replicas} replicas)" for p in cl.pools)
             raise ValueError(f"cluster.pools: a disaggregated cluster needs at least one "
                              f"{role} replica; the pools are {have}")
+    if cl.router in REGION_ROUTERS:
+        # A region router's replicas are the fleet's slots by index, but each role routes
+        # among its own ready replicas that can hold the request (a subset).
+        raise ValueError(f"cluster.router: {cl.router!r} is not modelled on a disaggregated "
+                         "cluster (pools with roles); use least_outstanding, round_robin, "
+                         "random or cache_aware")
     if cl.autoscaler is not None:
         raise ValueError("cluster.autoscaler: autoscaling a disaggregated cluster (pools with "
                          "roles) is not modelled; size its pools by hand or with latsim plan")

@@ -147,6 +147,24 @@ def roofline_memory_plan(scenario: Scenario, require_fit: bool = True):
         raise LatsimError(str(e), field="model.cost") from None
 
 
+def kv_bytes_per_token(scenario: Scenario, per_gpu: bool = False) -> float:
+    """KV bytes one cached token takes, in the scenario's KV format: a roofline cost
+    model's catalogued architecture (``ModelArch.kv_bytes_per_token``, all layers and KV
+    heads; ``per_gpu``: one GPU's slice, its pipeline stage's layers and its KV heads,
+    replicated heads counted on every GPU, ``catalog.kv_bytes_per_token_per_gpu``), else
+    ``model.shape`` (a shape has no parallelism: the whole token either way)."""
+    cost = scenario.model.cost
+    if getattr(cost, "kind", None) == "roofline":
+        from simulator.cost import catalog
+        from simulator.cost.roofline import model_arch
+        arch = model_arch(cost.model)
+        if per_gpu:
+            return float(catalog.kv_bytes_per_token_per_gpu(arch, cost.tp, cost.pp,
+                                                            cost.kv_dtype))
+        return float(arch.kv_bytes_per_token(cost.kv_dtype))
+    return float(scenario.model.shape.kv_bytes_per_token)
+
+
 def replica_kv_args(scenario: Scenario) -> dict:
     """The KV keyword arguments of ``Replica`` for this scenario: rules, bytes per
     block (what a swap copies), CPU swap space in blocks and its bandwidth. With a
@@ -154,15 +172,7 @@ def replica_kv_args(scenario: Scenario) -> dict:
     replica copies its own slice over its own link, in parallel), and
     ``swap_space_gb`` is per GPU, as vLLM's ``swap_space``."""
     kv = scenario.engine.kv
-    cost = scenario.model.cost
-    if getattr(cost, "kind", None) == "roofline":
-        from simulator.cost import catalog
-        from simulator.cost.roofline import model_arch
-        per_tok = catalog.kv_bytes_per_token_per_gpu(model_arch(cost.model), cost.tp, cost.pp,
-                                                     cost.kv_dtype)
-        block_bytes = float(per_tok * kv.block_size)
-    else:
-        block_bytes = float(scenario.model.shape.kv_bytes_per_token * kv.block_size)
+    block_bytes = kv_bytes_per_token(scenario, per_gpu=True) * kv.block_size
     return {"kv_rules": KVRules.from_config(kv), "block_bytes": block_bytes,
             "swap_blocks": int(kv.swap_space_gb * 1e9 // block_bytes),
             "swap_bps": kv.swap_gb_per_s * 1e9}

@@ -261,8 +261,8 @@ def _pools_meta(pools, fleet, end: float, gateway, disagg=None) -> dict:
     requests it served (admitted attempts, retries included) and completed (the
     requests whose completing attempt ran there); the cluster's GPU-hours and cost are
     the pools' sums (cost None when a pool has no price). Disaggregated (``disagg``): a
-    decode pool counts the requests handed to it, and ``completed_share`` is within the
-    pool's role."""
+    decode pool counts the requests handed to it, ``completed_share`` is within the
+    pool's role, and its ``p99_ttft_ms`` is NaN (TTFT ends on the prefill pool)."""
     from simulator.cluster.gateway import DONE
     held = fleet.held_s(end)
     slot_of = np.full(len(held), -1, dtype=np.int64)
@@ -299,8 +299,10 @@ def _pools_meta(pools, fleet, end: float, gateway, disagg=None) -> dict:
             "autoscaled": p.scaled, "kv_capacity_blocks": p.capacity,
             "requests_served": int(served[k]), "requests_completed": int(completed[k]),
             "completed_share": int(completed[k]) / n_done,
+            # A decode pool's requests had their first token on the prefill pool, which
+            # set their TTFT: none of it is the decode pool's, so NaN (as with no request).
             "p99_ttft_ms": (float(np.percentile(ttft[mine], 99)) * 1000.0
-                            if mine.any() else None),
+                            if mine.any() and p.role != "decode" else math.nan),
             "gpu_hours": hours, "gpu_cost_per_hour": p.price,
             "cost_usd": hours * p.price if p.price is not None else None,
         }

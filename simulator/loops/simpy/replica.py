@@ -277,9 +277,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                         self.util.idle_copy(self._copy_s)
                     continue
                 if self._sent or self._landing:
-                    # Blocks held by KV in flight (``handoff``): a prefill replica's still to
-                    # be sent, a decode replica's still landing; a landing frees or joins
-                    # them (``release_sent`` / ``land`` wake the loop).
+                    # Blocks held by KV in flight (``handoff``: to be sent, or landing here);
+                    # the next landing frees them or lets them decode, and wakes the loop.
                     self._wakeup = env.event()
                     yield self._wakeup
                     self._wakeup = None
