@@ -488,3 +488,68 @@ def test_contiguous_decode_intake_reserves_the_admission_reservation():
     assert held and max(n for n, _t, _r in held) == 4
     assert all(t <= r <= 1000 * 16 for _n, t, r in held)
     _assert_drained(built)
+
+
+def _one_split_plan(data, prices, **kw):
+    """The plan of ``data`` over the one split 2 prefill : 1 decode replicas."""
+    from simulator.planning.disagg import DisaggPlanner
+    from simulator.planning.planner import parse_slo
+    from simulator.planning.sweep import parse_axis
+    axes = [parse_axis(a, "--search") for a in ("prefill_replicas=2", "decode_replicas=1",
+                                                 *kw.pop("axes", ()))]
+    pl = DisaggPlanner(data, REPO_DIR, [parse_slo("p99_tpot_ms<=1e9", [])], axes, workers=1,
+                       prices=prices, **kw)
+    try:
+        return pl, pl.search()
+    finally:
+        pl.close()
+
+
+def test_plan_prices_each_pool_as_the_run_does():
+    """A pool's own gpu_cost_per_hour (what ``latsim run`` bills it at) wins over the one
+    --cost-per-gpu-hour price, which prices the pools without one; a price for a GPU
+    type searched prices that pool; the run's cost_usd per hour is the plan's."""
+    data = _plan_base()
+    data["workload"]["num_requests"] = 40
+    data["cluster"]["pools"] = [dict(SPLIT[0], gpu_cost_per_hour=5.0), dict(SPLIT[1])]
+    _pl, plan = _one_split_plan(data, 2.0)
+    assert plan.chosen.gpus == 3 and plan.chosen.cost_per_hour == pytest.approx(2 * 5 + 2)
+    res = simulate(__import__("simulator.config.scenario", fromlist=["x"]).validate_scenario(
+        {**data, "cluster": {**data["cluster"], "gpu_cost_per_hour": 2.0}}))
+    pools = run_outputs(res)[1]["cluster"]["pools"]
+    assert {k: v["gpu_cost_per_hour"] for k, v in pools.items()} == {"pre": 5.0, "dec": 2.0}
+    _pl, plan = _one_split_plan(data, {"a100-80gb": 1.5, "h100-80gb": 4.0},
+                                axes=("prefill_gpu=a100-80gb",))
+    # The prefill pool's GPU is priced by its type; the decode pool by its type too.
+    assert plan.chosen.cost_per_hour == pytest.approx(2 * 1.5 + 4.0)
+
+
+def test_plan_refuses_a_pool_left_without_a_price(tmp_path):
+    """--cost-per-gpu-hour for the searched prefill GPU only: the decode pool (H100, no
+    price of its own) is unpriced: one line, exit 2, before any run."""
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(_plan_base()))
+    code, _o, err = run_cli(["plan", path, "--disaggregate", "3", "--cost-per-gpu-hour",
+                             "a100-80gb=2", "--search", "prefill_gpu=a100-80gb", "--slo",
+                             "p99_tpot_ms<=50", "--workers", "1", "--out", tmp_path / "o"])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "--cost-per-gpu-hour" in lines[0] and "h100-80gb" in lines[0], lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_plan_honours_the_scenarios_policies():
+    """``policies:`` is an axis, as for a single fleet: each entry's engine settings are
+    planned; an entry that makes the cluster colocated has no split and is skipped."""
+    data = _plan_base()
+    data["workload"]["num_requests"] = 40
+    data["policies"] = [{"policy": "chunked", "label": "chunks"},
+                        {"policy": "fifo", "label": "whole"},
+                        {"policy": "chunked", "label": "colo",
+                         "cluster": {"pools": [{"name": "m", "replicas": 2}]}}]
+    pl, plan = _one_split_plan(data, 2.0)
+    assert sorted(c["engine.policy"] for c in pl.combos) == ["chunks", "whole"]
+    assert [(c["engine.policy"], "no prefill:decode split" in why)
+            for c, why in pl.skipped] == [("colo", True)]
+    runs = {c["engine.policy"]: ev for c, ev in plan.best_per_combo}
+    assert runs["chunks"].rows[0]["p99_ttft_ms"] != runs["whole"].rows[0]["p99_ttft_ms"]

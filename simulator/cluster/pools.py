@@ -89,11 +89,29 @@ def plan_pools(sc) -> list[Pool]:
         out.append(Pool(name=p.name, first=first, n_slots=n, replicas=p.replicas,
                         capacity=cap, kv_args=replica_kv_args(psc),
                         gpus=psc.cluster.gpus_per_replica,
-                        price=(p.gpu_cost_per_hour if p.gpu_cost_per_hour is not None
-                               else cl.gpu_cost_per_hour),
+                        price=gpu_hour_price(getattr(psc.model.cost, "gpu", None),
+                                             p.gpu_cost_per_hour, cl.gpu_cost_per_hour),
                         cost=psc.model.cost, scaled=p.name == scaled, role=p.role))
         first += n
     return out
+
+
+def gpu_hour_price(gpu: Optional[str], pool_price: Optional[float] = None,
+                   cluster_price: Optional[float] = None, prices=None) -> Optional[float]:
+    """$ per GPU-hour of a replica's GPUs: the one rule ``latsim run`` (a pool's
+    ``cost_usd``) and ``latsim plan`` (a configuration's $ per hour) price by. A price
+    named for its GPU type (``prices`` a mapping, ``--cost-per-gpu-hour gpu=price,...``:
+    it names the hardware, which a plan's GPU axis may change under a pool), else the
+    pool's own ``gpu_cost_per_hour``, else ``cluster.gpu_cost_per_hour``, else one
+    plan-wide price (``prices`` a number); None when none applies."""
+    if isinstance(prices, dict) and gpu in prices:
+        return float(prices[gpu])
+    for price in (pool_price, cluster_price):
+        if price is not None:
+            return float(price)
+    if prices is not None and not isinstance(prices, dict):
+        return float(prices)
+    return None
 
 
 def slot_pools(pools: list[Pool]) -> list[Pool]:

@@ -15,8 +15,12 @@ its axes:
   search each role's independently (every pair);
 - any other scenario key, as ``latsim sweep --grid``.
 
-A point costs, over its pools, replicas x GPUs per replica (tp x pp) x $ per GPU-hour
-(one price, or the price of the pool's GPU type). What cannot run (a TP the heads do not
+A point costs, over its pools, replicas x GPUs per replica (tp x pp) x $ per GPU-hour,
+each pool priced as ``latsim run`` prices it (``cluster.pools.gpu_hour_price``: the
+``--cost-per-gpu-hour`` price of its GPU type, else its own ``gpu_cost_per_hour``, else
+the cluster's, else the one ``--cost-per-gpu-hour`` price; a pool left unpriced is a
+one-line error before any run). A ``policies:`` list is an axis, as for ``Planner``; an
+entry that makes the cluster colocated has no split to search and is skipped. What cannot run (a TP the heads do not
 divide, a model that does not fit a pool's GPU) is skipped before any simulation, with
 the reason (``Plan.skipped``); every point run and missed is reported with what it
 missed; the cheapest feasible one wins (ties: fewer GPUs, then more slack). Headroom
@@ -32,7 +36,8 @@ from typing import Optional
 from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
 from simulator.planning.planner import GPU, PLAN_SHORTHANDS, REPLICAS, Plan, Planner, _bind
-from simulator.planning.sweep import Axis, describe, expand, point_scenario, resolve_key
+from simulator.planning.sweep import (Axis, describe, expand, point_scenario, policy_axis,
+                                      resolve_key)
 
 ROLES = ("prefill", "decode")
 # Per role: the pool field an axis sets (``replicas``, or a field of its cost model).
@@ -83,15 +88,23 @@ class DisaggPlanner(Planner):
                     not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in a.values):
                 raise LatsimError("replicas must be whole numbers >= 1", source="--search",
                                   value=f"{a.key}={list(a.values)[:5]}", has_value=True)
+        # A ``policies:`` list is an ``engine.policy`` axis whose values name its entries,
+        # as for ``Planner``; an entry whose cluster is not a split is skipped, with why.
         self.policy_runs = None
+        if self.base.get("policies") and not any(
+                resolve_key(self.base, a.key) == "engine.policy" for a in axes):
+            axis, self.policy_runs = policy_axis(self.base)
+            axes.append(axis)
         self.base.pop("policies", None)
         self.slos, self.seeds, self.prices = slos, seeds, prices
         if isinstance(prices, dict):
+            # A type searched must have its price (the scenario's prices are for the
+            # GPUs it names); the other pools are priced as ``latsim run`` prices them.
             named = {v for a in axes if a.key.endswith("_gpu") for v in a.values}
             missing = sorted(named - set(prices))
-            if missing or not named:
-                raise LatsimError("a price per GPU type needs a GPU axis and a price for each "
-                                  f"type searched; missing: {', '.join(missing) or 'the axis'}",
+            if missing:
+                raise LatsimError("a price per GPU type needs a price for each type "
+                                  f"searched; missing: {', '.join(missing)}",
                                   source="--cost-per-gpu-hour")
         self.replicas = [1]          # no replica count is bisected here
         self.seed0 = int(self.base.get("seed", 0) or 0)
@@ -113,14 +126,15 @@ class DisaggPlanner(Planner):
     def _point(self, params: dict) -> dict:
         """The scenario mapping of one point: role keys set on their pool."""
         rest = {k: v for k, v in params.items() if k not in ROLE_KEYS}
-        data = point_scenario(self.base, rest, None)
+        data = point_scenario(self.base, rest, self.policy_runs)
+        roles = _role_pools(data)
         pools = data["cluster"]["pools"]
         model_cost = (data.get("model") or {}).get("cost") or {}
         for key, value in params.items():
             if key not in ROLE_KEYS:
                 continue
             role, field = key.split("_", 1)
-            pool = pools[self.roles[role]]
+            pool = pools[roles[role]]
             if field == "replicas":
                 pool["replicas"] = value
                 continue
@@ -135,22 +149,39 @@ class DisaggPlanner(Planner):
         return data
 
     def _size(self, sc, params: dict) -> tuple[int, float]:
-        """GPUs of a point and its $ per hour: its pools' sums."""
-        from simulator.cluster.pools import plan_pools
+        """GPUs of a point and its $ per hour: its pools' sums, each pool priced by
+        ``cluster.pools.gpu_hour_price`` as ``latsim run`` prices it, the plan's prices
+        (``--cost-per-gpu-hour``) its GPU type's first and its last resort. NaN without
+        a price for some pool and no plan prices (points compared by GPUs); a one-line
+        error naming ``--cost-per-gpu-hour`` when plan prices leave a pool unpriced."""
+        from simulator.cluster.pools import gpu_hour_price, plan_pools
+        by_name = {p.name: p for p in sc.cluster.pools}
         gpus, cost = 0, 0.0
         for p in plan_pools(sc):
             n = p.replicas * p.gpus
             gpus += n
-            if self.prices is not None:
-                cost += n * (self.prices[p.gpu] if isinstance(self.prices, dict)
-                             else self.prices)
-        return gpus, (cost if self.prices is not None else math.nan)
+            price = gpu_hour_price(p.gpu, by_name[p.name].gpu_cost_per_hour,
+                                   sc.cluster.gpu_cost_per_hour, self.prices)
+            if price is None and self.prices is not None:
+                raise LatsimError(f"no price for pool {p.name!r}'s GPU type {p.gpu!r} (nor "
+                                  "gpu_cost_per_hour on the pool or cluster); add "
+                                  f"{p.gpu}=<price>", source="--cost-per-gpu-hour",
+                                  value=describe(params), has_value=True)
+            cost += n * (math.nan if price is None else price)
+        return gpus, cost
 
     def _cannot_run(self, combo: dict) -> Optional[str]:
         """Why a point cannot run (a pool's roofline cannot be split or does not fit its
         GPU), or None; other errors in a point are the user's: raised."""
         from simulator.cluster.pools import plan_pools
-        data = self._point(combo)
+        run = combo.get("engine.policy")
+        try:
+            data = self._point(combo)
+        except LatsimError:
+            if self.policy_runs and isinstance(self.policy_runs.get(run), dict) and (
+                    "cluster" in self.policy_runs[run]):
+                return f"policies entry {run!r} has no prefill:decode split to search"
+            raise
         try:
             sc = validate_scenario(data, source=f"search point {describe(combo)}",
                                    base_dir=self.base_dir)
@@ -160,6 +191,7 @@ class DisaggPlanner(Planner):
             if "cluster.pools" in text and ("pool '" in text or ".cost" in text):
                 return text.split(": ", 1)[-1]
             raise
+        self._size(sc, combo)        # every pool priced, before any run
         return None
 
     def search(self) -> Plan:

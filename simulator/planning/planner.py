@@ -216,11 +216,13 @@ class Plan:
     transfer: Optional[str] = None                  # how a GPU axis prices the steps
 
 
-def price_of(prices, params: dict) -> float:
-    """$ per GPU-hour of a configuration: one price, or the price of its GPU type."""
-    if isinstance(prices, dict):
-        return float(prices[params[GPU]])
-    return float(prices)
+def price_of(prices, params: dict, cluster_price: Optional[float] = None) -> float:
+    """$ per GPU-hour of a single-fleet configuration (``cluster.pools.gpu_hour_price``:
+    the price of its GPU type, else ``cluster_price``, the scenario's
+    ``cluster.gpu_cost_per_hour``, else the one price)."""
+    from simulator.cluster.pools import gpu_hour_price
+    price = gpu_hour_price(params.get(GPU), None, cluster_price, prices)
+    return math.nan if price is None else price
 
 
 def hardware_base(base: dict, gpus: list, base_dir: Path) -> tuple[dict, str]:
@@ -351,8 +353,8 @@ class Planner:
     def _size(self, sc, params: dict) -> tuple[int, float]:
         """GPUs of a configuration and its $ per hour (NaN without prices)."""
         gpus = params[REPLICAS] * replica_gpus(sc)
-        return gpus, (gpus * price_of(self.prices, params) if self.prices is not None
-                      else math.nan)
+        return gpus, (gpus * price_of(self.prices, params, sc.cluster.gpu_cost_per_hour)
+                      if self.prices is not None else math.nan)
 
     def close(self) -> None:
         """Release the executor."""
