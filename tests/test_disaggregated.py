@@ -506,18 +506,22 @@ def _one_split_plan(data, prices, **kw):
 
 
 def test_plan_prices_each_pool_as_the_run_does():
-    """A pool's own gpu_cost_per_hour (what ``latsim run`` bills it at) wins over the one
-    --cost-per-gpu-hour price, which prices the pools without one; a price for a GPU
-    type searched prices that pool; the run's cost_usd per hour is the plan's."""
+    """Without a price on the command line a pool is priced as ``latsim run`` bills it:
+    its own gpu_cost_per_hour, else the cluster's (the run's cost_usd per hour is the
+    plan's); a --cost-per-gpu-hour price wins over the scenario's, a price named for a
+    GPU type prices the pools of that type."""
     data = _plan_base()
     data["workload"]["num_requests"] = 40
     data["cluster"]["pools"] = [dict(SPLIT[0], gpu_cost_per_hour=5.0), dict(SPLIT[1])]
-    _pl, plan = _one_split_plan(data, 2.0)
+    data["cluster"]["gpu_cost_per_hour"] = 2.0
+    _pl, plan = _one_split_plan(data, None)
     assert plan.chosen.gpus == 3 and plan.chosen.cost_per_hour == pytest.approx(2 * 5 + 2)
     res = simulate(__import__("simulator.config.scenario", fromlist=["x"]).validate_scenario(
-        {**data, "cluster": {**data["cluster"], "gpu_cost_per_hour": 2.0}}))
+        data))
     pools = run_outputs(res)[1]["cluster"]["pools"]
     assert {k: v["gpu_cost_per_hour"] for k, v in pools.items()} == {"pre": 5.0, "dec": 2.0}
+    _pl, plan = _one_split_plan(data, 3.0)
+    assert plan.chosen.cost_per_hour == pytest.approx(3 * 3.0)
     _pl, plan = _one_split_plan(data, {"a100-80gb": 1.5, "h100-80gb": 4.0},
                                 axes=("prefill_gpu=a100-80gb",))
     # The prefill pool's GPU is priced by its type; the decode pool by its type too.

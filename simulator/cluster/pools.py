@@ -99,18 +99,20 @@ def plan_pools(sc) -> list[Pool]:
 def gpu_hour_price(gpu: Optional[str], pool_price: Optional[float] = None,
                    cluster_price: Optional[float] = None, prices=None) -> Optional[float]:
     """$ per GPU-hour of a replica's GPUs: the one rule ``latsim run`` (a pool's
-    ``cost_usd``) and ``latsim plan`` (a configuration's $ per hour) price by. A price
-    named for its GPU type (``prices`` a mapping, ``--cost-per-gpu-hour gpu=price,...``:
-    it names the hardware, which a plan's GPU axis may change under a pool), else the
-    pool's own ``gpu_cost_per_hour``, else ``cluster.gpu_cost_per_hour``, else one
-    plan-wide price (``prices`` a number); None when none applies."""
-    if isinstance(prices, dict) and gpu in prices:
-        return float(prices[gpu])
+    ``cost_usd``) and ``latsim plan`` (a configuration's $ per hour) price by. What the
+    command line says wins over what the scenario says: a price named for the GPU type
+    (``prices`` a mapping, ``--cost-per-gpu-hour gpu=price,...``: it names the hardware,
+    which a plan's GPU axis may change under a pool), else one plan-wide price
+    (``prices`` a number); then the pool's own ``gpu_cost_per_hour``, else
+    ``cluster.gpu_cost_per_hour``; None when none applies."""
+    if isinstance(prices, dict):
+        if gpu in prices:
+            return float(prices[gpu])
+    elif prices is not None:
+        return float(prices)
     for price in (pool_price, cluster_price):
         if price is not None:
             return float(price)
-    if prices is not None and not isinstance(prices, dict):
-        return float(prices)
     return None
 
 
