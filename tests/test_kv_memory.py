@@ -403,13 +403,13 @@ def _offline_lru(reqs, capacity):
 
 def test_mooncake_finite_cache_hits_equal_offline_lru_replay(data_dir):
     cap = 12_000
-    res = simulate(_mooncake(data_dir, 600, cap))
+    res = simulate(_mooncake(data_dir, 300, cap))
     reqs = _mooncake_requests(res)
     assert not requests_table(res)["rejected"].any()
     st_ = res.meta["kv"]
     assert st_["evictions"] > 0          # the cache really was too small
     assert st_["hit_blocks"] == _offline_lru(reqs, cap)
-    unlimited = simulate(_mooncake(data_dir, 600, 2_000_000)).meta["kv"]["hit_blocks"]
+    unlimited = simulate(_mooncake(data_dir, 300, 2_000_000)).meta["kv"]["hit_blocks"]
     assert st_["hit_blocks"] < unlimited
 
 

@@ -54,7 +54,7 @@ def _coeff_table(c_before: np.ndarray, c_after: np.ndarray) -> dict:
 
 
 def calibrate(cases: Sequence[RunCase], profile: dict, *, facts_only: bool = False,
-              profile_source: str = "", rounds: int = 6,
+              profile_source: str = "", rounds: int = 6, cv: bool = True,
               log: Callable[[str], None] = lambda s: None) -> Calibration:
     """Calibrate ``profile`` on recorded runs (module doc): measure the engine facts on
     every run's steps, fit the physics to the profile's rows with them, then (unless
@@ -62,7 +62,9 @@ def calibrate(cases: Sequence[RunCase], profile: dict, *, facts_only: bool = Fal
     the step tail (``measure_tail``). Runs without a step log are replayed again under
     the new coefficients and refitted (``rounds`` times in all), since the steps their
     tokens did not time are priced by the model. (Its length is that sequence of
-    stages, each a call; the report it assembles is what ``latsim calibrate`` prints.)"""
+    stages, each a call; the report it assembles is what ``latsim calibrate`` prints.)
+    ``cv=False`` leaves out the rows' leave-one-out errors the stored fit reports (a
+    refit per row): for a caller that wants only the calibrated constants."""
     from simulator.cost.fit import fit
     from simulator.cost.fitstore import fit_to_dict
     from simulator.cost.fitted import fitted_constants, step_tail
@@ -79,7 +81,7 @@ def calibrate(cases: Sequence[RunCase], profile: dict, *, facts_only: bool = Fal
     log("engine facts: " + json.dumps({k: round(v, 6) if isinstance(v, float) else v
                                        for k, v in facts["facts"].items()}))
     log("fitting the physics to the profile's rows with them ...")
-    rows_fit = fit(prof, cv=True)
+    rows_fit = fit(prof, cv=cv)
     c_after = rows_fit.c.copy()
     rf = None
     tail = 1.0
