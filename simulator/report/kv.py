@@ -90,7 +90,9 @@ def kv_summary(res, df) -> dict:
         "capacity_tokens": res.kv_capacity_tokens,
         "capacity_gb": res.kv_capacity_blocks * block_gb,
         "bytes_per_token": bpt,
-        "utilization": float(np.nanmean(util)) if util else float("nan"),
+        # NaN when no replica had a sample to weigh (a run that served nothing).
+        "utilization": (float(np.nanmean(util)) if np.isfinite(util).any()
+                        else float("nan")),
         "preemption": kv.preemption,
         "preemptions": int(pre.sum()),
         "requests_preempted": int((pre > 0).sum()),
