@@ -28,7 +28,6 @@ missed; the cheapest feasible one wins (ties: fewer GPUs, then more slack). Head
 """
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 from typing import Optional
@@ -57,18 +56,10 @@ class DisaggPlanner(Planner):
                  workers: Optional[int] = None, gpus: Optional[list] = None,
                  prices=None) -> None:
         from simulator.planning.executors import make_executor
-        from simulator.planning.planner import hardware_base
-        self.base = copy.deepcopy(base)
+        from simulator.planning.planner import plan_axes
         self.base_dir = Path(base_dir)
-        self.transfer = None
-        self.roles = _role_pools(self.base)
-        axes = [Axis(PLAN_SHORTHANDS.get(a.key, a.key), a.values) for a in axes]
-        if gpus:
-            if any(a.key == GPU for a in axes):
-                raise LatsimError("give the GPU types once: --gpus or --search gpu=",
-                                  source="--gpus")
-            self.base, self.transfer = hardware_base(self.base, list(gpus), self.base_dir)
-            axes.append(Axis(GPU, tuple(gpus)))
+        self.roles = _role_pools(base)
+        self.base, self.transfer, axes = plan_axes(base, axes, gpus, self.base_dir)
         if any(resolve_key(self.base, a.key) == REPLICAS for a in axes):
             raise LatsimError("a disaggregated cluster has a count per role: search "
                               "prefill_replicas= and decode_replicas=, or --disaggregate N",

@@ -225,6 +225,25 @@ def price_of(prices, params: dict, cluster_price: Optional[float] = None) -> flo
     return math.nan if price is None else price
 
 
+def plan_axes(base: dict, axes: list, gpus: Optional[list],
+              base_dir: Path) -> tuple[dict, Optional[str], list]:
+    """A plan's scenario mapping (a copy), how its cost model was carried to the GPU types
+    (``hardware_base``; None without ``--gpus``) and its axes: shorthands
+    (``PLAN_SHORTHANDS``) spelled out, ``--gpus`` a GPU axis (given once: with
+    ``--search gpu=`` too it is a one-line error)."""
+    from simulator.planning.sweep import Axis
+    base = copy.deepcopy(base)
+    transfer = None
+    axes = [Axis(PLAN_SHORTHANDS.get(a.key, a.key), a.values) for a in axes]
+    if gpus:
+        if any(a.key == GPU for a in axes):
+            raise LatsimError("give the GPU types once: --gpus or --search gpu=",
+                              source="--gpus")
+        base, transfer = hardware_base(base, list(gpus), base_dir)
+        axes = [*axes, Axis(GPU, tuple(gpus))]
+    return base, transfer, axes
+
+
 def hardware_base(base: dict, gpus: list, base_dir: Path) -> tuple[dict, str]:
     """The scenario mapping with ``model.cost`` made a roofline for a GPU axis, and a
     sentence on how: a roofline keeps its settings; a measured profile (``profile``,
@@ -272,17 +291,8 @@ class Planner:
     def __init__(self, base: dict, base_dir: Path, slos: list, axes: list, *,
                  seeds: int = 1, executor: str = "local", workers: Optional[int] = None,
                  gpus: Optional[list] = None, prices=None) -> None:
-        from simulator.planning.sweep import Axis
-        self.base = copy.deepcopy(base)
         self.base_dir = Path(base_dir)
-        self.transfer = None
-        axes = [Axis(PLAN_SHORTHANDS.get(a.key, a.key), a.values) for a in axes]
-        if gpus:
-            if any(a.key == GPU for a in axes):
-                raise LatsimError("give the GPU types once: --gpus or --search gpu=",
-                                  source="--gpus")
-            self.base, self.transfer = hardware_base(self.base, list(gpus), self.base_dir)
-            axes = [*axes, Axis(GPU, tuple(gpus))]
+        self.base, self.transfer, axes = plan_axes(base, axes, gpus, self.base_dir)
         # A ``policies:`` list is an ``engine.policy`` axis whose values name its entries
         # (``policy_runs``); the run counter is kept apart from it.
         self.policy_runs: Optional[dict] = None
