@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import fcntl
 import os
 from pathlib import Path
 
@@ -12,6 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 # What a test reads must not depend on the machine's load: validate's busy-box warning is
 # off in every test (and the subprocesses they start) but the one that checks it.
 os.environ["LATSIM_NO_LOAD_WARNING"] = "1"
+# Rich consoles are built when a CLI module is imported and read the width then: pin it,
+# so a table's labels never depend on which test happened to import the CLI first.
+os.environ["COLUMNS"] = "200"
 DATA = REPO / "data"  # the public data shipped with the repository (data/README.md)
 
 
@@ -79,3 +83,21 @@ def data_dir() -> Path:
     """The repository's ``data/`` folder. It is part of the checkout: a test that needs a
     file from it fails (file not found), never skips, when the file is missing."""
     return DATA
+
+
+@pytest.fixture(autouse=True)
+def _exclusive_under_xdist(request, tmp_path_factory):
+    """Under pytest-xdist (``-n 2``, pyproject's addopts) a test marked ``exclusive``
+    (it times a real server on this machine's CPUs) runs with no other test running:
+    it takes an exclusive lock that every other test holds shared while it runs."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    lock = tmp_path_factory.getbasetemp().parent / "exclusive.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if request.node.get_closest_marker("exclusive")
+                    else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -268,6 +268,7 @@ def _tiny_scenario(path, profile_path):
     return path
 
 
+@pytest.mark.exclusive  # a real server's token times
 @needs_serve
 def test_calibrate_end_to_end_on_a_bench_run_against_latsim_serve(tmp_path):
     """``latsim serve`` (tiny model, CPU, loopback, a free port), ``latsim bench`` of a

@@ -50,6 +50,7 @@ def _workload(n=N):
                     priority=np.zeros(n, int))
 
 
+@pytest.mark.exclusive  # a real server's timing
 def test_validate_endpoint_local(profile_file, tmp_path):
     """`latsim validate --endpoint local`: a server per policy, the error table with the
     wire stages, one row per request on both sides, T_net and T_stream measured."""
@@ -81,6 +82,7 @@ def test_validate_endpoint_local(profile_file, tmp_path):
     assert np.allclose(parts, real["e2el"], atol=1e-6)
 
 
+@pytest.mark.exclusive  # a real server's timing
 def test_validate_endpoint_url_uses_the_servers_policy(profile_file):
     """A running server: its own policy and limits (from /metrics) drive the simulation;
     asking for another policy is a one-line error."""

@@ -44,6 +44,7 @@ def _workload(n=80, rate=60.0, seed=1):
                     priority=rng.choice(3, n), class_names=("P0", "P1", "P2"))
 
 
+@pytest.mark.exclusive  # real step times, ms bounds
 @pytest.mark.parametrize("policy", ["fifo", "chunked", "priority_aging"])
 def test_simulator_with_real_step_times_reproduces_the_real_run(policy):
     from real_engine.profile import build_engine
@@ -71,6 +72,7 @@ def test_simulator_with_real_step_times_reproduces_the_real_run(policy):
     assert gap.max() < 0.025, gap.max()
 
 
+@pytest.mark.exclusive  # a real engine's timing
 def test_latsim_validate_end_to_end(tmp_path):
     prof = tmp_path / "tiny.json"
     r = subprocess.run([sys.executable, "-m", "simulator.cli", "profile", "--model", "tiny",
