@@ -487,3 +487,57 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert code == 2 and len(error_lines(text)) == 1
     code, text = latsim("fit", tmp_path / "nosuch.json")
     assert code == 2 and "nosuch.json" in error_lines(text)[0]
+
+
+# -- the server's settings against the scenario's --------------------------------------------
+
+def test_a_runs_running_limit_is_read_from_its_own_times():
+    """How many requests each published run had running at once, from its admission and
+    last-token times: the fifo run (~50% load) peaked at 25 and never held anyone back
+    at its peak; the chunked run (~90%) sat at its 64 slots while requests waited (the
+    step log agrees: 346 of its 842 steps with someone waiting ran 64)."""
+    from simulator.cost.calibration.settings import concurrency
+    fifo = concurrency(read_recorded_run(RUNS / "load50-fifo"))
+    assert fifo["max_running"] == 25 and fifo["wait_at_max_s"] == 0.0
+    it = pd.read_csv(RUNS / "load50-fifo" / "iterations.csv")
+    assert it["n_running"].max() == 25
+    ch = concurrency(read_recorded_run(RUNS / "load90-chunked"))
+    assert ch["max_running"] == 64 and ch["episodes"] > 100
+    assert 0.3 < ch["wait_at_max_s"] / ch["wait_s"] < 0.9
+
+
+@pytest.mark.parametrize("over,words", [
+    ({"max_num_seqs": 16}, ["had 64 requests running at once", "(16, engine.max_num_seqs)"]),
+    ({"max_num_seqs": 100, "kv": {"num_blocks": 30000}},
+     ["server's limit looks like 64", "lets 100 run"]),
+    ({"max_num_seqs": 100}, None),    # 16384 contiguous blocks of 16 = 64 slots of 4096
+    ({}, None),
+])
+def test_a_scenario_that_lets_more_or_fewer_run_than_the_server_is_named(over, words):
+    from simulator.cost.calibration.settings import slot_check
+    sc, _ = load_scenario(REPO / "scenarios" / "refbench-h200.yaml")
+    eng = sc.engine.model_copy(update={k: v for k, v in over.items() if k != "kv"})
+    if "kv" in over:
+        eng = eng.model_copy(update={"kv": eng.kv.model_copy(update=over["kv"])})
+    note = slot_check(read_recorded_run(RUNS / "load90-chunked"), eng)
+    if words is None:
+        assert note is None
+    else:
+        assert all(w in note for w in words), note
+    assert slot_check(read_recorded_run(RUNS / "load50-fifo"), sc.engine) is None
+
+
+def test_validate_run_takes_the_servers_settings_and_warns_on_a_mismatch(tmp_path):
+    """``latsim validate --run DIR SCENARIO --set ...``: the override reaches the
+    simulation, and a limit the run contradicts is a warning line (the table still
+    prints, exit 0); ``--set`` without ``--run`` is a one-line exit 2."""
+    code, text = latsim("validate", "--run", RUNS / "load50-fifo",
+                        REPO / "scenarios" / "refbench-h200.yaml",
+                        "--set", "engine.max_num_seqs=16", "--out", tmp_path / "v")
+    assert code == 0, text
+    assert "warning: load50-fifo: the run had 25 requests running at once" in text
+    assert "P99 E2EL" in text
+    res = json.loads((tmp_path / "v" / "validation-load50-fifo.json").read_text())
+    assert any("25 requests running" in n for n in res["notes"])
+    code, text = latsim("validate", "--profile", "x.json", "--set", "a=1")
+    assert code == 2 and "--set overrides the SCENARIO of --run" in text

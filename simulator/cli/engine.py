@@ -9,7 +9,7 @@ The engine modules (``real_engine.*``) are imported only when a command runs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -75,6 +75,8 @@ def validate(
     endpoint: Optional[str] = typer.Option(
         None, "--endpoint", help="over real HTTP: 'local' (serve each policy here on a "
         "loopback port) or the URL of a running `latsim serve` (its own policy)"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="with --run: scenario "
+                                             "override a.b=value (the server's settings)"),
 ) -> None:
     """Replay one trace through the real engine and the simulator; print the errors.
 
@@ -91,8 +93,11 @@ def validate(
                                   "(the scenario's model.cost is the model)", source="--run")
             from simulator.cli.fidelity import validate_run
             label = None if policies == _VALIDATE_POLICIES else policies.strip()
-            validate_run(run, scenario, label, out)
+            validate_run(run, scenario, label, out, set_)
             return
+        if set_:
+            raise LatsimError("--set overrides the SCENARIO of --run DIR SCENARIO",
+                              source="--set")
         if profile is None:
             raise LatsimError("give --profile (run the real engine) or --run DIR SCENARIO "
                               "(a recorded run)", source="--profile")

@@ -172,6 +172,7 @@ def load_cases(scenario: Path, runs: List[Path], label: Optional[str], set_=None
     checked before any work; returns ``(cases, scenario, base_dir)``."""
     from simulator.config.scenario import load_scenario
     from simulator.cost.calibration import RunCase, match_policy, read_recorded_run
+    from simulator.cost.calibration.settings import slot_check
     if not scenario.exists():
         raise LatsimError("file not found", source=str(scenario), field="SCENARIO")
     sc, base = load_scenario(scenario, set_)
@@ -183,6 +184,10 @@ def load_cases(scenario: Path, runs: List[Path], label: Optional[str], set_=None
     for r in runs:
         run = read_recorded_run(r)
         lab, psc = match_policy(sc, run, str(scenario), label)
+        note = slot_check(run, psc.engine)
+        if note is not None:
+            run.notes.append(note)
+            err_console.print(f"warning: {run.name}: {note}", markup=False, highlight=False)
         cases.append(RunCase(run, lab, psc))
     return cases, sc, base
 
@@ -358,12 +363,13 @@ def calibrate(
 
 # -- latsim validate --run ---------------------------------------------------------------------
 
-def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[Path]) -> None:
+def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[Path],
+                 set_: Optional[List[str]] = None) -> None:
     """``latsim validate --run DIR SCENARIO``: real vs simulated P50/P99 for a recorded
     run, and the model's step time against the measured one per step kind."""
     from simulator.cost.calibration import ReplayError, validate_recorded
     from simulator.report.files import json_safe
-    cases, _, base = load_cases(scenario, [run], label)
+    cases, _, base = load_cases(scenario, [run], label, set_)
     k = cases[0]
     try:
         res = validate_recorded(k, base_dir=base)
