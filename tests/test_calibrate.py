@@ -29,7 +29,7 @@ import yaml
 from conftest import REPO
 from simulator.config.scenario import load_scenario
 from simulator.cost import physics as ph
-from simulator.cost.calibration import (RunCase, calibrate, match_policy,
+from simulator.cost.calibration import (RunCase, calibrate, match_policy, validate_recorded,
                                         predict_intervals, read_recorded_run, replay,
                                         step_errors, step_pricer, steps_from_log)
 from simulator.cost.calibration.refit import CALIBRATED
@@ -541,3 +541,48 @@ def test_validate_run_takes_the_servers_settings_and_warns_on_a_mismatch(tmp_pat
     assert any("25 requests running" in n for n in res["notes"])
     code, text = latsim("validate", "--profile", "x.json", "--set", "a=1")
     assert code == 2 and "--set overrides the SCENARIO of --run" in text
+
+
+def _cut_run(folder, frac):
+    """The published load90-chunked run as if its recording had stopped at ``frac`` of
+    its span: tokens and steps after that dropped, those requests unfinished."""
+    src = RUNS / "load90-chunked"
+    folder.mkdir()
+    shutil.copy(src / "trace.csv", folder / "trace.csv")
+    tok = pd.read_csv(src / "tokens.csv")
+    end = tok["time_s"].max() * frac
+    tok = tok[tok["time_s"] <= end]
+    tok.to_csv(folder / "tokens.csv", index=False)
+    end = tok["time_s"].max()           # the last time the recording holds
+    it = pd.read_csv(src / "iterations.csv")
+    it[it["end_s"] <= end].to_csv(folder / "iterations.csv", index=False)
+    req = pd.read_csv(src / "requests.csv")
+    n = req["request_id"].map(tok.groupby("request_id").size()).fillna(0)
+    unfinished = n < req["output_tokens"]
+    req.loc[unfinished, "status"] = "unfinished"
+    req.to_csv(folder / "requests.csv", index=False)
+    return end, req[~unfinished]
+
+
+def test_a_run_cut_before_its_requests_finished_is_compared_through_the_same_window(tmp_path):
+    """An overload run recorded until a deadline holds only the requests that finished
+    by then (the early ones). Its latencies are those requests' (as ``vllm bench
+    serve``: finished requests), and the simulation is seen through the same window:
+    only what it finished by the run's last recorded time counts. Cut at 60% of its
+    span (158 of 400 unfinished), the run is then reproduced as the whole run is
+    (every P50/P99 within 5%; the simulation's own unfinished-looking late requests
+    would put P50 TTFT ~3x too high if counted)."""
+    end, done = _cut_run(tmp_path / "cut", 0.6)
+    run = read_recorded_run(tmp_path / "cut")
+    assert run.window_end() == pytest.approx(end) and (~run.finished).sum() == 158
+    assert any("158 of 400 requests unfinished" in n for n in run.notes)
+    ttft = (done["first_token_s"] - done["arrival_s"]).to_numpy()
+    assert run.real["median_ttft_ms"] == pytest.approx(np.percentile(ttft, 50) * 1e3, rel=1e-5)
+    sc, base = load_scenario(REPO / "scenarios" / "refbench-load90-chunked.yaml")
+    res = validate_recorded(RunCase(run, "chunked", sc), base_dir=base)
+    assert res["sim"]["window_end_s"] == pytest.approx(end)
+    assert res["sim"]["completed"] < 400
+    errs = {k: e["rel_err"] for k, e in res["errors"].items()}
+    assert all(abs(e) < 0.05 for e in errs.values()), errs
+    # Whole, the run has no window: every request counts on both sides.
+    assert read_recorded_run(RUNS / "load90-chunked").window_end() is None

@@ -106,6 +106,16 @@ class RecordedRun:
         df["rejected"] = False
         return add_derived(df)
 
+    def window_end(self) -> Optional[float]:
+        """When the recording stopped, if it stopped with requests unfinished (the last
+        time it recorded, on its clock); ``None`` when every request finished."""
+        if self.finished.all():
+            return None
+        if self.tokens is not None and len(self.tokens):
+            return float(self.tokens["time"].max())
+        seen = np.concatenate([self.first_token, self.last_token, self.scheduled])
+        return float(np.nanmax(seen)) if np.isfinite(seen).any() else None
+
     def itl_values(self) -> Optional[np.ndarray]:
         """Every gap between consecutive recorded tokens of a request (s), pooled; None
         when the run records no token times."""
@@ -213,6 +223,10 @@ def _read_refbench(folder: Path) -> RecordedRun:
                               source=str(folder / "iterations.csv")) from None
     else:
         notes.append("no iterations.csv: steps rebuilt by replaying the policy")
+    if (count < out).any():
+        notes.append(f"{int((count < out).sum())} of {len(rids)} requests unfinished when the "
+                     f"recording ended ({tok['time'].max():.1f} s): real and simulated "
+                     f"latencies are of the requests finished by then")
     return RecordedRun(
         folder=folder, kind="refbench", policy=RUN_POLICIES.get(pol) if pol else None,
         recorded_policy=pol, rid=rids, arrival=arrival, visible=arrival.copy(),
@@ -220,7 +234,10 @@ def _read_refbench(folder: Path) -> RecordedRun:
         priority=(trace["priority"].to_numpy(np.int64) if "priority" in trace.columns
                   else np.zeros(len(rids), np.int64)),
         scheduled=sched, first_token=first, last_token=last, finished=count >= out,
-        token_clock="engine", real=latency_metrics(dict(zip(rids, arrival)), tok),
+        token_clock="engine",
+        # As ``vllm bench serve``: the latencies of the requests that finished.
+        real=latency_metrics(dict(zip(rids, arrival)),
+                             tok[tok["rid"].isin(set(rids[count >= out].tolist()))]),
         tokens=tok, steps=steps, notes=notes)
 
 

@@ -23,13 +23,26 @@ def simulate_run(scenario, run: RecordedRun, *, cost_model=None, base_dir=None,
 
     """Simulate ``scenario`` (one policy run) on the run's own traffic (its arrivals,
     lengths and classes) with the SimPy loop; its P50/P99s (ms) as ``summarize`` gives
-    them. ``cost_model`` replaces the scenario's ``model.cost``."""
+    them. ``cost_model`` replaces the scenario's ``model.cost``.
+
+    A run recorded until a deadline with requests unfinished (an overload run, say)
+    reports the requests that finished by then, the early ones; the simulation is seen
+    through the same window (``window_end``): only requests it finished by then count,
+    else the late requests it carries to the end would be compared with none. (ITL
+    pools every simulated gap: the simulator keeps them as a histogram, not by time.)"""
     from simulator.loops.simulate import simulate
     from simulator.report.metrics import requests_table, summarize
 
     res = simulate(scenario, workload=run.workload(), cost_model=cost_model,
                    base_dir=base_dir, profile=profile, loop="simpy")
-    return summarize(requests_table(res), res.rec.itl)
+    df = requests_table(res)
+    end = run.window_end()
+    if end is not None:
+        df["finished"] = df["finished"].to_numpy(bool) & \
+            (df["last_delivered"].to_numpy(float) <= end)
+    out = summarize(df, res.rec.itl)
+    out["window_end_s"] = end
+    return out
 
 
 def compare(real: dict, sim: dict) -> dict:
