@@ -345,7 +345,7 @@ def test_planner_picks_the_cheapest_feasible_split_and_skips_with_reasons():
     the points that, run on their own, meet both SLOs; the others say what they missed."""
     from simulator.config.scenario import validate_scenario
     from simulator.planning.disagg import DisaggPlanner
-    from simulator.planning.planner import parse_slo
+    from simulator.planning.slo import parse_slo
     from simulator.planning.sweep import parse_axis
     slos = [parse_slo("p99_ttft_ms<=500", []), parse_slo("p99_tpot_ms<=15", [])]
     axes = [parse_axis(a, "--search") for a in
@@ -493,7 +493,7 @@ def test_contiguous_decode_intake_reserves_the_admission_reservation():
 def _one_split_plan(data, prices, **kw):
     """The plan of ``data`` over the one split 2 prefill : 1 decode replicas."""
     from simulator.planning.disagg import DisaggPlanner
-    from simulator.planning.planner import parse_slo
+    from simulator.planning.slo import parse_slo
     from simulator.planning.sweep import parse_axis
     axes = [parse_axis(a, "--search") for a in ("prefill_replicas=2", "decode_replicas=1",
                                                  *kw.pop("axes", ()))]

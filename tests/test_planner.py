@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 from conftest import REPO, ZERO_NET, ZERO_STREAM, make_profile
 from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
-from simulator.planning.planner import Planner, default_slos, knee, parse_slo, scale_rate
+from simulator.planning.planner import Planner, knee, scale_rate
+from simulator.planning.slo import default_slos, parse_slo
 from simulator.cli.plan import write_plan
 from simulator.planning.executors import LocalExecutor
 from simulator.planning.sweep import parse_axis

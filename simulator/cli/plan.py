@@ -149,7 +149,8 @@ def plan(
     Exit 0 with the choice; exit 1 when no configuration in the search space meets
     them (the report says which SLO binds and what each one missed)."""
     from simulator.config.scenario import validate_scenario
-    from simulator.planning.planner import Planner, class_names_of, default_slos, parse_slo
+    from simulator.planning.planner import Planner
+    from simulator.planning.slo import class_names_of, default_slos, parse_slo
     from simulator.planning.sweep import parse_axis
     prices = parse_prices(cost_per_gpu_hour)
     if seeds < 1:
