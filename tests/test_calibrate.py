@@ -586,3 +586,17 @@ def test_a_run_cut_before_its_requests_finished_is_compared_through_the_same_win
     assert all(abs(e) < 0.05 for e in errs.values()), errs
     # Whole, the run has no window: every request counts on both sides.
     assert read_recorded_run(RUNS / "load90-chunked").window_end() is None
+
+
+def test_step_errors_set_apart_the_steps_with_several_chunks():
+    """``validate --run``'s breakdown counts, among the mixed steps, those with two or
+    more prefill chunks, as the engine's own step log does (180 of the chunked run's
+    677 timed mixed steps after warm-up; the fifo run has no mixed step)."""
+    from simulator.cost.calibration.steplog import WARMUP_STEPS
+    it = pd.read_csv(RUNS / "load90-chunked" / "iterations.csv").iloc[WARMUP_STEPS:]
+    want = int(((it["n_prefill_seqs"] >= 2) & (it["n_decode"] > 0)).sum())
+    log = steps_from_log(read_recorded_run(RUNS / "load90-chunked"))
+    c = FittedCostModel(load_profile(REFBENCH)).c
+    errs = step_errors(predict_intervals(c, log)[0], log, log.warmup)
+    assert errs["mixed_chunks"]["n"] == want == 180
+    assert errs["mixed"]["n"] > want and "prefill_chunks" not in errs

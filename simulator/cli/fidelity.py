@@ -213,8 +213,9 @@ def latency_table(title: str, real: dict, sims: dict) -> Table:
 
 
 def step_table(title: str, cols: dict) -> Table:
-    """Model / measured time per step kind (decode-only, prefill-only, mixed; median,
-    p10, p90) for each model, and the total busy-time bias."""
+    """Model / measured time per step kind (decode-only, prefill-only, mixed, and of
+    those the steps with two or more chunks; median, p10, p90) for each model, and the
+    total busy-time bias."""
     t = Table(title=title, title_justify="left")
     t.add_column("steps")
     t.add_column("n", justify="right")
@@ -223,11 +224,12 @@ def step_table(title: str, cols: dict) -> Table:
         t.add_column("p10", justify="right")
         t.add_column("p90", justify="right")
     first = next(iter(cols.values()))
-    for kind in ("decode", "prefill", "mixed", "multi"):
+    for kind in ("decode", "prefill", "prefill_chunks", "mixed", "mixed_chunks", "multi"):
         if kind not in first:
             continue
         # "several": intervals over more than one step (steps the run did not time).
         row = [{"decode": "decode", "prefill": "prefill", "mixed": "mixed",
+                "prefill_chunks": "  of them 2+ chunks", "mixed_chunks": "  of them 2+ chunks",
                 "multi": "several"}[kind], str(first[kind]["n"])]
         for e in cols.values():
             v = e.get(kind) or {}
