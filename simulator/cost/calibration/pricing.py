@@ -94,15 +94,20 @@ def interval_ms(log: StepLog, total: np.ndarray, book: np.ndarray) -> np.ndarray
     return ct[k + 1] - ct[j] - book[k] + before
 
 
+def _ratio_stats(v: np.ndarray) -> dict:
+    """Count, median, p10 and p90 of model / measured ratios."""
+    return {"n": int(len(v)), "median": float(np.median(v)),
+            "p10": float(np.percentile(v, 10)), "p90": float(np.percentile(v, 90))}
+
+
 def step_errors(pred: np.ndarray, log: StepLog, skip: int = 0) -> dict:
     """Where a model's error on a run comes from, given its milliseconds of every
     measured interval (``predict_intervals``, ``interval_ms``): per kind of step
     (``decode`` only, ``prefill`` only, ``mixed``; ``multi`` for intervals over several
     steps; ``prefill_chunks`` / ``mixed_chunks`` for those of the prefill-only and mixed
     steps with two or more chunks) the median, p10 and p90 of model / measured time, and
-    the total busy-time
-    bias (sum of model over sum of measured, minus one), over intervals from step
-    ``skip`` on (``median_abs``: median |model / measured - 1|)."""
+    the total busy-time bias (sum of model over sum of measured, minus one), over
+    intervals from step ``skip`` on (``median_abs``: median |model / measured - 1|)."""
     keep = log.iv_first >= skip
     r = pred[keep] / log.meas_ms[keep]
     kinds = log.interval_kinds()[keep]
@@ -110,19 +115,14 @@ def step_errors(pred: np.ndarray, log: StepLog, skip: int = 0) -> dict:
     for k in ("decode", "prefill", "mixed", "multi"):
         sel = kinds == k
         if sel.sum():
-            v = r[sel]
-            out[k] = {"n": int(sel.sum()), "median": float(np.median(v)),
-                      "p10": float(np.percentile(v, 10)), "p90": float(np.percentile(v, 90))}
+            out[k] = _ratio_stats(r[sel])
     # Steps with several prefill chunks apart too: the host and attention work a chunk
     # adds is where a model's chunk accounting shows.
     nch = np.array([len(ch) for ch in log.chunks], np.int64)[log.iv_last][keep]
     for k in ("prefill", "mixed"):
         sel = (kinds == k) & (nch >= 2)
         if sel.sum():
-            v = r[sel]
-            out[f"{k}_chunks"] = {"n": int(sel.sum()), "median": float(np.median(v)),
-                                  "p10": float(np.percentile(v, 10)),
-                                  "p90": float(np.percentile(v, 90))}
+            out[f"{k}_chunks"] = _ratio_stats(r[sel])
     out["busy_bias"] = float(pred[keep].sum() / log.meas_ms[keep].sum() - 1.0) if keep.any() \
         else math.nan
     out["median_abs"] = float(np.median(np.abs(r - 1.0))) if len(r) else math.nan

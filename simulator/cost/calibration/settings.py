@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from simulator.cost.calibration.recorded import RecordedRun
+from simulator.model.kv.blocks import blocks_for
 
 # A ceiling counts as the server's limit when, for at least this share of the time
 # anyone waited, somebody waited while exactly that many ran. (The published 64-slot
@@ -68,7 +69,8 @@ def scenario_limit(engine) -> tuple[int, str]:
     limit, what = int(engine.max_num_seqs), "engine.max_num_seqs"
     kv = engine.kv
     if kv.allocation == "contiguous" and kv.num_blocks and kv.max_model_len:
-        slots = kv.num_blocks * kv.block_size // kv.max_model_len
+        # Each request reserves the blocks of max_model_len tokens (``kvspace``).
+        slots = kv.num_blocks // blocks_for(kv.max_model_len, kv.block_size)
         if slots < limit:
             limit, what = slots, "engine.kv's contiguous slots"
     return limit, what
