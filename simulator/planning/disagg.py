@@ -105,13 +105,7 @@ class DisaggPlanner(Planner):
         self.skipped: list = []
         splits = ([{"prefill_replicas": p, "decode_replicas": total - p}
                    for p in range(1, total)] if total is not None else [{}])
-        self.combos = []
-        for c in (dict(s, **o) for s in splits for o in expand(axes)):
-            why = self._cannot_run(c)
-            if why is None:
-                self.combos.append(c)
-            else:
-                self.skipped.append((c, why))
+        self._keep_runnable(dict(s, **o) for s in splits for o in expand(axes))
         self.executor = make_executor(executor, workers)
 
     def _point(self, params: dict) -> dict:

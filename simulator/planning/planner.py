@@ -248,14 +248,19 @@ class Planner:
         self._profiles: dict = {}
         self.runs = 0
         self.skipped: list = []
+        self._keep_runnable(expand(others))  # fail fast on a bad axis value
+        self.executor = make_executor(executor, workers)
+
+    def _keep_runnable(self, combos) -> None:
+        """``combos`` into ``self.combos`` (those that can run) and ``self.skipped``
+        (``(combo, why)`` for those that cannot: ``_cannot_run``)."""
         self.combos = []
-        for c in expand(others):  # fail fast on a bad axis value; skip what cannot run
+        for c in combos:
             why = self._cannot_run(c)
             if why is None:
                 self.combos.append(c)
             else:
                 self.skipped.append((c, why))
-        self.executor = make_executor(executor, workers)
 
     def _cannot_run(self, combo: dict) -> Optional[str]:
         """Why a combination cannot run at all (a roofline that does not fit or cannot be
