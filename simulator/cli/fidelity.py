@@ -215,7 +215,7 @@ def latency_table(title: str, real: dict, sims: dict) -> Table:
 def step_table(title: str, cols: dict) -> Table:
     """Model / measured time per step kind (decode-only, prefill-only, mixed, and of
     those the steps with two or more chunks; median, p10, p90) for each model, and the
-    total busy-time bias."""
+    total busy-time bias, also by quarter of the run's time."""
     t = Table(title=title, title_justify="left")
     t.add_column("steps")
     t.add_column("n", justify="right")
@@ -239,6 +239,13 @@ def step_table(title: str, cols: dict) -> Table:
     for e in cols.values():
         row += [_pct(e["busy_bias"]), "", ""]
     t.add_row(*row)
+    # The same by quarter of the run: an engine warming up shows in the first one.
+    for i, qt in enumerate(first.get("busy_bias_by_quarter") or []):
+        row = [f"  {qt['from_s']:.0f}-{qt['to_s']:.0f} s", str(qt["intervals"])]
+        for e in cols.values():
+            qs = e.get("busy_bias_by_quarter") or []
+            row += [_pct(qs[i]["bias"]) if i < len(qs) else "", "", ""]
+        t.add_row(*row)
     return t
 
 

@@ -100,14 +100,34 @@ def _ratio_stats(v: np.ndarray) -> dict:
             "p10": float(np.percentile(v, 10)), "p90": float(np.percentile(v, 90))}
 
 
+def _bias_by_quarter(pred: np.ndarray, log: StepLog, keep: np.ndarray) -> list:
+    """The busy-time bias over each quarter of the run's time (by when an interval
+    starts; ``from_s`` / ``to_s`` from the run's first step): a model right on average
+    can still be off at the start of a run, where an engine warms up."""
+    if not len(log.iv_first) or not keep.any():
+        return []
+    t0 = float(log.start[0])
+    span = float(log.end[log.iv_last].max()) - t0
+    t = log.start[log.iv_first] - t0
+    q = np.minimum((t / span * 4.0).astype(np.int64), 3) if span > 0 else np.zeros(len(t), int)
+    out = []
+    for i in range(4):
+        sel = keep & (q == i)
+        bias = float(pred[sel].sum() / log.meas_ms[sel].sum() - 1.0) if sel.any() else math.nan
+        out.append({"from_s": span * i / 4.0, "to_s": span * (i + 1) / 4.0,
+                    "intervals": int(sel.sum()), "bias": bias})
+    return out
+
+
 def step_errors(pred: np.ndarray, log: StepLog, skip: int = 0) -> dict:
     """Where a model's error on a run comes from, given its milliseconds of every
     measured interval (``predict_intervals``, ``interval_ms``): per kind of step
     (``decode`` only, ``prefill`` only, ``mixed``; ``multi`` for intervals over several
     steps; ``prefill_chunks`` / ``mixed_chunks`` for those of the prefill-only and mixed
     steps with two or more chunks) the median, p10 and p90 of model / measured time, and
-    the total busy-time bias (sum of model over sum of measured, minus one), over
-    intervals from step ``skip`` on (``median_abs``: median |model / measured - 1|)."""
+    the total busy-time bias (sum of model over sum of measured, minus one) and the same
+    over each quarter of the run's time (``busy_bias_by_quarter``), over intervals from
+    step ``skip`` on (``median_abs``: median |model / measured - 1|)."""
     keep = log.iv_first >= skip
     r = pred[keep] / log.meas_ms[keep]
     kinds = log.interval_kinds()[keep]
@@ -125,6 +145,7 @@ def step_errors(pred: np.ndarray, log: StepLog, skip: int = 0) -> dict:
             out[f"{k}_chunks"] = _ratio_stats(r[sel])
     out["busy_bias"] = float(pred[keep].sum() / log.meas_ms[keep].sum() - 1.0) if keep.any() \
         else math.nan
+    out["busy_bias_by_quarter"] = _bias_by_quarter(pred, log, keep)
     out["median_abs"] = float(np.median(np.abs(r - 1.0))) if len(r) else math.nan
     out["intervals"] = int(keep.sum())
     return out
