@@ -178,7 +178,8 @@ def run_local(engine, profile: dict, wl: Workload, policies: Sequence[str], *,
     port, benched and simulated; the results per policy."""
     from simulator.model.scheduling import make_policy
 
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     out = {}
     for name in policies:
         pol = make_policy(name, **policy_kwargs(settings))

@@ -50,24 +50,8 @@ when it reaches ``stream_buffer_frames``:
   collected and sent as one final frame (the non-streamed response the seeds
   suggest for clients that cannot keep up), so the engine never waits for it.
 
-Limits. A request body larger than ``max_body_bytes`` gets 413 before it is read
-(from its ``Content-Length``; a chunked body is counted while it is read and
-refused when it crosses the limit), and the connection is closed rather than
-drained; a body that is not JSON, not UTF-8 or nested deeper than
-``MAX_JSON_DEPTH`` gets 400. A prompt plus ``max_tokens`` beyond the model's
-context gets 400 naming the field and the limits.
-
-Authentication. With ``api_key`` set, every endpoint but ``GET /health`` needs
-``Authorization: Bearer <key>`` (checked before the body is read, compared in
-constant time); anything else gets 401.
-
-Timeouts. With ``request_timeout_s`` set, a request is cancelled (its KV blocks
-freed, like a disconnect) once that long has passed since its handler started,
-reading its body included: a streamed request ends with an error event (code
-504, no ``[DONE]``), a plain one gets 504, a body still arriving gets 408. A
-stream whose client stopped reading cannot take an error event: its write is
-cut ``STUCK_WRITE_GRACE_S`` later and the connection dropped, so a client that
-never reads cannot hold KV blocks past the timeout either.
+Limits, authentication and timeouts: ``real_engine.guards``. Binding and running
+the server in a thread: ``real_engine.hosting``.
 
 Timing. A request carrying the header ``x-latsim-timing`` gets, just before
 ``data: [DONE]``, one SSE comment ``: latsim-timing {json}`` with the server's
@@ -81,31 +65,25 @@ comment is ignored by every SSE client, so the stream stays OpenAI-compatible;
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import ipaddress
 import json
 import socket
-import threading
 import time
 import uuid
 from typing import Optional
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from simulator.wire.benchclient import TIMING_COMMENT, TIMING_HEADER
 
 from real_engine.engine import EngineCore
 from real_engine.engineloop import _ABORT, _DONE, EngineLoop, _Stream
+from real_engine.guards import MAX_BODY_BYTES, ApiKeyGuard, Deadline, DeadlineStream, read_body
+from real_engine.hosting import listen_socket
 from real_engine.openai_api import (MAX_JSON_DEPTH, ApiError, Parsed, chunk, completion,
                                    detokenize, error_body, loads_body, parse_request)
 
-MAX_BODY_BYTES = 4 << 20          # default request body limit (4 MiB)
-STUCK_WRITE_GRACE_S = 1.0         # a timed-out stream still stuck in a write after this: cut
-OPEN_PATHS = frozenset({"/health"})   # reachable without the API key (load balancers probe it)
 
 
 def _error(message: str, status: int = 400, param: Optional[str] = None,
@@ -113,114 +91,6 @@ def _error(message: str, status: int = 400, param: Optional[str] = None,
     # ``close``: the body was not (fully) read; draining it would be the work refused.
     headers = {"Connection": "close"} if close else None
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the server reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:          # a host name: it may resolve to anything
-        return False
-
-
-class _ApiKeyGuard:
-    """ASGI middleware: 401 unless ``Authorization: Bearer <key>`` (paths in
-    ``OPEN_PATHS`` excepted). Runs before any route, so an unauthenticated request
-    never has its body read. Both sides are hashed first, so the comparison takes
-    the same time whatever the length or content of what was sent."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app = app
-        self.digest = hashlib.sha256(key.encode()).digest()
-
-    def _authorized(self, scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                ok = hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.digest)
-                return ok and scheme.lower() == b"bearer"
-        return False
-
-    async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
-                or self._authorized(scope)):
-            await self.app(scope, receive, send)
-            return
-        body = error_body("missing or invalid API key: send 'Authorization: Bearer <key>'", 401)
-        await JSONResponse(body, status_code=401,
-                           headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-
-
-class _Deadline:
-    """A request's timeout: when it expires (``time.monotonic``), counted once in
-    ``EngineLoop.timed_out`` however it is noticed."""
-
-    def __init__(self, loop_: EngineLoop, timeout_s: float) -> None:
-        self.loop_, self.timeout_s = loop_, timeout_s
-        self.at = time.monotonic() + timeout_s
-        self.counted = False
-
-    def left(self) -> float:
-        return self.at - time.monotonic()
-
-    def expire(self) -> str:
-        """Count the timeout (once); the message for the client."""
-        if not self.counted:
-            self.counted = True
-            self.loop_.timed_out += 1
-        return f"request timed out after {self.timeout_s:g} s; it was cancelled"
-
-
-class _DeadlineStream(StreamingResponse):
-    """A streamed response that cannot outlive its deadline by more than
-    ``STUCK_WRITE_GRACE_S``: the generator ends a timed-out stream itself with an
-    error event, but not while it waits on a write to a client that stopped
-    reading; then the response is cut here, and closing the generator cancels the
-    request (its ``finally``). Uvicorn drops a connection whose response is cut."""
-
-    def __init__(self, content, deadline: Optional[_Deadline], **kw) -> None:
-        super().__init__(content, **kw)
-        self.deadline = deadline
-
-    async def __call__(self, scope, receive, send) -> None:
-        if self.deadline is None:
-            await super().__call__(scope, receive, send)
-            return
-        with anyio.move_on_after(max(0.0, self.deadline.left()) + STUCK_WRITE_GRACE_S) as cut:
-            await super().__call__(scope, receive, send)
-        if cut.cancelled_caught:
-            self.deadline.expire()
-            await self.body_iterator.aclose()
-
-
-async def _read_body(request: Request, limit: int, deadline: Optional[_Deadline]) -> bytes:
-    """The request body, refused (413) as soon as it is known to exceed ``limit``
-    bytes: from ``Content-Length`` before anything is read, or while a chunked body
-    is read; 408 if it has not all arrived by ``deadline``."""
-    big = f"request body exceeds the server's limit of {limit} bytes"
-    cl = request.headers.get("content-length")
-    if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise ApiError(f"{big} (Content-Length: {int(cl)})", 413)
-
-    async def read() -> bytes:
-        parts, total = [], 0
-        async for part in request.stream():
-            total += len(part)
-            if total > limit:
-                raise ApiError(big, 413)
-            parts.append(part)
-        return b"".join(parts)
-
-    if deadline is None:
-        return await read()
-    try:
-        return await asyncio.wait_for(read(), max(0.0, deadline.left()))
-    except asyncio.TimeoutError:
-        deadline.expire()
-        raise ApiError(f"request body not received within the request timeout "
-                       f"({deadline.timeout_s:g} s)", 408) from None
 
 
 class _Getter:
@@ -290,7 +160,7 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
     app = FastAPI(title="latsim real engine", lifespan=lifespan)
     app.state.engine_loop = loop_
     if api_key:
-        app.add_middleware(_ApiKeyGuard, key=api_key)
+        app.add_middleware(ApiKeyGuard, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -314,10 +184,10 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
                                             "owned_by": "latsim", "max_model_len": cfg.max_seq_len}]}
 
     async def handle(request: Request, chat: bool):
-        deadline = _Deadline(loop_, request_timeout_s) if request_timeout_s else None
+        deadline = Deadline(loop_, request_timeout_s) if request_timeout_s else None
         try:
             try:
-                raw = await _read_body(request, max_body_bytes, deadline)
+                raw = await read_body(request, max_body_bytes, deadline)
             except ClientDisconnect:
                 return _error("client disconnected", 499)
             received = time.time()
@@ -331,7 +201,7 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
         created = int(time.time())
         if p.stream:
             timing = TIMING_HEADER in request.headers
-            return _DeadlineStream(_stream(loop_, st, cid, created, p, chat, heartbeat_s,
+            return DeadlineStream(_stream(loop_, st, cid, created, p, chat, heartbeat_s,
                                            timing, deadline),
                                    deadline, media_type="text/event-stream",
                                    headers={"Cache-Control": "no-cache"})
@@ -354,7 +224,7 @@ def _frame(obj: dict) -> str:
 
 async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Parsed,
                   chat: bool, heartbeat_s: Optional[float] = None, timing: bool = False,
-                  deadline: Optional[_Deadline] = None):
+                  deadline: Optional[Deadline] = None):
     """SSE frames, one per token (and ``: ping`` comments after ``heartbeat_s`` of
     silence); under ``degrade``, once the send buffer is full, the rest as one frame.
     At ``deadline`` the request is cancelled and the stream ends with an error event.
@@ -418,7 +288,7 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
 
 async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
                    created: int, p: Parsed, chat: bool,
-                   deadline: Optional[_Deadline] = None):
+                   deadline: Optional[Deadline] = None):
     """A non-streamed response: every token, then one JSON (cancelled on disconnect,
     or with a 504 at ``deadline``)."""
     toks: list[int] = []
@@ -453,64 +323,6 @@ async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
         getter.close()
     return completion(cid, created, p.model, "".join(detokenize(t) for t in toks), len(p.ids),
                       len(toks), chat)
-
-
-def listen_socket(host: str = "127.0.0.1", port: int = 0,
-                  send_buffer_bytes: Optional[int] = None) -> socket.socket:
-    """A bound TCP socket for uvicorn (``Server.run(sockets=[...])``).
-
-    ``send_buffer_bytes`` sets ``SO_SNDBUF`` on it, which accepted connections
-    inherit (Linux doubles the value and stops autotuning it). By default the
-    kernel grows a loopback send buffer to megabytes, i.e. thousands of SSE
-    frames absorbed before a slow reader pushes back on the server at all.
-    """
-    # IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on sockets whose proto says
-    # TCP, and without it every keep-alive response after the first waits ~40 ms
-    # (Nagle vs delayed ACK).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if send_buffer_bytes:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(send_buffer_bytes))
-    sock.bind((host, port))
-    return sock
-
-
-class BackgroundServer:
-    """Run an app under uvicorn in a background thread (tests, loopback benchmarks).
-
-    ``with BackgroundServer(app) as s: ... s.url`` binds ``host:port`` (port 0:
-    a free one, taken before the thread starts so there is no race), waits for
-    startup and shuts down on exit. Signal handlers are left alone (not the
-    main thread). ``send_buffer_bytes``: see ``listen_socket``.
-    """
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
-                 startup_timeout: float = 30.0, send_buffer_bytes: Optional[int] = None) -> None:
-        import uvicorn
-        self.sock = listen_socket(host, port, send_buffer_bytes)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.startup_timeout = startup_timeout
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True, name="latsim-uvicorn")
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def __enter__(self) -> "BackgroundServer":
-        self.thread.start()
-        t_end = time.monotonic() + self.startup_timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > t_end:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
 
 def serve(model: str = "tiny", device: str = "cpu", host: str = "127.0.0.1", port: int = 8000,

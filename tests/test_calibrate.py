@@ -280,7 +280,8 @@ def test_calibrate_end_to_end_on_a_bench_run_against_latsim_serve(tmp_path):
     import httpx
 
     from real_engine.profile import build_engine
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     # Four sequences at most: on a CPU a step's time grows with its batch far more than
     # the physics of a GPU engine says. Bench records every token as the client saw it
     # (tokens.csv: the run's token clock is the client's) and the server's enqueue,

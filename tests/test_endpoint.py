@@ -88,7 +88,8 @@ def test_validate_endpoint_url_uses_the_servers_policy(profile_file):
     asking for another policy is a one-line error."""
     from real_engine.endpoint import run_endpoint_validation
     from real_engine.profile import build_engine
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     from real_engine.validate import engine_settings
     prof = json.loads(profile_file.read_text())
     eng = build_engine("tiny", "cpu", policy="fifo", max_num_seqs=8, max_num_batched_tokens=256,

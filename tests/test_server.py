@@ -40,7 +40,8 @@ DATA = Path(__file__).parent / "data"
 @pytest.fixture(scope="module")
 def server():
     from real_engine.profile import build_engine
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     eng = build_engine("tiny", "cpu", max_num_seqs=16, max_num_batched_tokens=256, num_blocks=1024)
     with BackgroundServer(make_app(eng, "tiny")) as s:
         yield s
@@ -168,7 +169,8 @@ def test_malformed_requests_get_4xx_json(client, path, content):
 def test_too_big_for_cache_is_400():
     """A request needing more KV blocks than the whole cache is refused, not queued forever."""
     from real_engine.profile import build_engine
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     eng = build_engine("tiny", "cpu", num_blocks=4)
     with BackgroundServer(make_app(eng, "tiny")) as s, httpx.Client(base_url=s.url) as tc:
         r = tc.post("/v1/completions", json={"prompt": "x " * 60, "max_tokens": 10})
@@ -291,7 +293,8 @@ def test_missing_web_stack_is_one_line_error(monkeypatch):
 def test_heartbeats_while_waiting():
     """A stream silent for heartbeat_s gets ': ping' comments; content frames are unchanged."""
     from real_engine.profile import build_engine
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     eng = build_engine("tiny", "cpu", num_blocks=256)
     slow = eng.step
 
@@ -311,7 +314,8 @@ def test_engine_failure_ends_streams_and_health():
     """If the engine thread dies, open streams end with an error, /health says 503, new
     requests get 503 JSON: nothing hangs."""
     from real_engine.profile import build_engine
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     eng = build_engine("tiny", "cpu", num_blocks=256)
     real, calls = eng.step, []
 
@@ -467,7 +471,8 @@ def _slow_reader(engine, mode: str):
     """A server with ``mode`` backpressure and a small send buffer, a metrics client,
     and a raw-socket request of SLOW_TOKENS tokens that reads nothing yet: yields
     ``(client, socket)``; the caller closes the socket."""
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     app = make_app(engine, "tiny", heartbeat_s=None, backpressure=mode,
                    stream_buffer_frames=SLOW_BUFFER)
     with BackgroundServer(app, send_buffer_bytes=8192) as srv, \

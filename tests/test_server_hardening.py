@@ -43,7 +43,8 @@ def _engine(**kw):
 
 
 def _server(engine, **app_kw):
-    from real_engine.server import BackgroundServer, make_app
+    from real_engine.hosting import BackgroundServer
+    from real_engine.server import make_app
     send_buffer = app_kw.pop("send_buffer_bytes", None)
     return BackgroundServer(make_app(engine, "tiny", **app_kw), send_buffer_bytes=send_buffer)
 
@@ -340,7 +341,7 @@ def test_deadline_stream_cuts_a_write_that_never_completes():
     """The mechanism behind a non-reading client: the response is stuck in a write
     (``send`` never returns), so only the deadline wrapper can end it; it must close
     the generator (whose ``finally`` cancels the request) and count the timeout."""
-    from real_engine.server import _Deadline, _DeadlineStream
+    from real_engine.guards import Deadline, DeadlineStream
     closed, sent = [], []
 
     async def frames():
@@ -360,7 +361,7 @@ def test_deadline_stream_cuts_a_write_that_never_completes():
 
     async def main():
         counters = types.SimpleNamespace(timed_out=0)
-        resp = _DeadlineStream(frames(), _Deadline(counters, 0.05),
+        resp = DeadlineStream(frames(), Deadline(counters, 0.05),
                                media_type="text/event-stream")
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
         await asyncio.wait_for(resp(scope, receive, send), SAFETY_S)

@@ -167,7 +167,7 @@ def serve(
     _need("fastapi", "uvicorn", "torch")
     check_engine_flags(model, device)
     from real_engine.profile import build_engine
-    from real_engine.server import is_loopback, listen_socket
+    from real_engine.hosting import is_loopback, listen_socket
     from real_engine.server import serve as _serve
     from simulator.model.kv.space import KVRules
     kv_rules = KVRules(allocation=kv_allocation, preemption=preemption,
