@@ -22,15 +22,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from simulator.config.strict import StrictModel
 
 from simulator.config.registry import ROUTERS
 
 
-class CacheAwareConfig(BaseModel):
+class CacheAwareConfig(StrictModel):
     """``cluster.router: {kind: cache_aware, prefix_weight, load_weight, kv_weight}``."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["cache_aware"] = "cache_aware"
     prefix_weight: float = Field(1.0, ge=0, description="weight of the cached-prefix share")
     load_weight: float = Field(1.0, ge=0, description="weight of the outstanding-token score")

@@ -33,14 +33,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+
+from simulator.config.strict import StrictModel
 
 from simulator.wire.network import Topology
 from simulator.config.registry import ROUTERS
 
 
-class RouterName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RouterName(StrictModel):
     kind: Literal["round_robin", "random", "least_outstanding", "nearest_region",
                   "region_load_rtt"]
 

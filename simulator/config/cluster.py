@@ -10,14 +10,14 @@ from simulator.config.traffic import (AdmissionConfig, AutoscalerConfig, check_r
                                       router_spec)
 from simulator.config.pluginfield import plugin
 from simulator.config.registry import COST_MODELS, ROUTERS
-from simulator.config.strict import _Strict
+from simulator.config.strict import StrictModel
 
 
 ROLES = ("mixed", "prefill", "decode")
 REGION_ROUTERS = ("nearest_region", "region_load_rtt")
 
 
-class PoolConfig(_Strict):
+class PoolConfig(StrictModel):
     """One pool of a mixed fleet (``cluster.pools``): ``replicas`` of the engine on their
     own cost model (``cost``: a ``model.cost`` of its own, e.g. a roofline on another GPU
     type or TP; left out: ``model.cost``), hence their own step times and KV capacity
@@ -41,7 +41,7 @@ class PoolConfig(_Strict):
                                                "GPU-hours (default: cluster.gpu_cost_per_hour)")
 
 
-class KVTransferConfig(_Strict):
+class KVTransferConfig(StrictModel):
     """The link a prefill replica sends a request's KV cache over to its decode replica
     (disaggregated serving, ``cluster.disagg``): a transfer of B bytes takes
     ``latency_us + B / gbs``, and the transfers leaving one prefill replica share its
@@ -60,7 +60,7 @@ class KVTransferConfig(_Strict):
     latency_us: float = Field(10.0, ge=0, description="fixed time of one transfer, us")
 
 
-class ClusterConfig(_Strict):
+class ClusterConfig(StrictModel):
     """Replicas of the engine behind a router (``router``: a registered router's name,
     or ``{kind: name, ...its parameters}``), with optional admission control and an
     autoscaler (``config.traffic``); with an autoscaler ``replicas`` is the start.

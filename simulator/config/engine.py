@@ -9,10 +9,10 @@ from pydantic import (Field, ValidationError, field_validator,
 
 from simulator.errors import LatsimError
 from simulator.model.scheduling import check_policy_name, make_policy, policy_class
-from simulator.config.strict import _Strict
+from simulator.config.strict import StrictModel
 
 
-class KVConfig(_Strict):
+class KVConfig(StrictModel):
     """KV cache: capacity from GPU memory (or an explicit block count), allocation,
     preemption under memory pressure, and prefix caching (see ``kvspace``)."""
 
@@ -68,7 +68,7 @@ def _check_policy_params(name: str, params: dict) -> None:
         raise ValueError(f"policy {name!r}, parameter {key!r}: {msg}") from None
 
 
-class SpeculativeConfig(_Strict):
+class SpeculativeConfig(StrictModel):
     """Speculative decoding (``engine.speculative``): each decode step proposes ``k``
     draft tokens per sequence (``draft``: a small draft model, ``draft_model``, run
     ``k`` times; ``ngram``: prompt lookup on the host) and the target verifies them in
@@ -103,7 +103,7 @@ class SpeculativeConfig(_Strict):
         return self
 
 
-class EngineConfig(_Strict):
+class EngineConfig(StrictModel):
     """One replica's engine: scheduling policy and its limits. ``policy`` is a
     registered policy's name, or ``{kind: name, ...its parameters}``."""
 

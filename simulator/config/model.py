@@ -10,10 +10,10 @@ from pydantic import Field, model_validator
 from simulator.errors import LatsimError
 from simulator.config.pluginfield import plugin
 from simulator.config.registry import COST_MODELS
-from simulator.config.strict import _Strict
+from simulator.config.strict import StrictModel
 
 
-class ModelShape(_Strict):
+class ModelShape(StrictModel):
     """The served model's shape: what sets weight and KV memory. Filled from the
     catalogue when ``model.name`` names the model."""
 
@@ -115,7 +115,7 @@ def _profile_model_check(name: Optional[str], shape: "ModelShape", path: str, di
                                f"meta.model.name is {m['name']!r}{hint}", path)
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """The model and how its step cost is obtained. ``name`` (a catalogue name or a
     Hugging Face config.json path) fills ``shape`` from the catalogue; a hand-typed
     ``shape`` is kept for scenarios that name no model, and must agree with a named

@@ -32,11 +32,11 @@ from simulator.config.cluster import ClusterConfig
 from simulator.config.engine import (EngineConfig, KVConfig, SpeculativeConfig,
                                      _check_policy_params, _policy_spec)
 from simulator.config.model import ModelConfig
-from simulator.config.strict import _Strict
+from simulator.config.strict import StrictModel
 from simulator.config.yamlfile import MAX_SCENARIO_BYTES, apply_overrides, check_numbers, safe_yaml
 
 
-class Scenario(_Strict):
+class Scenario(StrictModel):
     """A whole scenario; see module docstring."""
 
     name: str = Field("scenario", max_length=200)
@@ -170,7 +170,7 @@ def settle_pool_costs(sc: "Scenario", context=None) -> None:
         p.cost = m.cost
 
 
-class PolicyRun(_Strict):
+class PolicyRun(StrictModel):
     """One entry of ``policies:`` with its own engine settings (``policy``: a name, or
     ``{kind: name, ...its parameters}``)."""
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from simulator.config.strict import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-
-class ClassLimits(_Strict):
+class ClassLimits(StrictModel):
     """Admission limits of one priority class (any left out: no limit of that kind)."""
 
     rate: Optional[float] = Field(None, gt=0, description="token bucket: requests/s")
@@ -39,7 +38,7 @@ class ClassLimits(_Strict):
                                         "estimate published for the request exceeds this")
 
 
-class WaitEstimateConfig(_Strict):
+class WaitEstimateConfig(StrictModel):
     """How the server estimates a request's queue wait (published to the client at
     admission, and used by ``max_wait_s``)."""
 
@@ -51,7 +50,7 @@ class WaitEstimateConfig(_Strict):
     window_s: float = Field(30.0, gt=0, description="little: admissions counted over this")
 
 
-class AdmissionConfig(_Strict):
+class AdmissionConfig(StrictModel):
     """Admission control in front of the replicas: per-class token buckets, queue and
     wait limits, and what happens beyond them."""
 
@@ -70,7 +69,7 @@ class AdmissionConfig(_Strict):
         return self.classes.get(name, self.classes.get("default"))
 
 
-class BackoffConfig(_Strict):
+class BackoffConfig(StrictModel):
     """Exponential backoff between attempts: ``min(max_s, initial_s x multiplier^(k-1))``
     before retry k, with jitter (AWS Architecture Blog, "Exponential Backoff And
     Jitter": full = uniform(0, d), equal = d/2 + uniform(0, d/2))."""
@@ -81,7 +80,7 @@ class BackoffConfig(_Strict):
     jitter: Literal["full", "equal", "none"] = "full"
 
 
-class RetryBudgetConfig(_Strict):
+class RetryBudgetConfig(StrictModel):
     """A retry budget shared by all clients (Finagle's RetryBudget): a retry is allowed
     while the retries decided in the last ``window_s`` (counted when the failure is
     known, before the backoff) stay within ``ratio`` x the first attempts sent in it
@@ -92,7 +91,7 @@ class RetryBudgetConfig(_Strict):
     window_s: float = Field(10.0, gt=0)
 
 
-class RetryConfig(_Strict):
+class RetryConfig(StrictModel):
     """Which failures a client retries, how often and how soon."""
 
     max_retries: int = Field(3, ge=0, le=20, description="retries after the first attempt")
@@ -106,7 +105,7 @@ class RetryConfig(_Strict):
                                                 description="null: unbounded retries")
 
 
-class ClientConfig(_Strict):
+class ClientConfig(StrictModel):
     """How clients wait: timeouts (httpx semantics: connect = setting up a connection;
     read = the longest wait for the next byte, here the response's first byte) and
     retries. ``deadline_s``: a client gives up on a request this long after first
@@ -123,7 +122,7 @@ class ClientConfig(_Strict):
         return 1 + (self.retry.max_retries if self.retry is not None else 0)
 
 
-class AutoscalerConfig(_Strict):
+class AutoscalerConfig(StrictModel):
     """A replica autoscaler (the Kubernetes HPA rule): every ``interval_s`` the metric,
     averaged over ``window_s``, sets ``desired = ceil(ready x metric / target)`` within
     ``[min_replicas, max_replicas]`` (no change within ``tolerance`` of the target). A
@@ -161,7 +160,7 @@ class AutoscalerConfig(_Strict):
         return self.model_load_s + self.warmup_s
 
 
-class DiagnosisConfig(_Strict):
+class DiagnosisConfig(StrictModel):
     """Thresholds of the bottleneck verdicts (``metrics.diagnose``)."""
 
     queue_ms: float = Field(100.0, ge=0, description="queue_saturation: mean T_queue above")
@@ -179,7 +178,7 @@ class DiagnosisConfig(_Strict):
                                "mean E2E above")
 
 
-class ReportConfig(_Strict):
+class ReportConfig(StrictModel):
     """What a run records beyond latencies."""
 
     utilization: bool = Field(False, description="per-replica busy fraction, tokens/s and "

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from simulator.config.strict import StrictModel
 
 
-class _Strict(BaseModel):
-    # Unknown keys are errors; so is a float that is not finite (inf, nan).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-
-class ServingRegion(_Strict):
+class ServingRegion(StrictModel):
     """A serving region and how many of the cluster's replicas run there (in order:
     the first region gets replicas 0..n-1, the next the following ones)."""
 
@@ -22,7 +20,7 @@ class ServingRegion(_Strict):
     replicas: int = Field(..., ge=1)
 
 
-class ClientRegion(_Strict):
+class ClientRegion(StrictModel):
     """Where a share of the clients sits: its distance to every serving region."""
 
     name: str
@@ -38,7 +36,7 @@ class ClientRegion(_Strict):
         return v
 
 
-class RegionsConfig(_Strict):
+class RegionsConfig(StrictModel):
     """Clients in regions at distances from one or more serving regions.
 
     RTT between a client region and a serving region = ``base_rtt_ms`` + 2 x distance
@@ -66,7 +64,7 @@ class RegionsConfig(_Strict):
         return self
 
 
-class NetworkConfig(_Strict):
+class NetworkConfig(StrictModel):
     """Client to serving region: RTT, connection set-up (HTTP/1.1 keep-alive pools or
     one multiplexed HTTP/2 connection per client), upload; optionally regions."""
 
@@ -120,14 +118,14 @@ class NetworkConfig(_Strict):
         return self.protocol != "http1.1" or self.regions is not None
 
 
-class FixedDownlink(_Strict):
+class FixedDownlink(StrictModel):
     """Every client has the same downlink."""
 
     kind: Literal["fixed"]
     mbps: float = Field(..., gt=0)
 
 
-class LognormalDownlink(_Strict):
+class LognormalDownlink(StrictModel):
     """Per-client downlink ~ lognormal(median, sigma), floored at ``min_mbps``."""
 
     kind: Literal["lognormal"]
@@ -136,14 +134,14 @@ class LognormalDownlink(_Strict):
     min_mbps: float = Field(0.1, gt=0)
 
 
-class DownlinkTier(_Strict):
+class DownlinkTier(StrictModel):
     """One tier of clients: its downlink and its share of the clients."""
 
     mbps: float = Field(..., gt=0)
     share: float = Field(..., gt=0)
 
 
-class TieredDownlink(_Strict):
+class TieredDownlink(StrictModel):
     """Clients drawn into tiers by share (normalised), e.g. broadband / 4G / poor 3G."""
 
     kind: Literal["tiers"]
@@ -154,14 +152,14 @@ DownlinkDist = Annotated[Union[FixedDownlink, LognormalDownlink, TieredDownlink]
                          Field(discriminator="kind")]
 
 
-class ConstantDuration(_Strict):
+class ConstantDuration(StrictModel):
     """Always ``s`` seconds."""
 
     kind: Literal["constant"]
     s: float = Field(..., ge=0)
 
 
-class UniformDuration(_Strict):
+class UniformDuration(StrictModel):
     """Uniform on [low_s, high_s]."""
 
     kind: Literal["uniform"]
@@ -175,14 +173,14 @@ class UniformDuration(_Strict):
         return self
 
 
-class ExponentialDuration(_Strict):
+class ExponentialDuration(StrictModel):
     """Exponential with mean ``mean_s`` (memoryless impatience)."""
 
     kind: Literal["exponential"]
     mean_s: float = Field(..., gt=0)
 
 
-class LognormalDuration(_Strict):
+class LognormalDuration(StrictModel):
     """Lognormal with median ``median_s`` and log-space ``sigma``."""
 
     kind: Literal["lognormal"]
@@ -194,7 +192,7 @@ DurationDist = Annotated[Union[ConstantDuration, UniformDuration, ExponentialDur
                                LognormalDuration], Field(discriminator="kind")]
 
 
-class DisconnectConfig(_Strict):
+class DisconnectConfig(StrictModel):
     """Clients that leave mid-stream.
 
     A request's client disconnects with ``probability``, ``after_first_token`` after
@@ -214,7 +212,7 @@ class DisconnectConfig(_Strict):
     gpu_cost_per_hour: Optional[float] = Field(None, gt=0, description="$ per GPU-hour")
 
 
-class StreamConfig(_Strict):
+class StreamConfig(StrictModel):
     """Streaming back: SSE frames (per token, or coalesced) over each client's
     downlink, heartbeats, a bounded send buffer with a backpressure policy, and
     client disconnects. The defaults are one frame per token, one fixed downlink,

@@ -66,13 +66,40 @@ def _distinct_nodes(root) -> int:
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+def _check_unique_keys(root) -> None:
+    """A mapping that names a key twice is refused (YAML would keep the last silently:
+    a scenario with two ``seed:`` lines runs with the second), naming the line."""
+    from yaml.nodes import MappingNode, ScalarNode, SequenceNode
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, MappingNode):
+            keys: dict = {}
+            for k, v in node.value:
+                if isinstance(k, ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    if k.value in keys:
+                        raise LatsimError(f"key {k.value!r} at line {k.start_mark.line + 1} "
+                                          f"repeats the one at line {keys[k.value]}: a key "
+                                          "may appear once in a mapping", field=str(k.value))
+                    keys[k.value] = k.start_mark.line + 1
+                stack.extend((k, v))
+        elif isinstance(node, SequenceNode):
+            stack.extend(node.value)
+
+
 class BoundedLoader(_BaseLoader):  # type: ignore[misc, valid-type]
     """YAML's safe loader that refuses a document whose aliases expand it by more than
-    ``MAX_ALIAS_EXPANSION`` nodes, or refer to themselves: the node graph is checked
-    after composition, before anything is built from it."""
+    ``MAX_ALIAS_EXPANSION`` nodes, or refer to themselves, or that names a key twice in
+    one mapping: the node graph is checked after composition, before anything is built
+    from it."""
 
     def get_single_node(self):
-        """The document's node graph, refused when its aliases expand it too far."""
+        """The document's node graph, refused when its aliases expand it too far or a
+        mapping repeats a key."""
         node = super().get_single_node()
         if node is not None:
             extra = _expanded_size(node) - _distinct_nodes(node)
@@ -80,6 +107,7 @@ class BoundedLoader(_BaseLoader):  # type: ignore[misc, valid-type]
                 raise LatsimError(f"YAML aliases expand the document by {extra:,} nodes, over "
                                   f"the limit of {MAX_ALIAS_EXPANSION:,} (a 'billion laughs' "
                                   "file?)")
+            _check_unique_keys(node)
         return node
 
 

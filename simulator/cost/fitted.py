@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from simulator.config.strict import StrictModel
 
 from simulator.cost import physics as ph
 from simulator.cost.chunks import ChunkArrays
@@ -45,10 +47,9 @@ from simulator.cost.noise import NoiseModel
 _FITS: dict = {}
 
 
-class FittedCostConfig(BaseModel):
+class FittedCostConfig(StrictModel):
     """``model.cost`` for the fitted physics model of a measured profile."""
 
-    model_config = ConfigDict(extra="forbid")
     kind: Literal["fitted"] = "fitted"
     path: str = "profiles/h200-llama3-8b-refbench.json"
     noise: bool = Field(False, description="seeded step-time noise: jitter, slow episodes "

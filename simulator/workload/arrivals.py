@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from simulator.config.strict import StrictModel
 
 from simulator.config.registry import ARRIVALS
 
 
-class _Arrival(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class _Arrival(StrictModel):
     rate: float = Field(gt=0, description="mean requests per second")
 
 

@@ -1,29 +1,29 @@
 """Priority classes (P0/P1/P2 ...) with traffic shares and their own SLOs."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, Field
+
+from simulator.config.strict import StrictModel
 
 # Priority values run 0..MAX_PRIORITY: each names a class (and a queue in the compiled
 # loop), so a stray 10**9 must be an error, not a billion class names.
 MAX_PRIORITY = 1023
 
 
-class SLO(BaseModel):
+class SLO(StrictModel):
     """Latency targets a request must meet to count towards goodput (ms)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     ttft_ms: Optional[float] = Field(None, gt=0)
     tpot_ms: Optional[float] = Field(None, gt=0)
     e2el_ms: Optional[float] = Field(None, gt=0)
 
 
-class PriorityClass(BaseModel):
+class PriorityClass(StrictModel):
     """One class: its name, its share of requests, its priority (lower = more urgent)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     name: str
     share: float = Field(1.0, gt=0)
     priority: Optional[int] = Field(None, ge=0, le=MAX_PRIORITY,
@@ -31,6 +31,30 @@ class PriorityClass(BaseModel):
     slo: Optional[SLO] = None
     system_prompt_tokens: int = Field(0, ge=0, le=10**9, description="a system prompt shared by the "
                                       "class, prepended to each of its prompts (prefix caching)")
+
+
+def _distinct(classes: list[PriorityClass]) -> list[PriorityClass]:
+    """A workload's classes name distinct classes: at least one, no name or priority
+    twice (two entries of one name, or of one priority, would be merged in every
+    per-class result)."""
+    if not classes:
+        raise ValueError("give at least one class")
+    names: dict = {}
+    prios: dict = {}
+    for i, (c, p) in enumerate(zip(classes, class_priorities(classes))):
+        if c.name in names:
+            raise ValueError(f"class name {c.name!r} repeats entry {names[c.name]} (entry {i}): "
+                             "each class needs its own name")
+        if int(p) in prios:
+            raise ValueError(f"class {c.name!r} has priority {int(p)}, as {prios[int(p)]!r}: "
+                             "each class needs its own priority")
+        names[c.name] = i
+        prios[int(p)] = c.name
+    return classes
+
+
+# The ``classes`` list every workload kind takes (``_distinct``'s checks).
+ClassList = Annotated[list[PriorityClass], AfterValidator(_distinct)]
 
 
 def class_priorities(classes: list[PriorityClass]) -> np.ndarray:

@@ -12,15 +12,16 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from simulator.config.strict import StrictModel
 
 from simulator.config.registry import LENGTHS
 
 MAX_TOKENS = 10**9   # a token count beyond this is a mistake, not a request
 
 
-class _Len(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class _Len(StrictModel):
     min: int = Field(1, ge=1, le=MAX_TOKENS)
     max: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
 

@@ -34,15 +34,16 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from simulator.config.strict import StrictModel
 
 from simulator.config.registry import ARRIVALS
 
 DIURNAL_KNOTS = 1440   # knots per period of the diurnal shape (one a minute for a day)
 
 
-class _Profile(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class _Profile(StrictModel):
     rate: float = Field(gt=0, description="scale of the rate curve (req/s; see kind)")
     burstiness: float = Field(1.0, gt=0, description="gap shape in rescaled time: 1 = Poisson, "
                               "<1 burstier (gamma gaps)")

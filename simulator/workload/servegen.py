@@ -36,12 +36,15 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from simulator.config.strict import StrictModel
 
 from simulator.errors import LatsimError, check_memory, read_text
 from simulator.config.registry import WORKLOADS
 from simulator.workload.base import Workload
-from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names
+from simulator.workload.classes import (ClassList, PriorityClass, add_system_prompts,
+                                        assign_classes, class_names)
 
 WINDOW_S = 600.0  # ServeGen's arrival windows
 MAX_FILE_BYTES = 256 * 2**20   # a client's trace CSV or dataset JSON (the real ones: KBs)
@@ -49,17 +52,16 @@ MAX_TOKENS = 10**9
 _TRACE_RE = re.compile(r"chunk-(\d+)-trace\.csv$")
 
 
-class ServeGenWorkload(BaseModel):
+class ServeGenWorkload(StrictModel):
     """Requests synthesised from a ServeGen folder; see the module docstring."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["servegen"] = "servegen"
     path: str = Field(description="ServeGen folder (chunk-*-trace.csv); relative to the scenario")
     window: tuple[float, float] = Field(description="[start_s, end_s) on ServeGen's clock")
     clients: Optional[list[int]] = Field(None, description="client ids; default: all")
     rate_scale: float = Field(1.0, gt=0, description="multiply every client's rate")
     fallback_client: Optional[int] = Field(None, description="pmfs for clients without a dataset")
-    classes: list[PriorityClass] = Field(default_factory=lambda: [PriorityClass(name="default")])
+    classes: ClassList = Field(default_factory=lambda: [PriorityClass(name="default")])
 
     @model_validator(mode="after")
     def _check(self):

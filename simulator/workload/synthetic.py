@@ -12,7 +12,9 @@ from typing import Literal, Optional
 
 import numpy as np
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from simulator.config.strict import StrictModel
 
 from simulator.errors import LatsimError, check_file, check_memory
 from simulator.config.registry import ARRIVALS, LENGTHS, WORKLOADS
@@ -20,7 +22,8 @@ from simulator.config.pluginfield import plugin
 from simulator.workload.arrivals import arrival_times
 from simulator.workload.rates import continue_arrivals
 from simulator.workload.base import Workload
-from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names
+from simulator.workload.classes import (ClassList, PriorityClass, add_system_prompts,
+                                        assign_classes, class_names)
 from simulator.workload.lengths import MAX_TOKENS, sample_lengths
 
 
@@ -30,10 +33,9 @@ WORKLOAD_BYTES_PER_REQUEST = 64
 MAX_LENGTHS_FILE_MB = 1024
 
 
-class LengthsFile(BaseModel):
+class LengthsFile(StrictModel):
     """A CSV of (prompt, output) token counts sampled jointly, with replacement."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     path: str
     prompt_column: str = "num_prefill_tokens"
     output_column: str = "num_decode_tokens"
@@ -41,10 +43,12 @@ class LengthsFile(BaseModel):
     max_output_tokens: Optional[int] = Field(None, ge=1)
 
 
-class SyntheticWorkload(BaseModel):
+MAX_SPAN_S = 1e8      # ~3 years of simulated arrivals
+
+
+class SyntheticWorkload(StrictModel):
     """Synthetic traffic: ``num_requests`` (or ``duration_s`` of) arrivals."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["synthetic"] = "synthetic"
     num_requests: Optional[int] = Field(None, gt=0)
     duration_s: Optional[float] = Field(None, gt=0)
@@ -54,12 +58,20 @@ class SyntheticWorkload(BaseModel):
     output_tokens: plugin(LENGTHS) = Field(
         default_factory=lambda: LENGTHS.validate({"kind": "constant", "value": 128}))
     lengths_file: Optional[LengthsFile] = None
-    classes: list[PriorityClass] = Field(default_factory=lambda: [PriorityClass(name="default")])
+    classes: ClassList = Field(default_factory=lambda: [PriorityClass(name="default")])
 
     @model_validator(mode="after")
     def _size(self):
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("give num_requests or duration_s")
+        # Simulated time is a float of seconds: past ~1e8 s its resolution (tens of ns)
+        # starts to eat the microseconds a step's latency is made of.
+        span = self.duration_s if self.duration_s is not None else \
+            self.num_requests / self.arrival.rate
+        if span > MAX_SPAN_S:
+            raise ValueError(f"the traffic would span {span:.3g} s (num_requests / rate, or "
+                             f"duration_s), over the {MAX_SPAN_S:.0e} s simulated time keeps "
+                             "microseconds apart at: raise the rate or shorten it")
         return self
 
     def expected_requests(self) -> float:

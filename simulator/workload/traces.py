@@ -22,21 +22,23 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from simulator.config.strict import StrictModel
 
 from simulator.errors import LatsimError
 from simulator.config.registry import WORKLOADS
 from simulator.workload.base import Workload
-from simulator.workload.classes import PriorityClass, add_system_prompts, assign_classes, class_names, class_priorities
+from simulator.workload.classes import (ClassList, PriorityClass, add_system_prompts,
+                                        assign_classes, class_names, class_priorities)
 from simulator.workload.classes import MAX_PRIORITY
 from simulator.workload.tracereaders import (HASH_BLOCK_TOKENS, MAX_TRACE_MB, RawTrace, cell_error,
                                              ordered, read_trace)
 
 
-class TraceWorkload(BaseModel):
+class TraceWorkload(StrictModel):
     """Replay of a trace file; see the module docstring."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: Literal["trace"] = "trace"
     path: str = Field(description="trace file; relative to the scenario file's folder")
     format: Optional[Literal["azure", "mooncake", "vidur", "csv"]] = Field(
@@ -50,7 +52,7 @@ class TraceWorkload(BaseModel):
     sort: bool = Field(False, description="sort out-of-order timestamps (with a warning)")
     spread_ties_s: Optional[float] = Field(
         None, gt=0, description="spread requests sharing a timestamp over this many seconds")
-    classes: list[PriorityClass] = Field(default_factory=lambda: [PriorityClass(name="default")])
+    classes: ClassList = Field(default_factory=lambda: [PriorityClass(name="default")])
     max_prompt_tokens: Optional[int] = Field(None, ge=1)
     max_output_tokens: Optional[int] = Field(None, ge=1)
     over_limit: Literal["clip", "drop"] = Field(

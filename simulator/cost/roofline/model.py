@@ -14,7 +14,9 @@ import re
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from simulator.config.strict import StrictModel
 
 from simulator.cost import catalog
 from simulator.cost import physics as ph
@@ -33,13 +35,12 @@ ESTIMATE_CALIBRATED = ("estimate from datasheets, calibrated to {n} measured row
                        "{src}: {terms} fitted, the physics carries the rest")
 
 
-class RooflineCostConfig(BaseModel):
+class RooflineCostConfig(StrictModel):
     """``model.cost`` of ``kind: roofline``: the physics model from datasheets for a GPU
     type, TP x PP and weight/KV formats; the model is the scenario's ``model.name``
     (copied here when the scenario is read). ``calibrate``: a profile whose rows fit the
     engine-specific terms (``roofline.calibrate``)."""
 
-    model_config = ConfigDict(extra="forbid")
     kind: Literal["roofline"] = "roofline"
     gpu: str = Field(..., description="a catalogued GPU (latsim cost --help lists them)")
     tp: int = Field(1, ge=1, description="tensor-parallel GPUs per replica")

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+
+from simulator.config.strict import StrictModel
 
 from simulator.model.scheduling.plan import EMPTY_PLAN, SchedulerState, StepPlan, admission_cost
 
@@ -54,12 +55,11 @@ class Limits:
     max_num_batched_tokens: int = 8192
 
 
-class PolicyParams(BaseModel):
+class PolicyParams(StrictModel):
     """A policy's own parameters (subclassed by each policy; unknown keys are errors).
     A field left ``None`` takes the engine's field of the same name, if it has one
     (``engine.chunk_size``, ``engine.aging_s``)."""
 
-    model_config = ConfigDict(extra="forbid")
 
 
 class Policy:
