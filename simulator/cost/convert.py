@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from simulator.errors import LatsimError
+from simulator.cost.profile import check_profile
+from simulator.errors import LatsimError, one_line
 
 REFBENCH_ENGINE = {
     "decode_attention": "padded",
@@ -32,6 +34,11 @@ REFBENCH_MODEL = {"name": "llama3-8b", "n_layers": 32, "d_model": 4096, "n_heads
 _STATS = ("ms_median", "ms_p10", "ms_p90", "ms_mean", "ms_min", "n")
 
 
+def _plain(v):
+    """A numpy scalar as the Python value it holds (for error messages)."""
+    return v.item() if hasattr(v, "item") else v
+
+
 def refbench_to_profile(csv_path: str | Path) -> dict:
     """Read the refbench CSV and return the profile dict (``latsim-profile/1``)."""
     path = Path(csv_path)
@@ -39,10 +46,28 @@ def refbench_to_profile(csv_path: str | Path) -> dict:
         df = pd.read_csv(path)
     except FileNotFoundError:
         raise LatsimError("file not found", source=str(path)) from None
+    except IsADirectoryError:
+        raise LatsimError("is a folder, not a CSV file", source=str(path)) from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise LatsimError(f"cannot read the CSV: {one_line(str(e), 80)}",
+                          source=str(path)) from None
     need = {"kind", "batch", "chunk", "context", "prior", *_STATS}
     missing = need - set(df.columns)
     if missing:
-        raise LatsimError(f"missing columns: {', '.join(sorted(missing))}", source=str(path))
+        raise LatsimError(f"missing columns: {', '.join(sorted(missing))}", source=str(path),
+                          field=sorted(missing)[0])
+    if df.empty:
+        raise LatsimError("no rows", source=str(path))
+    for c in sorted(need - {"kind"}):
+        v = pd.to_numeric(df[c], errors="coerce").to_numpy(float)
+        ms = c.startswith("ms_")
+        ok = np.isfinite(v) & ((v > 0) if ms else ((v >= 0) & (np.floor(v) == v)))
+        if not ok.all():
+            i = int(np.where(~ok)[0][0])
+            raise LatsimError("not a finite number > 0 (ms)" if ms else
+                              "not a whole number >= 0", source=str(path),
+                              field=f"{c} (row {i + 1})", value=_plain(df[c].iloc[i]),
+                              has_value=True)
 
     def stats(r) -> dict:
         return {"ms": float(r.ms_median), "p10": float(r.ms_p10), "p90": float(r.ms_p90),
@@ -59,7 +84,7 @@ def refbench_to_profile(csv_path: str | Path) -> dict:
                           "prior": int(r.prior), **stats(r)})
         else:
             raise LatsimError(f"unknown kind {r.kind!r}", source=str(path), field="kind")
-    return {
+    return check_profile({
         "format": "latsim-profile/1",
         "meta": {
             "hardware": "NVIDIA H200 141GB (132 SMs), 16 host cores",
@@ -77,4 +102,4 @@ def refbench_to_profile(csv_path: str | Path) -> dict:
         "prefill": prefill,
         "decode": decode,
         "mixed": mixed,
-    }
+    }, str(path))

@@ -33,17 +33,18 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from simulator.config.strict import StrictModel
 
 import simulator.cost.table as T
 from simulator.cost.chunks import ChunkArrays
 from simulator.errors import LatsimError, read_text
 
 
-class ProfileCostConfig(BaseModel):
+class ProfileCostConfig(StrictModel):
     """``model.cost`` for a measured profile."""
 
-    model_config = ConfigDict(extra="forbid")
     kind: Literal["profile"] = "profile"
     path: str = "profiles/h200-llama3-8b-refbench.json"
     noise: bool = Field(False, description="multiply each step by seeded log-normal noise "
@@ -70,21 +71,53 @@ _MAX_SIZE = 1e9                  # chunk, prior, batch, context: tokens or reque
 _MAX_MS = 1e7                    # a step of ~3 hours is a broken row, not a measurement
 
 
+# Row columns counted in tokens or requests: whole numbers; all but ``prior`` at least 1
+# (a step of no tokens or no sequences measures nothing).
+_COUNTS = ("chunk", "prior", "batch", "context")
+# Optional per-row statistics: step times in ms (as ``ms``) and the repeat count.
+_ROW_STATS = ("p10", "p90", "mean", "min")
+
+
 def _number(v, c: str) -> bool:
-    """A usable value for column ``c``: a finite non-negative number within range (a
-    positive one for ``ms``)."""
+    """A usable value for column ``c``: a finite number within range: a positive ``ms``
+    (and p10/p90/mean/min) up to 1e7, a whole count of tokens or requests up to 1e9
+    (at least 1 but for ``prior``), a repeat count ``n`` of at least 1."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return False
-    if c == "ms":
+    if c == "ms" or c in _ROW_STATS:
         return 0 < v <= _MAX_MS
+    if c == "n":
+        return v >= 1 and float(v).is_integer() and v <= _MAX_SIZE
+    if c in _COUNTS:
+        return (0 if c == "prior" else 1) <= v <= _MAX_SIZE and float(v).is_integer()
     return 0 <= v <= _MAX_SIZE
 
 
+def _bad_row_value(c: str) -> str:
+    if c == "ms" or c in _ROW_STATS:
+        return "missing or invalid number (finite, > 0 and at most 1e7 ms)"
+    if c == "n":
+        return "invalid repeat count (a whole number >= 1)"
+    if c == "prior":
+        return "missing or invalid number (a whole number of tokens, >= 0 and at most 1e9)"
+    return "missing or invalid number (a whole number, >= 1 and at most 1e9)"
+
+
+# Engine facts a cost model reads: (lowest, highest) allowed, ``None`` for no bound.
+_ENGINE_NUMBERS = {"bookkeeping_ms": (0.0, _MAX_MS), "host_overhead_ms": (0.0, _MAX_MS),
+                   "bookkeeping_seq_ms": (0.0, _MAX_MS), "step_tail": (0.5, 2.0),
+                   "decode_blocks_per_sm": (0.0, 1e4), "decode_wave_cost": (0.0, 100.0),
+                   "kv_block_size": (1.0, 1e6)}
+
+
+def _finite_in(v, lo: float, hi: float) -> bool:
+    return (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            and lo <= v <= hi)
+
+
 def load_profile(path: Path) -> dict:
-    """Read and check a profile JSON; one-line errors naming file and field. Every row
-    the cost model reads (``prefill``, ``decode`` and, when present, ``decode_eager``,
-    ``prefill_partial`` and ``mixed``) must hold finite numbers in range: a NaN step
-    time is an error here, not a poisoned run."""
+    """Read a profile JSON and check it (``check_profile``); one-line errors naming
+    file and field."""
     text = read_text(path, max_bytes=MAX_PROFILE_BYTES, what="profile")
     try:
         data = json.loads(text)
@@ -92,9 +125,20 @@ def load_profile(path: Path) -> dict:
         raise LatsimError(f"invalid JSON at line {e.lineno}: {e.msg}", source=str(path)) from None
     except RecursionError:
         raise LatsimError("invalid JSON: nested too deeply", source=str(path)) from None
+    return check_profile(data, str(path))
+
+
+def check_profile(data, source: str) -> dict:
+    """Check a profile (read from ``source``); one-line errors naming file and field.
+    Every row the cost model reads (``prefill``, ``decode`` and, when present,
+    ``decode_eager``, ``prefill_partial`` and ``mixed``) must hold finite numbers in
+    range (a NaN step time is an error here, not a poisoned run), the engine facts a
+    model reads must be in range, and a stored fit (``meta.fit``) must hold finite
+    coefficients within the fit's bounds (one that no longer matches the rows is fitted
+    again; one that cannot be right is an error)."""
     if not isinstance(data, dict) or data.get("format") != "latsim-profile/1":
         raise LatsimError("not a latsim profile (format must be 'latsim-profile/1')",
-                          source=str(path), field="format",
+                          source=source, field="format",
                           value=data.get("format") if isinstance(data, dict) else None,
                           has_value=True)
     # section -> (required columns, optional columns); the first two sections must be there.
@@ -110,17 +154,15 @@ def load_profile(path: Path) -> dict:
             continue
         if not isinstance(rows, list) or not rows:
             raise LatsimError("section missing or empty" if needed else "must be a list of rows",
-                              source=str(path), field=section)
+                              source=source, field=section)
         for i, r in enumerate(rows):
-            for c in (*cols, *opt):
+            for c in (*cols, *opt, *_ROW_STATS, "n"):
                 v = r.get(c) if isinstance(r, dict) else None
-                if v is None and c in opt:
+                if v is None and (c in opt or c in _ROW_STATS or c == "n"):
                     continue
                 if not _number(v, c):
-                    raise LatsimError("missing or invalid number" + (
-                        " (finite, > 0 and at most 1e7 ms)" if c == "ms" else
-                        " (finite, >= 0 and at most 1e9)"), source=str(path),
-                        field=f"{section}[{i}].{c}", value=v, has_value=True)
+                    raise LatsimError(_bad_row_value(c), source=source,
+                                      field=f"{section}[{i}].{c}", value=v, has_value=True)
     # The tables interpolate between distinct points: a repeated point divides by zero.
     for section, keys in (("prefill", ("prior", "chunk")), ("decode", ("batch", "context")),
                           ("decode_eager", ("batch", "context"))):
@@ -130,24 +172,59 @@ def load_profile(path: Path) -> dict:
             if k in seen:
                 raise LatsimError(f"repeats {section}[{seen[k]}] (the same {keys[0]} and "
                                   f"{keys[1]}): each row must be a distinct point",
-                                  source=str(path), field=f"{section}[{i}]",
+                                  source=source, field=f"{section}[{i}]",
                                   value={c: r[c] for c in keys}, has_value=True)
             seen[k] = i
+    meta = data.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise LatsimError("must be a mapping", source=source, field="meta", value=meta,
+                          has_value=True)
     eng = data.setdefault("engine", {})
     if not isinstance(eng, dict):
-        raise LatsimError("must be a mapping", source=str(path), field="engine",
+        raise LatsimError("must be a mapping", source=source, field="engine",
                           value=eng, has_value=True)
     if eng.get("decode_attention", "paged") not in ("paged", "padded"):
-        raise LatsimError("must be 'paged' or 'padded'", source=str(path),
+        raise LatsimError("must be 'paged' or 'padded'", source=source,
                           field="engine.decode_attention", value=eng.get("decode_attention"),
                           has_value=True)
-    for key in ("bookkeeping_ms", "host_overhead_ms"):
+    for key, (lo, hi) in _ENGINE_NUMBERS.items():
         v = eng.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or not math.isfinite(v) or not 0 <= v <= _MAX_MS):
-            raise LatsimError("must be a finite number of ms >= 0", source=str(path),
+        if v is not None and not _finite_in(v, lo, hi):
+            raise LatsimError(f"must be a finite number in [{lo:g}, {hi:g}]", source=source,
                               field=f"engine.{key}", value=v, has_value=True)
+    _check_stored_fit((meta or {}).get("fit"), source)
     return data
+
+
+def _check_stored_fit(fit, source: str) -> None:
+    """A stored fit's coefficients, where it has them, are finite numbers within the
+    bounds the fit keeps them in (``simulator.cost.fit.PARAMS``): a model would use
+    them as they are while the fit's digest matches."""
+    if fit is None:
+        return
+    if not isinstance(fit, dict):
+        raise LatsimError("must be a mapping", source=source, field="meta.fit", value=fit,
+                          has_value=True)
+    co = fit.get("coefficients")
+    if co is None:
+        return
+    if not isinstance(co, dict):
+        raise LatsimError("must be a mapping", source=source, field="meta.fit.coefficients",
+                          value=co, has_value=True)
+    from simulator.cost import physics as ph
+    from simulator.cost.fit import PARAMS
+    bounds = {ph.NAMES[p[0]]: (p[2], p[3]) for p in PARAMS}
+    # A host time a fit leaves unused (graph replays in an engine without graphs) sits
+    # at zero; the wave facts have their own ranges.
+    bounds.update(decode_blocks_per_sm=_ENGINE_NUMBERS["decode_blocks_per_sm"],
+                  decode_wave_cost=_ENGINE_NUMBERS["decode_wave_cost"])
+    for name, v in co.items():
+        lo, hi = bounds.get(name, (0.0, 1e12))
+        # The fit solves in log units: a bound comes back a few ulps off.
+        if not (_finite_in(v, lo * (1 - 1e-9), hi * (1 + 1e-9))
+                or (_finite_in(v, 0.0, 0.0) and name.startswith("h_"))):
+            raise LatsimError(f"must be a finite number in [{lo:g}, {hi:g}]", source=source,
+                              field=f"meta.fit.coefficients.{name}", value=v, has_value=True)
 
 
 # Batch sizes whose decode curve is blended once per model (``table.blend``); a larger
