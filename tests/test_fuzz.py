@@ -155,6 +155,24 @@ FLAG_CASES = [
     ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/x.csv", "--rate", "inf"],
     ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/x.csv", "--limit", "0"],
     ["report", "T/missing"], ["report", "T/file"], ["report", "T/garbage"],
+    ["report", "T/summary-list"], ["report", "T/no-requests"],
+    ["run", "S", "--seed", "99999999999999999999999"],
+    ["sweep", "S", "--grid", "engine.policy=fifo", "--limit", "0", "--out", "T/sw"],
+    ["sweep", "S", "--grid", "engine.policy=fifo", "--workers", "0", "--out", "T/sw"],
+    ["plan", "S", "--cost-per-gpu-hour", "3", "--headroom-tol", "0"],
+    ["plan", "S", "--cost-per-gpu-hour", "3", "--headroom-tol", "nan"],
+    ["plan", "S", "--cost-per-gpu-hour", "inf"],
+    ["plan", "S", "--cost-per-gpu-hour", "3", "--runner-ups", "-1"],
+    ["cost", "--kind", "profile", "--model", "llama-3-8b", "--gpu", "h100-80gb",
+     "--prefill", "512"],
+    ["cost", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--prefill", "100000000x1"],
+    ["validate", "--run", str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"),
+     str(REPO / "scenarios" / "refbench-h200.yaml"), "--limit", "5"],
+    ["validate", "--run", str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"),
+     str(REPO / "scenarios" / "refbench-h200.yaml"), "--out", "T/file"],
+    ["calibrate", str(REPO / "scenarios" / "refbench-load50-fifo.yaml"), "--run",
+     str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"), "--profile", "T/file",
+     "--out", "T/cal.json", "--no-sim"],
     ["nosuchcommand"],
 ]
 
@@ -165,6 +183,11 @@ def test_bad_flags_and_paths(argv, tmp_path):
     (tmp_path / "file").write_text("not a folder\n")
     (tmp_path / "garbage").mkdir()
     (tmp_path / "garbage" / "requests.csv").write_text("\x01\x02 not, a, table\n\"\n")
+    for name, summary in (("summary-list", "[1, 2]\n"), ("no-requests", "{}\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(summary)
+        (tmp_path / name / "requests.csv").write_text(
+            "ttft,tpot,e2el\n" + ("0.1,0.01,1.0\n" if name == "summary-list" else ""))
     s = _ok_scenario(tmp_path)
     argv = [str(s) if a == "S" else a.replace("T", str(tmp_path), 1) if a.startswith("T")
             else a for a in argv]

@@ -166,6 +166,7 @@ def test_a_trillion_requests_are_refused_at_once(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(workload, "build_workload", never)
     d = small()
     d["workload"]["num_requests"] = 10**12
+    d["workload"]["arrival"]["rate"] = 1e5      # a span simulated time can hold (1e7 s)
     code, _, err = cli(["run", write(tmp_path, d)], capsys)
     line = error_line(err)
     assert code == 2 and "1,000,000,000,000 requests need about" in line and "--yes" in line
@@ -537,6 +538,7 @@ def test_sweep_out_and_size_are_checked_before_any_point_runs(tmp_path, monkeypa
         sweep.run_sweep(small(), REPO, [sweep.parse_axis("engine.policy=fifo")], f)
     big = small()
     big["workload"]["num_requests"] = 10**12
+    big["workload"]["arrival"]["rate"] = 1e5
     with pytest.raises(LatsimError, match="--grid: running 1 point"):
         sweep.run_sweep(big, REPO, [sweep.parse_axis("engine.policy=fifo")], tmp_path / "o",
                         workers=1)

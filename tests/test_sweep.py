@@ -108,6 +108,17 @@ def test_existing_results_need_resume_or_force(tmp_path):
     with pytest.raises(LatsimError, match="other parameters"):
         run_sweep(small_base(30), REPO, axes(["engine.chunk_size=64"]), tmp_path, workers=1,
                   resume=True, progress=False)
+    # The same parameter over other values, or another scenario: rows would be matched
+    # to other points by index.
+    with pytest.raises(LatsimError, match="another sweep .*grid"):
+        run_sweep(small_base(30), REPO, axes(["engine.policy=fifo,chunked"]), tmp_path,
+                  workers=1, resume=True, progress=False)
+    with pytest.raises(LatsimError, match="another sweep .*scenario"):
+        run_sweep(small_base(31), REPO, axes(["engine.policy=fifo"]), tmp_path, workers=1,
+                  resume=True, progress=False)
+    with pytest.raises(LatsimError, match="--limit"):
+        run_sweep(small_base(30), REPO, axes(["engine.policy=fifo"]), tmp_path, workers=1,
+                  resume=True, limit=0, progress=False)
     again = run_sweep(small_base(30), REPO, axes(["engine.policy=fifo"]), tmp_path, workers=1,
                       force=True, progress=False)
     assert again.ran == 1

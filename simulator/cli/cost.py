@@ -185,6 +185,14 @@ def step_report(cm, prefill: Optional[tuple], decode: Optional[tuple]) -> dict:
     out: dict = {"step": {"prefill": {"prompts": prefill[0], "tokens": prefill[1]} if prefill
                           else None,
                           "decode": {"batch": nd, "context": ctx} if decode else None}}
+    plan = None
+    if hasattr(cm, "memory_plan"):
+        # Whether the step fits the GPUs at all, before timing it (a step of a hundred
+        # million tokens is refused here, not after minutes of arithmetic).
+        plan = cm.memory_plan(max_num_batched_tokens=max(nd + sum(c[0] for c in chunks), 1),
+                              max_num_seqs=max(nd + len(chunks), 1))
+        if not plan.fits:
+            raise LatsimError(plan.reason)
     ms = cm.step_time(nd, ctx, nd * ctx, chunks) * 1000.0
     out["ms"] = ms
     desc = cm.describe()
@@ -194,16 +202,13 @@ def step_report(cm, prefill: Optional[tuple], decode: Optional[tuple]) -> dict:
         out["detail"] = {k: v for k, v in b.items()
                          if k not in ("compute", "memory", "communication", "overhead", "ms")}
         out["estimate"] = desc["estimate"]
-        plan = cm.memory_plan(max_num_batched_tokens=max(nd + sum(c[0] for c in chunks), 1),
-                              max_num_seqs=max(nd + len(chunks), 1))
+    if plan is not None:
         need = nd * ctx + sum(c[0] for c in chunks)
         out["memory"] = {"weights_gib_per_gpu": plan.weight_bytes_per_gpu / 2**30,
                          "kv_capacity_tokens": plan.kv_tokens, "step_kv_tokens": need,
                          "fits": plan.fits, "step_fits": plan.fits and need <= plan.kv_tokens,
                          "reason": plan.reason}
-        if not plan.fits:
-            raise LatsimError(plan.reason)
-    else:
+    if not hasattr(cm, "breakdown"):
         out["estimate"] = f"measured: {desc.get('kind')} model of the profile"
     out["cost_model"] = desc
     return out
@@ -250,6 +255,9 @@ def cost(
         cm, _ = _measured(profile, kind, model)
         mcost = SimpleNamespace(kind=kind)
     else:
+        if kind != "fitted":
+            raise LatsimError("chooses the model of a --profile: give --profile", source="--kind",
+                              value=kind, has_value=True)
         if model is None or gpu is None:
             raise LatsimError("the roofline needs --model and --gpu (or give --profile)",
                               source="latsim cost")

@@ -91,6 +91,26 @@ def validate(
             if profile is not None or endpoint is not None:
                 raise LatsimError("a recorded run needs no engine: drop --profile/--endpoint "
                                   "(the scenario's model.cost is the model)", source="--run")
+            # The options of a replay through the engine do not apply to a recorded run:
+            # its own requests are compared, under the scenario's settings (--set).
+            replay_opts = (("--trace", trace, None), ("--format", fmt, None),
+                           ("--model", model, None), ("--device", device, "cpu"),
+                           ("--limit", limit, 200), ("--load", load, None),
+                           ("--max-prompt-tokens", max_prompt_tokens, 1024),
+                           ("--max-output-tokens", max_output_tokens, 128),
+                           ("--max-num-seqs", max_num_seqs, 32),
+                           ("--max-num-batched-tokens", max_num_batched_tokens, 256),
+                           ("--chunk-size", chunk_size, None), ("--aging-s", aging_s, 2.0),
+                           ("--seed", seed, 0))
+            for name, v, default in replay_opts:
+                if v != default:
+                    raise LatsimError("applies to a replay through the engine, not to --run "
+                                      "(the run's own requests are compared; give the "
+                                      "server's settings with --set a.b=value)", source=name,
+                                      value=v, has_value=True)
+            if out.exists() and not out.is_dir():
+                raise LatsimError("exists and is not a folder", source="--out", value=str(out),
+                                  has_value=True)
             from simulator.cli.fidelity import validate_run
             label = None if policies == _VALIDATE_POLICIES else policies.strip()
             validate_run(run, scenario, label, out, set_)

@@ -240,8 +240,10 @@ def step_table(title: str, cols: dict) -> Table:
         row += [_pct(e["busy_bias"]), "", ""]
     t.add_row(*row)
     # The same by quarter of the run: an engine warming up shows in the first one.
-    for i, qt in enumerate(first.get("busy_bias_by_quarter") or []):
-        row = [f"  {qt['from_s']:.0f}-{qt['to_s']:.0f} s", str(qt["intervals"])]
+    quarters = first.get("busy_bias_by_quarter") or []
+    d = 0 if quarters and quarters[-1]["to_s"] >= 20 else 1    # a short run: tenths
+    for i, qt in enumerate(quarters):
+        row = [f"  {qt['from_s']:.{d}f}-{qt['to_s']:.{d}f} s", str(qt["intervals"])]
         for e in cols.values():
             qs = e.get("busy_bias_by_quarter") or []
             row += [_pct(qs[i]["bias"]) if i < len(qs) else "", "", ""]

@@ -42,10 +42,12 @@ def sweep(
     address: Optional[str] = typer.Option(None, "--address", help="with --executor ray: a "
                                           "running Ray cluster (host:port; default: "
                                           "RAY_ADDRESS, else a local Ray started here)"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="processes (default: cores)"),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1,
+                                          help="processes (default: cores)"),
     resume: bool = typer.Option(False, "--resume", help="skip points already in results.csv"),
     force: bool = typer.Option(False, "--force", help="discard existing results and start again"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="stop after N points (--resume later)"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1,
+                                        help="stop after N points (--resume later)"),
 ) -> None:
     """Run every point of a parameter grid and write one tidy table (CSV + parquet)."""
     from simulator.planning.sweep import check_sweep_dir, parse_axis, run_sweep
@@ -98,8 +100,9 @@ def parse_prices(text: str):
     except ValueError:
         pass
     else:
-        if not v > 0:
-            raise LatsimError("must be > 0", source="--cost-per-gpu-hour", value=v, has_value=True)
+        if not (v > 0 and math.isfinite(v)):
+            raise LatsimError("must be a finite price > 0", source="--cost-per-gpu-hour",
+                              value=v, has_value=True)
         return v
     out = {}
     for item in text.split(","):
@@ -108,7 +111,7 @@ def parse_prices(text: str):
             p = float(price)
         except ValueError:
             p = math.nan
-        if not eq or not name.strip() or not p > 0:
+        if not eq or not name.strip() or not (p > 0 and math.isfinite(p)):
             raise LatsimError("must be a price, or gpu=price,... (e.g. h100-80gb=3.9,l40s=1.1)",
                               source="--cost-per-gpu-hour", value=item, has_value=True)
         try:
@@ -133,12 +136,14 @@ def plan(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override: a.b=value"),
     seeds: int = typer.Option(1, "--seeds", help="every seed must meet the SLOs"),
     executor: str = typer.Option("local", "--executor", help="local | ray (honours RAY_ADDRESS)"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="processes (default: cores)"),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1,
+                                          help="processes (default: cores)"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for plan.json, evaluations.csv"
                                        " and load_curve.png (default: results/plan-<name>)"),
     headroom: bool = typer.Option(True, "--headroom/--no-headroom", help="find the max rate"),
-    tol: float = typer.Option(0.05, "--headroom-tol", help="relative precision of the headroom"),
-    runner_ups: int = typer.Option(3, "--runner-ups", help="how many runner-ups to show"),
+    tol: float = typer.Option(0.05, "--headroom-tol", min=1e-4, max=1.0,
+                              help="relative precision of the headroom"),
+    runner_ups: int = typer.Option(3, "--runner-ups", min=0, help="how many runner-ups to show"),
     disaggregate: Optional[int] = typer.Option(
         None, "--disaggregate", help="a scenario with prefill and decode pools: try every "
         "prefill:decode split of this many replicas (or --search prefill_replicas=..., "
@@ -153,6 +158,9 @@ def plan(
     from simulator.planning.slo import class_names_of, default_slos, parse_slo
     from simulator.planning.sweep import parse_axis
     prices = parse_prices(cost_per_gpu_hour)
+    if not math.isfinite(tol):
+        raise LatsimError("must be a number in [0.0001, 1]", source="--headroom-tol", value=tol,
+                          has_value=True)
     if seeds < 1:
         raise LatsimError("must be at least 1", source="--seeds", value=seeds, has_value=True)
     gpu_list = [g.strip() for g in gpus.split(",") if g.strip()] if gpus is not None else None

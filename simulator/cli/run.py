@@ -188,6 +188,8 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
                           source="--loop", value=loop, has_value=True)
     if seed is not None and seed < 0:
         raise LatsimError("must be >= 0", source="--seed", value=seed, has_value=True)
+    if seed is not None and seed >= 2**63:
+        raise LatsimError("must be at most 2^63 - 1", source="--seed", value=seed, has_value=True)
     if plots and out is None:
         raise LatsimError("--plots needs --out (the plots are drawn from the result files)",
                           source="--plots")

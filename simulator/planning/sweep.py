@@ -35,7 +35,7 @@ import pandas as pd
 import yaml
 
 from simulator.config.scenario import validate_scenario
-from simulator.config.yamlfile import parse_override
+from simulator.config.yamlfile import INT_LIMIT, parse_override
 from simulator.errors import LatsimError
 from simulator.planning.executors import load_profile_for, make_executor
 
@@ -300,6 +300,8 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     ``address``: a running Ray cluster (``executor="ray"``)."""
     if seeds < 1:
         raise LatsimError("must be at least 1", source="--seeds", value=seeds, has_value=True)
+    if limit is not None and limit < 1:
+        raise LatsimError("must be at least 1", source="--limit", value=limit, has_value=True)
     base = copy.deepcopy(base)
     runs = None
     if base.get("policies") and not any(resolve_key(base, a.key) == "engine.policy" for a in axes):
@@ -308,6 +310,9 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     base.pop("policies", None)
     points = expand(axes)
     base_seed = int(base.get("seed", 0) or 0)
+    if base_seed + seeds > INT_LIMIT:
+        raise LatsimError(f"seeds {base_seed} to {base_seed + seeds - 1} pass the largest seed "
+                          f"({INT_LIMIT - 1})", source="--seeds", value=seeds, has_value=True)
     seed_list = [base_seed + i for i in range(seeds)]
     out_dir = Path(out_dir)
     check_sweep_dir(out_dir)
@@ -319,6 +324,7 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     table = ResultsTable(path, keys)
     if resume and path.exists():
         table.load()
+        _check_same_sweep(out_dir / "sweep.yaml", axes, base)
     elif path.exists():
         path.unlink()
     # Validate every point before running any, and load each profile once.
@@ -374,6 +380,25 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
         {"grid": {a.key: list(a.values) for a in axes}, "seeds": seed_list,
          "scenario": base}, sort_keys=False))
     return SweepResult(df, ran, skipped, wall, path, errors)
+
+
+def _check_same_sweep(spec: Path, axes: list, base: dict) -> None:
+    """``--resume`` continues the sweep its folder holds: the same grid over the same
+    scenario (more or fewer seeds are fine), else its rows would be matched to other
+    points by index."""
+    if not spec.exists():
+        return
+    try:
+        old = yaml.safe_load(spec.read_text()) or {}
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        old = {}
+    new = yaml.safe_load(yaml.safe_dump({"grid": {a.key: list(a.values) for a in axes},
+                                         "scenario": base}, sort_keys=False))
+    if not isinstance(old, dict) or any(old.get(k) != new[k] for k in ("grid", "scenario")):
+        what = "grid" if not isinstance(old, dict) or old.get("grid") != new["grid"] else \
+            "scenario (or --set)"
+        raise LatsimError(f"the results there are of another sweep (its {what} differs): pass "
+                          f"--force to start again, or --out another folder", source=str(spec))
 
 
 def check_sweep_dir(out_dir: Path) -> None:

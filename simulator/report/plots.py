@@ -86,6 +86,17 @@ def read_requests(p: Union[str, Path]) -> pd.DataFrame:
     """A per-request table (requests.csv, validate's real-/sim-<policy>.csv); the derived
     latency columns are computed from the timestamps if the file lacks them."""
     df = _read_csv(Path(p))
+    if df.empty:
+        raise LatsimError("no requests in it", source=str(p))
+    for c in ("ttft", "tpot", "e2el", "arrival", "first_token", "last_token"):
+        if c in df.columns:
+            v = pd.to_numeric(df[c], errors="coerce")
+            bad = v.isna() & df[c].notna()
+            if bad.any():
+                i = int(bad.to_numpy().nonzero()[0][0])
+                raise LatsimError("not a number", source=str(p), field=f"{c} (row {i + 1})",
+                                  value=df[c].iloc[i], has_value=True)
+            df[c] = v
     if not {"ttft", "tpot", "e2el"} <= set(df.columns):
         need = {"arrival", "enqueued", "scheduled", "first_token", "last_token",
                 "first_delivered", "last_delivered", "output_tokens"}
@@ -109,8 +120,11 @@ def load_results(results_dir: Union[str, Path]) -> Results:
     if (d / "summary.json").exists():
         try:
             summary = json.loads((d / "summary.json").read_text())
-        except ValueError as e:
+        except (ValueError, UnicodeDecodeError) as e:
             raise LatsimError(f"invalid JSON: {e}", source=str(d / "summary.json")) from None
+        if not isinstance(summary, dict):
+            raise LatsimError("must be a JSON object (as `latsim run --out` writes it)",
+                              source=str(d / "summary.json"), value=summary, has_value=True)
     runs: dict[str, Run] = {}
     if (d / "requests.csv").exists():
         name = str(summary.get("policy", "run"))
@@ -122,8 +136,9 @@ def load_results(results_dir: Union[str, Path]) -> Results:
         order = [k for k in summary if k in files] + [k for k in files if k not in summary]
         for k in order:
             ts = d / f"timeseries-{k}.csv"
+            sk = summary.get(k, {})
             runs[k] = Run(read_requests(files[k]), _read_csv(ts) if ts.exists() else None,
-                          summary.get(k, {}))
+                          sk if isinstance(sk, dict) else {})
     if not runs:
         raise LatsimError("no requests.csv or requests-<policy>.csv here (is it a "
                           "`latsim run --out` folder?)", source=str(d))
