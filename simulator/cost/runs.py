@@ -21,6 +21,9 @@ The replay is checked three ways: the number of prefill sequences of every step,
 decode count and decode contexts (max and sum) of every step, and every request's
 first-token time (the end of the step that finished its prompt) against
 ``tokens.csv``. ``RunSteps.check`` holds the mismatch counts.
+
+``iterations.csv`` is checked before the replay (``read_iterations``): a malformed step
+log is a one-line ``LatsimError`` naming the file, the column and row, and the value.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from simulator.errors import LatsimError, one_line
 
 
 @dataclass
@@ -80,6 +85,99 @@ class RunSteps:
         return np.array(out)
 
 
+def _value(v):
+    """A cell as a plain Python value for an error message (not ``np.float64(...)``)."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def numeric_column(path, df: pd.DataFrame, col: str, *, integer: bool = False,
+                   minimum: float | None = None, allow_nan: bool = False) -> np.ndarray:
+    """Column ``col`` of ``df`` (read from ``path``) as floats, checked: every cell a
+    number (text is an error; an empty cell too unless ``allow_nan``), finite, a whole
+    number when ``integer``, at least ``minimum``; the first bad cell is a one-line
+    ``LatsimError`` naming the file, the column and row (1: the first data row) and the
+    value. The caller checks that the column exists."""
+    raw = df[col]
+    v = pd.to_numeric(raw, errors="coerce").to_numpy(float)
+    nan = np.isnan(v)
+
+    def bad(mask, why):
+        i = int(np.flatnonzero(mask)[0])
+        raise LatsimError(why, source=str(path), field=f"{col} (row {i + 1})",
+                          value=_value(raw.iloc[i]), has_value=True)
+
+    if nan.any():
+        text = nan & raw.notna().to_numpy()
+        if text.any():
+            bad(text, "not a number")
+        if not allow_nan:
+            bad(nan, "empty or NaN")
+    if np.isinf(v).any():
+        bad(np.isinf(v), "not a finite number")
+    w = np.where(nan, 0.0, v)          # empty cells (allowed here) pass every check below
+    if integer and (w != np.floor(w)).any():
+        bad(w != np.floor(w), "not a whole number")
+    if integer and (np.abs(w) > 2.0 ** 53).any():
+        bad(np.abs(w) > 2.0 ** 53, "too large")
+    if minimum is not None and (~nan & (w < minimum)).any():
+        bad(~nan & (w < minimum), f"must be at least {minimum:g}")
+    return v
+
+
+# iterations.csv: every column the replay reads (``n_waiting`` is checked when present).
+STEP_TIMES = ("start_s", "end_s")
+STEP_COUNTS = ("n_decode", "n_prefill_tokens", "n_prefill_seqs", "max_decode_context",
+               "sum_decode_context", "n_running")
+
+
+def read_iterations(path: str | Path) -> pd.DataFrame:
+    """A run's step log (``iterations.csv``), checked before any work: the columns the
+    replay reads present, at least one step, start and end times finite, at least 0,
+    each step ending no earlier than it starts and starting no earlier than the one
+    before it ended (steps in start order), counts and contexts whole numbers of at
+    least 0. Anything else is a one-line ``LatsimError`` naming the file, the column
+    and row, and the value. Times as floats, counts as int64."""
+    path = Path(path)
+    try:
+        it = pd.read_csv(path)
+    except FileNotFoundError:
+        raise LatsimError("file not found", source=str(path)) from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError,
+            OSError) as e:
+        raise LatsimError(f"cannot read the step log: {one_line(str(e), 80)}",
+                          source=str(path)) from None
+    missing = [c for c in STEP_TIMES + STEP_COUNTS if c not in it.columns]
+    if missing:
+        raise LatsimError(f"missing columns: {', '.join(missing)}", source=str(path),
+                          field=missing[0])
+    if it.empty:
+        raise LatsimError("the step log has no steps", source=str(path))
+    start = numeric_column(path, it, "start_s", minimum=0)
+    end = numeric_column(path, it, "end_s", minimum=0)
+    for c in STEP_COUNTS + (("n_waiting",) if "n_waiting" in it.columns else ()):
+        it[c] = numeric_column(path, it, c, integer=True, minimum=0).astype(np.int64)
+    if (end < start).any():
+        i = int(np.flatnonzero(end < start)[0])
+        raise LatsimError(f"the step ends before it starts (start_s {_value(start[i])})",
+                          source=str(path), field=f"end_s (row {i + 1})",
+                          value=_value(end[i]), has_value=True)
+    if (np.diff(start) < 0).any():
+        i = int(np.flatnonzero(np.diff(start) < 0)[0]) + 1
+        raise LatsimError(f"steps not in increasing start order (the step before starts "
+                          f"at {_value(start[i - 1])})", source=str(path),
+                          field=f"start_s (row {i + 1})", value=_value(start[i]),
+                          has_value=True)
+    if (start[1:] < end[:-1]).any():
+        i = int(np.flatnonzero(start[1:] < end[:-1])[0]) + 1
+        raise LatsimError(f"the step starts before the one before it ended (at "
+                          f"{_value(end[i - 1])})", source=str(path),
+                          field=f"start_s (row {i + 1})", value=_value(start[i]),
+                          has_value=True)
+    it["start_s"] = start
+    it["end_s"] = end
+    return it
+
+
 def _order_key(policy: str, arrival: float, prio: int, now: float) -> tuple:
     if policy == "priority":
         # The engine's aging rule: a request gains one priority level per 2 s waited.
@@ -88,12 +186,13 @@ def _order_key(policy: str, arrival: float, prio: int, now: float) -> tuple:
 
 
 def read_run(folder: str | Path) -> RunSteps:
-    """Read a run folder and rebuild every step's prefill chunks (module doc)."""
+    """Read a run folder and rebuild every step's prefill chunks (module doc); its step
+    log is checked first (``read_iterations``)."""
     folder = Path(folder)
     trace = pd.read_csv(folder / "trace.csv")
     reqs = pd.read_csv(folder / "requests.csv")
     toks = pd.read_csv(folder / "tokens.csv")
-    it = pd.read_csv(folder / "iterations.csv")
+    it = read_iterations(folder / "iterations.csv")
     policy = str(reqs["policy"].iloc[0]) if "policy" in reqs.columns else "chunked"
     tr = trace.set_index("request_id")
     rid_all = tr.index.to_numpy()

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from simulator.cost.runs import latency_metrics, read_run
+from simulator.cost.runs import latency_metrics, numeric_column, read_run
 from simulator.errors import LatsimError, one_line
 
 
@@ -142,7 +142,8 @@ def _read_csv(path: Path, need: Sequence[str], what: str) -> pd.DataFrame:
         df = pd.read_csv(path)
     except FileNotFoundError:
         raise LatsimError("file not found", source=str(path)) from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError,
+            OSError) as e:
         raise LatsimError(f"cannot read {what}: {one_line(str(e), 80)}",
                           source=str(path)) from None
     missing = [c for c in need if c not in df.columns]
@@ -156,48 +157,190 @@ def _read_csv(path: Path, need: Sequence[str], what: str) -> pd.DataFrame:
                                                           "first_delivered",
                                                           "last_delivered"):
             i = int(np.where(v.isna())[0][0])
-            raise LatsimError("not a number", source=str(path), field=f"{c} (row {i + 1})",
-                              value=df[c].iloc[i], has_value=True)
+            cell = df[c].iloc[i]
+            empty = pd.isna(cell)
+            raise LatsimError("empty or NaN" if empty else "not a number", source=str(path),
+                              field=f"{c} (row {i + 1})",
+                              value=float("nan") if empty else cell, has_value=True)
     return df
 
 
+def _no_duplicates(path: Path, col: str, values: np.ndarray, what: str) -> None:
+    """A one-line ``LatsimError`` at the first value of ``col`` seen before."""
+    dup = pd.Series(values).duplicated().to_numpy()
+    if dup.any():
+        i = int(np.flatnonzero(dup)[0])
+        first = int(np.flatnonzero(values == values[i])[0])
+        raise LatsimError(f"duplicate {what} (also on row {first + 1})", source=str(path),
+                          field=f"{col} (row {i + 1})", value=int(values[i]), has_value=True)
+
+
 def _read_tokens(path: Path, rids: set) -> pd.DataFrame:
+    """``tokens.csv``, checked: request ids and token indexes whole numbers (indexes at
+    least 0), times finite and at least 0, each ``(request_id, token_index)`` once, and
+    every request listed by the run."""
     tok = _read_csv(path, ("request_id", "token_index", "time_s"), "tokens")
-    tok = tok.rename(columns={"request_id": "rid", "token_index": "index", "time_s": "time"})
-    unknown = set(tok["rid"].unique()) - rids
-    if unknown:
+    rid = numeric_column(path, tok, "request_id", integer=True)
+    index = numeric_column(path, tok, "token_index", integer=True, minimum=0)
+    time = numeric_column(path, tok, "time_s", minimum=0)
+    tok = pd.DataFrame({"rid": rid.astype(np.int64), "index": index.astype(np.int64),
+                        "time": time})
+    unknown = ~tok["rid"].isin(rids).to_numpy()
+    if unknown.any():
+        i = int(np.flatnonzero(unknown)[0])
         raise LatsimError("token of a request the run does not list", source=str(path),
-                          field="request_id", value=min(unknown), has_value=True)
-    return tok[["rid", "index", "time"]].astype({"rid": np.int64, "index": np.int64,
-                                                 "time": float})
+                          field=f"request_id (row {i + 1})", value=int(tok["rid"].iloc[i]),
+                          has_value=True)
+    dup = tok.duplicated(["rid", "index"]).to_numpy()
+    if dup.any():
+        i = int(np.flatnonzero(dup)[0])
+        raise LatsimError(f"duplicate token: request {int(tok['rid'].iloc[i])}'s token "
+                          f"{int(tok['index'].iloc[i])} is listed twice", source=str(path),
+                          field=f"token_index (row {i + 1})",
+                          value=int(tok["index"].iloc[i]), has_value=True)
+    return tok
+
+
+def _refbench_missing(folder: Path) -> None:
+    """A folder whose ``requests.csv`` is the reference engine's (``request_id``, no
+    ``rid``) but lacks ``trace.csv`` or ``tokens.csv``: a one-line ``LatsimError``
+    naming the missing file (rather than the bench reader's missing ``rid``)."""
+    try:
+        cols = set(pd.read_csv(folder / "requests.csv", nrows=0).columns)
+    except (OSError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError,
+            UnicodeDecodeError):
+        return      # the bench reader says what is wrong with it
+    if "request_id" in cols and "rid" not in cols:
+        for name in ("trace.csv", "tokens.csv"):
+            if not (folder / name).exists():
+                raise LatsimError("file not found (a refbench run folder holds trace.csv, "
+                                  "requests.csv and tokens.csv)", source=str(folder / name))
 
 
 def read_recorded_run(folder: str | Path) -> RecordedRun:
     """Read a recorded run folder (module doc); one-line ``LatsimError`` naming the
-    file, field and value for anything missing or malformed, before any work."""
+    file, field and value for anything missing or malformed, before any work: a
+    refbench folder missing one of its files, a file with no rows, a cell that is not
+    a number or is out of range (negative times and counts, token counts below 1,
+    fractional counts), duplicate request ids or tokens, arrivals that decrease in
+    request id order, token counts in ``requests.csv`` that differ from the trace's,
+    tokens beyond a request's output or before its arrival, and steps out of order or
+    overlapping."""
     folder = Path(folder)
     if not folder.is_dir():
         raise LatsimError("run folder not found", source=str(folder), field="--run")
     if (folder / "trace.csv").exists() and (folder / "tokens.csv").exists():
         return _read_refbench(folder)
     if (folder / "requests.csv").exists():
+        _refbench_missing(folder)
         return _read_bench(folder)
     raise LatsimError("not a recorded run: needs trace.csv, requests.csv and tokens.csv "
                       "(a refbench run) or the requests.csv of `latsim bench --out`",
                       source=str(folder), field="--run")
 
 
-def _read_refbench(folder: Path) -> RecordedRun:
-    trace = _read_csv(folder / "trace.csv", ("request_id", "arrival_s", "prompt_tokens",
-                                             "output_tokens"), "trace")
-    reqs = _read_csv(folder / "requests.csv", ("request_id",), "requests")
-    rids = trace["request_id"].to_numpy(np.int64)
-    tok = _read_tokens(folder / "tokens.csv", set(rids.tolist()))
-    if tok.empty:
-        raise LatsimError("the run has no tokens", source=str(folder / "tokens.csv"))
+def _read_trace(path: Path) -> pd.DataFrame:
+    """A refbench ``trace.csv``, checked: at least one request; request ids whole
+    numbers, each once; arrivals finite, at least 0 and not decreasing in request id
+    order (the order the run is replayed in); token counts whole numbers of at least 1;
+    priorities (when given) whole numbers of at least 0. Sorted by request id."""
+    trace = _read_csv(path, ("request_id", "arrival_s", "prompt_tokens", "output_tokens"),
+                      "trace")
+    if trace.empty:
+        raise LatsimError("the run has no requests", source=str(path))
+    rids = numeric_column(path, trace, "request_id", integer=True)
+    _no_duplicates(path, "request_id", rids, "request_id")
+    arrival = numeric_column(path, trace, "arrival_s", minimum=0)
+    ints = {"request_id": rids}
+    for c in ("prompt_tokens", "output_tokens"):
+        ints[c] = numeric_column(path, trace, c, integer=True, minimum=1)
+    if "priority" in trace.columns:
+        ints["priority"] = numeric_column(path, trace, "priority", integer=True, minimum=0)
+    for c, v in ints.items():
+        trace[c] = v.astype(np.int64)
+    trace["arrival_s"] = arrival
     order = np.argsort(rids, kind="stable")
-    trace = trace.iloc[order].reset_index(drop=True)
-    rids = rids[order]
+    down = np.flatnonzero(np.diff(arrival[order]) < 0)
+    if down.size:
+        i, j = int(order[down[0] + 1]), int(order[down[0]])
+        raise LatsimError(f"arrivals must not decrease in request_id order: request "
+                          f"{int(rids[i])} arrives before request {int(rids[j])} (at "
+                          f"{arrival[j]:g} s)", source=str(path),
+                          field=f"arrival_s (row {i + 1})", value=float(arrival[i]),
+                          has_value=True)
+    return trace.iloc[order].reset_index(drop=True)
+
+
+def _read_requests(path: Path, trace: pd.DataFrame) -> pd.DataFrame:
+    """A refbench ``requests.csv``, checked against the run's ``trace``: at least one
+    request; request ids whole numbers, each once, every one in the trace (a trace
+    request missing here has no recorded admission); one serving policy; the token
+    counts, when given, the trace's; ``first_scheduled_s`` a time of at least 0 or
+    empty."""
+    reqs = _read_csv(path, ("request_id",), "requests")
+    if reqs.empty:
+        raise LatsimError("the run has no requests", source=str(path))
+    qid = numeric_column(path, reqs, "request_id", integer=True)
+    _no_duplicates(path, "request_id", qid, "request_id")
+    reqs["request_id"] = qid = qid.astype(np.int64)
+    tr = trace.set_index("request_id")
+    unknown = ~np.isin(qid, tr.index.to_numpy())
+    if unknown.any():
+        i = int(np.flatnonzero(unknown)[0])
+        raise LatsimError("a request that trace.csv does not list", source=str(path),
+                          field=f"request_id (row {i + 1})", value=int(qid[i]),
+                          has_value=True)
+    if "policy" in reqs.columns:
+        pols = reqs["policy"].astype(str).to_numpy()
+        other = pols != pols[0]
+        if other.any():
+            i = int(np.flatnonzero(other)[0])
+            raise LatsimError(f"more than one serving policy (row 1 says {pols[0]!r})",
+                              source=str(path), field=f"policy (row {i + 1})",
+                              value=pols[i], has_value=True)
+    for c in ("prompt_tokens", "output_tokens"):
+        if c not in reqs.columns:
+            continue
+        v = numeric_column(path, reqs, c, integer=True)
+        want = tr[c].reindex(qid).to_numpy(float)
+        off = v != want
+        if off.any():
+            i = int(np.flatnonzero(off)[0])
+            raise LatsimError(f"request {int(qid[i])}: trace.csv says {int(want[i])}",
+                              source=str(path), field=f"{c} (row {i + 1})",
+                              value=int(v[i]), has_value=True)
+    if "first_scheduled_s" in reqs.columns:
+        reqs["first_scheduled_s"] = numeric_column(path, reqs, "first_scheduled_s",
+                                                   minimum=0, allow_nan=True)
+    return reqs
+
+
+def _read_refbench(folder: Path) -> RecordedRun:
+    trace = _read_trace(folder / "trace.csv")
+    reqs = _read_requests(folder / "requests.csv", trace)
+    rids = trace["request_id"].to_numpy(np.int64)
+    tpath = folder / "tokens.csv"
+    tok = _read_tokens(tpath, set(rids.tolist()))
+    if tok.empty:
+        raise LatsimError("the run has no tokens", source=str(tpath))
+    # Every token within its request's output, and not before the request arrived.
+    tr = trace.set_index("request_id")
+    beyond = tok["index"].to_numpy() >= tr["output_tokens"].reindex(tok["rid"]).to_numpy()
+    if beyond.any():
+        i = int(np.flatnonzero(beyond)[0])
+        r = int(tok["rid"].iloc[i])
+        raise LatsimError(f"request {r} has {int(tr.at[r, 'output_tokens'])} output_tokens "
+                          f"in trace.csv: no token of that index", source=str(tpath),
+                          field=f"token_index (row {i + 1})",
+                          value=int(tok["index"].iloc[i]), has_value=True)
+    early = tok["time"].to_numpy() < tr["arrival_s"].reindex(tok["rid"]).to_numpy()
+    if early.any():
+        i = int(np.flatnonzero(early)[0])
+        r = int(tok["rid"].iloc[i])
+        raise LatsimError(f"a token before its request arrived (request {r} at "
+                          f"{tr.at[r, 'arrival_s']:g} s in trace.csv)", source=str(tpath),
+                          field=f"time_s (row {i + 1})", value=float(tok["time"].iloc[i]),
+                          has_value=True)
     pol = None
     if "policy" in reqs.columns and len(reqs):
         pol = str(reqs["policy"].iloc[0])
@@ -250,6 +393,12 @@ def _read_bench(folder: Path) -> RecordedRun:
     df = _read_csv(path, _BENCH_COLS, "requests")
     if df.empty:
         raise LatsimError("the run has no requests", source=str(path))
+    rid = numeric_column(path, df, "rid", integer=True)
+    _no_duplicates(path, "rid", rid, "rid")
+    df["rid"] = rid.astype(np.int64)
+    for c in ("prompt_tokens", "output_tokens"):
+        df[c] = numeric_column(path, df, c, integer=True, minimum=1).astype(np.int64)
+    df["arrival"] = numeric_column(path, df, "arrival")
     df = df.sort_values("rid", kind="stable").reset_index(drop=True)
     rids = df["rid"].to_numpy(np.int64)
     nan = np.full(len(df), np.nan)
