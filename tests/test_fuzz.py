@@ -173,6 +173,12 @@ FLAG_CASES = [
     ["calibrate", str(REPO / "scenarios" / "refbench-load50-fifo.yaml"), "--run",
      str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"), "--profile", "T/file",
      "--out", "T/cal.json", "--no-sim"],
+    ["calibrate", str(REPO / "scenarios" / "refbench-load50-fifo.yaml"), "--run",
+     str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"), "--run",
+     str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo") + "/", "--out",
+     "T/cal.json", "--no-sim"],
+    ["validate", "--run", str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"),
+     str(REPO / "scenarios" / "refbench-h200.yaml"), "--policies", "bogus"],
     ["nosuchcommand"],
 ]
 

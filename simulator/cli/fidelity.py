@@ -167,9 +167,11 @@ def fit(
 
 # -- shared: runs, scenarios, tables --------------------------------------------------------
 
-def load_cases(scenario: Path, runs: List[Path], label: Optional[str], set_=None):
-    """The scenario and each run folder as ``RunCase`` s (the policy run that served each),
-    checked before any work; returns ``(cases, scenario, base_dir)``."""
+def load_cases(scenario: Path, runs: List[Path], label: Optional[str], set_=None,
+               label_option: str = "--policy"):
+    """The scenario and each run folder as ``RunCase`` s (the policy run that served each,
+    or the one ``label`` names: the option ``label_option``), checked before any work;
+    returns ``(cases, scenario, base_dir)``."""
     from simulator.config.scenario import load_scenario
     from simulator.cost.calibration import RunCase, match_policy, read_recorded_run
     from simulator.cost.calibration.settings import slot_check
@@ -180,10 +182,18 @@ def load_cases(scenario: Path, runs: List[Path], label: Optional[str], set_=None
         raise LatsimError("a recorded run is one server: the scenario must have one replica",
                           source=str(scenario), field="cluster.replicas",
                           value=sc.cluster.replicas, has_value=True)
+    seen = {}
+    for r in runs:
+        key = Path(r).resolve()
+        if key in seen:
+            raise LatsimError(f"the same run folder as --run {seen[key]}: a run given twice would "
+                              "count twice in the calibration", source="--run", value=str(r),
+                              has_value=True)
+        seen[key] = str(r)
     cases = []
     for r in runs:
         run = read_recorded_run(r)
-        lab, psc = match_policy(sc, run, str(scenario), label)
+        lab, psc = match_policy(sc, run, str(scenario), label, label_option)
         note = slot_check(run, psc.engine)
         if note is not None:
             run.notes.append(note)
@@ -380,7 +390,7 @@ def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[
     run, and the model's step time against the measured one per step kind."""
     from simulator.cost.calibration import ReplayError, validate_recorded
     from simulator.report.files import json_safe
-    cases, _, base = load_cases(scenario, [run], label, set_)
+    cases, _, base = load_cases(scenario, [run], label, set_, "--policies")
     k = cases[0]
     try:
         res = validate_recorded(k, base_dir=base)

@@ -481,17 +481,19 @@ def _bench_real(folder: Path, df: pd.DataFrame, tok, arrival: dict) -> dict:
     return out
 
 
-def match_policy(scenario, run: RecordedRun, source: str, label: Optional[str] = None):
+def match_policy(scenario, run: RecordedRun, source: str, label: Optional[str] = None,
+                 label_option: str = "--policy"):
     """The scenario's policy run (``(label, scenario)``) that served ``run``: the one
-    whose policy the run records; else the one named ``label``; else the only one.
-    One-line ``LatsimError`` when the scenario's policy differs from the run's."""
+    whose policy the run records; else the one named ``label`` (given by the option
+    ``label_option``); else the only one. One-line ``LatsimError`` when the scenario's
+    policy differs from the run's."""
     runs = scenario.policy_runs()
     if label is not None:
         runs = [r for r in runs if r[0] == label]
         if not runs:
             names = ", ".join(lb for lb, _ in scenario.policy_runs())
             raise LatsimError(f"no policy run labelled so (the scenario has: {names})",
-                              source="--policy", value=label, has_value=True)
+                              source=label_option, value=label, has_value=True)
     if run.policy is not None:
         same = [r for r in runs if r[1].engine.policy == run.policy]
         if not same:
