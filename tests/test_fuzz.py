@@ -154,6 +154,11 @@ FLAG_CASES = [
     ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/file/x.csv"],
     ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/x.csv", "--rate", "inf"],
     ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/x.csv", "--limit", "0"],
+    ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/x.csv", "--speedup",
+     "1e-300"],
+    ["trace", "convert", str(DATA / "canonical_small.csv"), "--out", "T/x.csv", "--speedup",
+     "2", "--rate", "2"],
+    ["report", "T/flat-sweep.csv"],
     ["report", "T/missing"], ["report", "T/file"], ["report", "T/garbage"],
     ["report", "T/summary-list"], ["report", "T/no-requests"],
     ["run", "S", "--seed", "99999999999999999999999"],
@@ -194,6 +199,7 @@ def test_bad_flags_and_paths(argv, tmp_path):
         (tmp_path / name / "summary.json").write_text(summary)
         (tmp_path / name / "requests.csv").write_text(
             "ttft,tpot,e2el\n" + ("0.1,0.01,1.0\n" if name == "summary-list" else ""))
+    (tmp_path / "flat-sweep.csv").write_text("point,seed,x\n0,1,2\n")
     s = _ok_scenario(tmp_path)
     argv = [str(s) if a == "S" else a.replace("T", str(tmp_path), 1) if a.startswith("T")
             else a for a in argv]

@@ -58,8 +58,10 @@ def load_trace(path: Path, fmt: Optional[str] = None, *, speedup: Optional[float
         cfg = TraceWorkload(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:  # name the option and the problem on one line
         err = e.errors()[0]
-        raise LatsimError(err["msg"], source=str(path), field=".".join(map(str, err["loc"])),
-                          value=err.get("input"), has_value=True) from None
+        # A rule over several options (no one field) quotes no value: it would be them all.
+        raise LatsimError(err["msg"].removeprefix("Value error, "), source=str(path),
+                          field=".".join(map(str, err["loc"])) or None,
+                          value=err.get("input"), has_value=bool(err["loc"])) from None
     return build_trace(cfg, np.random.default_rng(seed), Path.cwd())
 
 

@@ -12,6 +12,14 @@ from simulator.config.strict import StrictModel
 
 
 
+# Bounds that keep the wire's times physical (a link of 1e-300 Mbps or a gateway of 1e300
+# ms made every latency 1e300 ms): half the Earth's circumference, a minute of fixed
+# delay, a kilobit to ten terabits per second.
+EARTH_KM = 20_040.0
+MAX_WIRE_MS = 60_000.0
+MIN_MBPS, MAX_MBPS = 1e-3, 1e7
+
+
 class ServingRegion(StrictModel):
     """A serving region and how many of the cluster's replicas run there (in order:
     the first region gets replicas 0..n-1, the next the following ones)."""
@@ -68,19 +76,22 @@ class NetworkConfig(StrictModel):
     """Client to serving region: RTT, connection set-up (HTTP/1.1 keep-alive pools or
     one multiplexed HTTP/2 connection per client), upload; optionally regions."""
 
-    distance_km: float = Field(500.0, ge=0, description="client to region distance")
-    base_rtt_ms: float = Field(2.0, ge=0, description="RTT floor: switching, last mile")
-    fibre_km_per_s: float = Field(200_000.0, gt=0, description="propagation speed in fibre")
+    distance_km: float = Field(500.0, ge=0, le=EARTH_KM, description="client to region distance")
+    base_rtt_ms: float = Field(2.0, ge=0, le=MAX_WIRE_MS,
+                               description="RTT floor: switching, last mile")
+    fibre_km_per_s: float = Field(200_000.0, ge=1_000.0, le=300_000.0,
+                                  description="propagation speed in fibre (at most light's)")
     tls: Literal["none", "1.2", "1.3", "0rtt"] = "1.3"
     connection_reuse: bool = True
     clients: int = Field(64, ge=1, le=10_000_000,
                          description="distinct clients, each with its own pool")
     pool_size: int = Field(8, ge=1, le=100_000, description="keep-alive connections per client")
     keepalive_s: float = Field(300.0, ge=0, description="idle connection expiry")
-    uplink_mbps: float = Field(100.0, gt=0)
+    uplink_mbps: float = Field(100.0, ge=MIN_MBPS, le=MAX_MBPS)
     request_overhead_bytes: int = Field(400, ge=0, description="HTTP headers + JSON envelope")
     bytes_per_prompt_token: float = Field(4.0, ge=0, description="prompt text bytes per token")
-    gateway_ms: float = Field(0.5, ge=0, description="gateway/proxy/routing processing")
+    gateway_ms: float = Field(0.5, ge=0, le=MAX_WIRE_MS,
+                              description="gateway/proxy/routing processing")
     protocol: Literal["http1.1", "http2"] = Field(
         "http1.1", description="http2: one connection per client multiplexing its streams")
     h2_max_streams: int = Field(100, ge=1, description="http2 concurrent streams per connection")
@@ -122,22 +133,22 @@ class FixedDownlink(StrictModel):
     """Every client has the same downlink."""
 
     kind: Literal["fixed"]
-    mbps: float = Field(..., gt=0)
+    mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS)
 
 
 class LognormalDownlink(StrictModel):
     """Per-client downlink ~ lognormal(median, sigma), floored at ``min_mbps``."""
 
     kind: Literal["lognormal"]
-    median_mbps: float = Field(..., gt=0)
+    median_mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS)
     sigma: float = Field(..., ge=0)
-    min_mbps: float = Field(0.1, gt=0)
+    min_mbps: float = Field(0.1, ge=MIN_MBPS, le=MAX_MBPS)
 
 
 class DownlinkTier(StrictModel):
     """One tier of clients: its downlink and its share of the clients."""
 
-    mbps: float = Field(..., gt=0)
+    mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS)
     share: float = Field(..., gt=0)
 
 

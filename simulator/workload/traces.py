@@ -32,6 +32,7 @@ from simulator.workload.base import Workload
 from simulator.workload.classes import (ClassList, PriorityClass, add_system_prompts,
                                         assign_classes, class_names, class_priorities)
 from simulator.workload.classes import MAX_PRIORITY
+from simulator.workload.synthetic import MAX_SPAN_S
 from simulator.workload.tracereaders import (HASH_BLOCK_TOKENS, MAX_TRACE_MB, RawTrace, cell_error,
                                              ordered, read_trace)
 
@@ -172,6 +173,11 @@ def replay(raw: RawTrace, cfg: TraceWorkload, rng: np.random.Generator) -> Workl
         # Mean rate is n / span (as summarize_workload); one factor for every time.
         factor = len(t) / span / cfg.rate
     t = t * factor
+    if t[-1] > MAX_SPAN_S:
+        raise LatsimError(f"the replayed trace would span {t[-1]:.3g} s, over the "
+                          f"{MAX_SPAN_S:.0e} s simulated time keeps microseconds apart at",
+                          source=str(raw.path),
+                          field="rate" if cfg.rate else "speedup" if factor != 1.0 else None)
     if prio_names is not None:
         prio, names = raw.priority, prio_names[1]
     else:
