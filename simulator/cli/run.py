@@ -218,7 +218,6 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
     if sized:
         _check_size(expected(), len(runs), loop, yes, str(scenario))
     capacity = kv_capacity_blocks(sc)
-    console.print(kv_capacity_line(sc, capacity), highlight=False)
     # Same traffic for every policy: build the workload once from the seed.
     wl_rng = np.random.default_rng(np.random.SeedSequence(s).spawn(4)[0])
     wl = build_workload(sc.workload, wl_rng, base)
@@ -234,6 +233,8 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
     if getattr(sc.model.cost, "path", None) is not None:
         profile = load_profile(resolve_profile_path(sc.model.cost.path,
                                                     profile_search_dirs(base)))
+    # Said once every input is checked: an error is then the only line on the screen.
+    console.print(kv_capacity_line(sc, capacity), highlight=False)
     staged = StagedDir(out) if out is not None else None
     multi = len(runs) > 1
     outs, why_not = {}, {}
