@@ -288,20 +288,26 @@ def test_calibrate_end_to_end_on_a_bench_run_against_latsim_serve(tmp_path):
     # schedule, first and last token times; steps between them are priced by the model.
     eng = build_engine("tiny", "cpu", max_num_seqs=4, max_num_batched_tokens=256,
                        num_blocks=1024, threads=1)
-    out = tmp_path / "bench"
+    scen = _tiny_scenario(tmp_path / "tiny.yaml", _tiny_guess(tmp_path / "guess.json"))
+    cal_path = tmp_path / "tiny-calibrated.json"
     with BackgroundServer(make_app(eng, "tiny")) as srv:
         # Warm-up (first-call allocations) outside the recorded run.
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             for _ in range(3):
                 assert c.post("/v1/completions", json={"model": "tiny", "prompt": "a b c",
                                                        "max_tokens": 4}).status_code == 200
-        code, text = latsim("bench", "--url", srv.url, "--rate", "20", "--limit", "40",
-                            "--prompt-tokens", "64", "--output-tokens", "12", "--seed", "1",
-                            "--out", out)
-    assert code == 0, text
-    scen = _tiny_scenario(tmp_path / "tiny.yaml", _tiny_guess(tmp_path / "guess.json"))
-    cal_path = tmp_path / "tiny-calibrated.json"
-    code, text = latsim("calibrate", scen, "--run", out, "--out", cal_path)
+        # The run is timed on this machine's CPUs: a stall of the box can push the
+        # client-side token times past the replay's tolerance (calibrate then exits 1,
+        # saying so). Such a recording is made once more; any other failure is final.
+        for attempt in range(2):
+            out = tmp_path / f"try{attempt}" / "bench"
+            code, text = latsim("bench", "--url", srv.url, "--rate", "20", "--limit", "40",
+                                "--prompt-tokens", "64", "--output-tokens", "12", "--seed",
+                                "1", "--out", out)
+            assert code == 0, text
+            code, text = latsim("calibrate", scen, "--run", out, "--out", cal_path)
+            if code == 0 or "could not follow the run" not in text:
+                break
     assert code == 0, text
     for word in ("real vs simulated, before and after calibration", "P50 TTFT", "P99 ITL",
                  "P99 E2EL", "busy bias", "wrote"):

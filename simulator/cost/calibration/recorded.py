@@ -42,7 +42,8 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 
 @dataclass
 class RecordedRun:
-    """A recorded serving run (module doc), one row per request in ``rid`` order.
+    """A recorded serving run (module doc), one row per request in arrival order (ties
+    by ``rid``; a bench run: in ``rid`` order).
 
     ``arrival``: when the client sent it (the trace's time for refbench); ``visible``:
     when the engine's scheduler could first see it (the server's enqueue time when
@@ -222,8 +223,8 @@ def read_recorded_run(folder: str | Path) -> RecordedRun:
     file, field and value for anything missing or malformed, before any work: a
     refbench folder missing one of its files, a file with no rows, a cell that is not
     a number or is out of range (negative times and counts, token counts below 1,
-    fractional counts), duplicate request ids or tokens, arrivals that decrease in
-    request id order, token counts in ``requests.csv`` that differ from the trace's,
+    fractional counts), duplicate request ids or tokens, token counts in
+    ``requests.csv`` that differ from the trace's,
     tokens beyond a request's output or before its arrival, and steps out of order or
     overlapping."""
     folder = Path(folder)
@@ -241,9 +242,9 @@ def read_recorded_run(folder: str | Path) -> RecordedRun:
 
 def _read_trace(path: Path) -> pd.DataFrame:
     """A refbench ``trace.csv``, checked: at least one request; request ids whole
-    numbers, each once; arrivals finite, at least 0 and not decreasing in request id
-    order (the order the run is replayed in); token counts whole numbers of at least 1;
-    priorities (when given) whole numbers of at least 0. Sorted by request id."""
+    numbers, each once; arrivals finite and at least 0; token counts whole numbers of at
+    least 1; priorities (when given) whole numbers of at least 0. Sorted by arrival (ties
+    by request id): the order the run is replayed in."""
     trace = _read_csv(path, ("request_id", "arrival_s", "prompt_tokens", "output_tokens"),
                       "trace")
     if trace.empty:
@@ -259,15 +260,9 @@ def _read_trace(path: Path) -> pd.DataFrame:
     for c, v in ints.items():
         trace[c] = v.astype(np.int64)
     trace["arrival_s"] = arrival
-    order = np.argsort(rids, kind="stable")
-    down = np.flatnonzero(np.diff(arrival[order]) < 0)
-    if down.size:
-        i, j = int(order[down[0] + 1]), int(order[down[0]])
-        raise LatsimError(f"arrivals must not decrease in request_id order: request "
-                          f"{int(rids[i])} arrives before request {int(rids[j])} (at "
-                          f"{arrival[j]:g} s)", source=str(path),
-                          field=f"arrival_s (row {i + 1})", value=float(arrival[i]),
-                          has_value=True)
+    # The run is kept and replayed in arrival order (ties by request id), whatever order
+    # its ids were given in.
+    order = np.lexsort((rids, arrival))
     return trace.iloc[order].reset_index(drop=True)
 
 
