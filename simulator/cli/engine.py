@@ -46,7 +46,14 @@ def profile(
 _VALIDATE_POLICIES = "fifo,chunked,priority_aging"
 
 
+# validate's options that only a replay through the engine reads (not --run).
+_REPLAY_ONLY = frozenset({"trace", "fmt", "model", "device", "limit", "load", "max_prompt_tokens",
+                          "max_output_tokens", "max_num_seqs", "max_num_batched_tokens",
+                          "chunk_size", "aging_s", "seed"})
+
+
 def validate(
+    ctx: typer.Context,
     scenario: Optional[Path] = typer.Argument(None, help="with --run: the scenario that "
                                               "describes the server that recorded it"),
     run: Optional[Path] = typer.Option(None, "--run", help="a recorded run folder (refbench "
@@ -93,21 +100,15 @@ def validate(
                                   "(the scenario's model.cost is the model)", source="--run")
             # The options of a replay through the engine do not apply to a recorded run:
             # its own requests are compared, under the scenario's settings (--set).
-            replay_opts = (("--trace", trace, None), ("--format", fmt, None),
-                           ("--model", model, None), ("--device", device, "cpu"),
-                           ("--limit", limit, 200), ("--load", load, None),
-                           ("--max-prompt-tokens", max_prompt_tokens, 1024),
-                           ("--max-output-tokens", max_output_tokens, 128),
-                           ("--max-num-seqs", max_num_seqs, 32),
-                           ("--max-num-batched-tokens", max_num_batched_tokens, 256),
-                           ("--chunk-size", chunk_size, None), ("--aging-s", aging_s, 2.0),
-                           ("--seed", seed, 0))
-            for name, v, default in replay_opts:
-                if v != default:
+            for param in ctx.command.params:
+                # Given on the command line (typer ships its own click: compare by name).
+                src = ctx.get_parameter_source(param.name)
+                if param.name in _REPLAY_ONLY and src is not None and src.name != "DEFAULT":
                     raise LatsimError("applies to a replay through the engine, not to --run "
                                       "(the run's own requests are compared; give the "
-                                      "server's settings with --set a.b=value)", source=name,
-                                      value=v, has_value=True)
+                                      "server's settings with --set a.b=value)",
+                                      source=param.opts[0], value=ctx.params[param.name],
+                                      has_value=True)
             if out.exists() and not out.is_dir():
                 raise LatsimError("exists and is not a folder", source="--out", value=str(out),
                                   has_value=True)

@@ -42,11 +42,8 @@ def report(
                           source=str(results_dir))
     try:
         files = [plot_sweep(results_dir)] if results_dir.is_file() else plot_run(results_dir)
-    except LatsimError as e:
-        # Name the table when the error does not already name a file.
-        if str(results_dir) in str(e):
-            raise
-        raise LatsimError(str(e), source=str(results_dir)) from None
+    except LatsimError:
+        raise
     except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError, OSError) as e:
         # A table that is not what latsim writes (edited, truncated, another tool's).
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

@@ -46,8 +46,8 @@ def _expanded_size(root) -> int:
     return size[id(root)]
 
 
-def _distinct_nodes(root) -> int:
-    """Nodes in the graph as written (each alias target once)."""
+def _nodes(root):
+    """Every node of the graph as written, once (an alias target once)."""
     from yaml.nodes import MappingNode, SequenceNode
     seen: set[int] = set()
     stack = [root]
@@ -56,11 +56,16 @@ def _distinct_nodes(root) -> int:
         if id(node) in seen:
             continue
         seen.add(id(node))
+        yield node
         if isinstance(node, SequenceNode):
             stack.extend(node.value)
         elif isinstance(node, MappingNode):
             stack.extend(x for kv in node.value for x in kv)
-    return len(seen)
+
+
+def _distinct_nodes(root) -> int:
+    """Nodes in the graph as written (each alias target once)."""
+    return sum(1 for _ in _nodes(root))
 
 
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -69,26 +74,18 @@ _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 def _check_unique_keys(root) -> None:
     """A mapping that names a key twice is refused (YAML would keep the last silently:
     a scenario with two ``seed:`` lines runs with the second), naming the line."""
-    from yaml.nodes import MappingNode, ScalarNode, SequenceNode
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
+    from yaml.nodes import MappingNode, ScalarNode
+    for node in _nodes(root):
+        if not isinstance(node, MappingNode):
             continue
-        seen.add(id(node))
-        if isinstance(node, MappingNode):
-            keys: dict = {}
-            for k, v in node.value:
-                if isinstance(k, ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                    if k.value in keys:
-                        raise LatsimError(f"key {k.value!r} at line {k.start_mark.line + 1} "
-                                          f"repeats the one at line {keys[k.value]}: a key "
-                                          "may appear once in a mapping", field=str(k.value))
-                    keys[k.value] = k.start_mark.line + 1
-                stack.extend((k, v))
-        elif isinstance(node, SequenceNode):
-            stack.extend(node.value)
+        keys: dict = {}
+        for k, _ in node.value:
+            if isinstance(k, ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                if k.value in keys:
+                    raise LatsimError(f"key {k.value!r} at line {k.start_mark.line + 1} "
+                                      f"repeats the one at line {keys[k.value]}: a key may "
+                                      "appear once in a mapping", field=str(k.value))
+                keys[k.value] = k.start_mark.line + 1
 
 
 class BoundedLoader(_BaseLoader):  # type: ignore[misc, valid-type]

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
 
 from simulator.cost.profile import check_profile
-from simulator.errors import LatsimError, one_line
+from simulator.cost.runs import numeric_column, read_table
+from simulator.errors import LatsimError
 
 REFBENCH_ENGINE = {
     "decode_attention": "padded",
@@ -34,40 +33,19 @@ REFBENCH_MODEL = {"name": "llama3-8b", "n_layers": 32, "d_model": 4096, "n_heads
 _STATS = ("ms_median", "ms_p10", "ms_p90", "ms_mean", "ms_min", "n")
 
 
-def _plain(v):
-    """A numpy scalar as the Python value it holds (for error messages)."""
-    return v.item() if hasattr(v, "item") else v
-
-
 def refbench_to_profile(csv_path: str | Path) -> dict:
     """Read the refbench CSV and return the profile dict (``latsim-profile/1``)."""
     path = Path(csv_path)
-    try:
-        df = pd.read_csv(path)
-    except FileNotFoundError:
-        raise LatsimError("file not found", source=str(path)) from None
-    except IsADirectoryError:
-        raise LatsimError("is a folder, not a CSV file", source=str(path)) from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-        raise LatsimError(f"cannot read the CSV: {one_line(str(e), 80)}",
-                          source=str(path)) from None
-    need = {"kind", "batch", "chunk", "context", "prior", *_STATS}
-    missing = need - set(df.columns)
-    if missing:
-        raise LatsimError(f"missing columns: {', '.join(sorted(missing))}", source=str(path),
-                          field=sorted(missing)[0])
+    need = sorted({"kind", "batch", "chunk", "context", "prior", *_STATS})
+    df = read_table(path, need, "the profile table")
     if df.empty:
         raise LatsimError("no rows", source=str(path))
-    for c in sorted(need - {"kind"}):
-        v = pd.to_numeric(df[c], errors="coerce").to_numpy(float)
-        ms = c.startswith("ms_")
-        ok = np.isfinite(v) & ((v > 0) if ms else ((v >= 0) & (np.floor(v) == v)))
-        if not ok.all():
-            i = int(np.where(~ok)[0][0])
-            raise LatsimError("not a finite number > 0 (ms)" if ms else
-                              "not a whole number >= 0", source=str(path),
-                              field=f"{c} (row {i + 1})", value=_plain(df[c].iloc[i]),
-                              has_value=True)
+    for c in need:
+        if c != "kind":
+            # Step times positive; counts (batch, chunk, context, prior, n) whole, >= 0.
+            ms = c.startswith("ms_")
+            numeric_column(path, df, c, integer=not ms, minimum=None if ms else 0,
+                           positive=ms)
 
     def stats(r) -> dict:
         return {"ms": float(r.ms_median), "p10": float(r.ms_p10), "p90": float(r.ms_p90),

@@ -85,16 +85,38 @@ class RunSteps:
         return np.array(out)
 
 
-def _value(v):
+def plain_value(v):
     """A cell as a plain Python value for an error message (not ``np.float64(...)``)."""
     return v.item() if isinstance(v, np.generic) else v
 
 
+def read_table(path, need, what: str) -> pd.DataFrame:
+    """A CSV file that must hold the columns ``need``: a one-line ``LatsimError`` naming
+    the file when it is missing, unreadable (not text, not CSV, a folder) or lacks a
+    column (the first missing one as the field)."""
+    path = Path(path)
+    try:
+        df = pd.read_csv(path)
+    except FileNotFoundError:
+        raise LatsimError("file not found", source=str(path)) from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError,
+            OSError) as e:
+        raise LatsimError(f"cannot read {what}: {one_line(str(e), 80)}",
+                          source=str(path)) from None
+    missing = [c for c in need if c not in df.columns]
+    if missing:
+        raise LatsimError(f"missing columns: {', '.join(missing)}", source=str(path),
+                          field=missing[0])
+    return df
+
+
 def numeric_column(path, df: pd.DataFrame, col: str, *, integer: bool = False,
-                   minimum: float | None = None, allow_nan: bool = False) -> np.ndarray:
+                   minimum: float | None = None, positive: bool = False,
+                   allow_nan: bool = False) -> np.ndarray:
     """Column ``col`` of ``df`` (read from ``path``) as floats, checked: every cell a
     number (text is an error; an empty cell too unless ``allow_nan``), finite, a whole
-    number when ``integer``, at least ``minimum``; the first bad cell is a one-line
+    number when ``integer``, at least ``minimum``, above 0 when ``positive``; the first
+    bad cell is a one-line
     ``LatsimError`` naming the file, the column and row (1: the first data row) and the
     value. The caller checks that the column exists."""
     raw = df[col]
@@ -104,7 +126,7 @@ def numeric_column(path, df: pd.DataFrame, col: str, *, integer: bool = False,
     def bad(mask, why):
         i = int(np.flatnonzero(mask)[0])
         raise LatsimError(why, source=str(path), field=f"{col} (row {i + 1})",
-                          value=_value(raw.iloc[i]), has_value=True)
+                          value=plain_value(raw.iloc[i]), has_value=True)
 
     if nan.any():
         text = nan & raw.notna().to_numpy()
@@ -121,6 +143,8 @@ def numeric_column(path, df: pd.DataFrame, col: str, *, integer: bool = False,
         bad(np.abs(w) > 2.0 ** 53, "too large")
     if minimum is not None and (~nan & (w < minimum)).any():
         bad(~nan & (w < minimum), f"must be at least {minimum:g}")
+    if positive and (~nan & (w <= 0)).any():
+        bad(~nan & (w <= 0), "must be above 0")
     return v
 
 
@@ -138,18 +162,7 @@ def read_iterations(path: str | Path) -> pd.DataFrame:
     least 0. Anything else is a one-line ``LatsimError`` naming the file, the column
     and row, and the value. Times as floats, counts as int64."""
     path = Path(path)
-    try:
-        it = pd.read_csv(path)
-    except FileNotFoundError:
-        raise LatsimError("file not found", source=str(path)) from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError,
-            OSError) as e:
-        raise LatsimError(f"cannot read the step log: {one_line(str(e), 80)}",
-                          source=str(path)) from None
-    missing = [c for c in STEP_TIMES + STEP_COUNTS if c not in it.columns]
-    if missing:
-        raise LatsimError(f"missing columns: {', '.join(missing)}", source=str(path),
-                          field=missing[0])
+    it = read_table(path, STEP_TIMES + STEP_COUNTS, "the step log")
     if it.empty:
         raise LatsimError("the step log has no steps", source=str(path))
     start = numeric_column(path, it, "start_s", minimum=0)
@@ -158,20 +171,20 @@ def read_iterations(path: str | Path) -> pd.DataFrame:
         it[c] = numeric_column(path, it, c, integer=True, minimum=0).astype(np.int64)
     if (end < start).any():
         i = int(np.flatnonzero(end < start)[0])
-        raise LatsimError(f"the step ends before it starts (start_s {_value(start[i])})",
+        raise LatsimError(f"the step ends before it starts (start_s {plain_value(start[i])})",
                           source=str(path), field=f"end_s (row {i + 1})",
-                          value=_value(end[i]), has_value=True)
+                          value=plain_value(end[i]), has_value=True)
     if (np.diff(start) < 0).any():
         i = int(np.flatnonzero(np.diff(start) < 0)[0]) + 1
         raise LatsimError(f"steps not in increasing start order (the step before starts "
-                          f"at {_value(start[i - 1])})", source=str(path),
-                          field=f"start_s (row {i + 1})", value=_value(start[i]),
+                          f"at {plain_value(start[i - 1])})", source=str(path),
+                          field=f"start_s (row {i + 1})", value=plain_value(start[i]),
                           has_value=True)
     if (start[1:] < end[:-1]).any():
         i = int(np.flatnonzero(start[1:] < end[:-1])[0]) + 1
         raise LatsimError(f"the step starts before the one before it ended (at "
-                          f"{_value(end[i - 1])})", source=str(path),
-                          field=f"start_s (row {i + 1})", value=_value(start[i]),
+                          f"{plain_value(end[i - 1])})", source=str(path),
+                          field=f"start_s (row {i + 1})", value=plain_value(start[i]),
                           has_value=True)
     it["start_s"] = start
     it["end_s"] = end

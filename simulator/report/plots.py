@@ -422,7 +422,10 @@ def plot_sweep(sweep_csv: Union[str, Path], path: Optional[Path] = None) -> Path
     df = _read_csv(p)
     if "error" in df:
         df = df[df["error"].isna()]
-    x, group, extra = sweep_axes(df)
+    try:
+        x, group, extra = sweep_axes(df)
+    except LatsimError as e:
+        raise LatsimError(str(e), source=str(p)) from None
     if extra:
         parts = ([df[group].astype(str)] if group else []) + [
             c + "=" + df[c].astype(str) for c in extra]

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from simulator.cost.runs import latency_metrics, numeric_column, read_run
+from simulator.cost.runs import latency_metrics, numeric_column, read_run, read_table
 from simulator.errors import LatsimError, one_line
 
 
@@ -139,18 +139,7 @@ class RecordedRun:
 
 
 def _read_csv(path: Path, need: Sequence[str], what: str) -> pd.DataFrame:
-    try:
-        df = pd.read_csv(path)
-    except FileNotFoundError:
-        raise LatsimError("file not found", source=str(path)) from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError,
-            OSError) as e:
-        raise LatsimError(f"cannot read {what}: {one_line(str(e), 80)}",
-                          source=str(path)) from None
-    missing = [c for c in need if c not in df.columns]
-    if missing:
-        raise LatsimError(f"missing columns: {', '.join(missing)}", source=str(path),
-                          field=missing[0])
+    df = read_table(path, need, what)
     for c in need:
         v = pd.to_numeric(df[c], errors="coerce") if c != "policy" else df[c]
         if c != "policy" and v.isna().any() and c not in ("enqueued", "scheduled",
