@@ -340,11 +340,13 @@ def test_published_runs_calibrate_and_validate(name, tmp_path):
     measured and the coefficients refitted to its steps: the calibrated model's busy
     time on the run is closer to the measured one than before; ``validate --run`` with
     the calibrated profile prints the real vs simulated table with finite errors and
-    the step-time breakdown."""
+    the step-time breakdown. ``--force`` replaces an earlier file at ``--out`` (without
+    it the command refuses before any work: tests/test_fuzz.py)."""
     cal_path = tmp_path / f"{name}.json"
+    cal_path.write_text("{}\n")
     code, text = latsim("calibrate", REPO / "scenarios" / f"refbench-{name}.yaml",
                         "--profile", REPO / "data" / "h200-refbench" / "profile.csv",
-                        "--run", RUNS / name, "--out", cal_path, "--no-sim")
+                        "--run", RUNS / name, "--out", cal_path, "--no-sim", "--force")
     assert code == 0, text
     rep = json.loads(cal_path.read_text())["meta"]["calibration"]
     r = rep["runs"][0]

@@ -184,6 +184,13 @@ FLAG_CASES = [
      "T/cal.json", "--no-sim"],
     ["validate", "--run", str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"),
      str(REPO / "scenarios" / "refbench-h200.yaml"), "--policies", "bogus"],
+    # An existing profile is a result: replaced only with --force (and never a folder).
+    ["calibrate", str(REPO / "scenarios" / "refbench-load50-fifo.yaml"), "--run",
+     str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"), "--out", "T/kept.json",
+     "--no-sim"],
+    ["calibrate", str(REPO / "scenarios" / "refbench-load50-fifo.yaml"), "--run",
+     str(REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"), "--out", "T/dir.json",
+     "--force", "--no-sim"],
     ["nosuchcommand"],
 ]
 
@@ -200,11 +207,14 @@ def test_bad_flags_and_paths(argv, tmp_path):
         (tmp_path / name / "requests.csv").write_text(
             "ttft,tpot,e2el\n" + ("0.1,0.01,1.0\n" if name == "summary-list" else ""))
     (tmp_path / "flat-sweep.csv").write_text("point,seed,x\n0,1,2\n")
+    (tmp_path / "kept.json").write_text('{"kept": true}\n')
+    (tmp_path / "dir.json").mkdir()
     s = _ok_scenario(tmp_path)
     argv = [str(s) if a == "S" else a.replace("T", str(tmp_path), 1) if a.startswith("T")
             else a for a in argv]
     code, _, err = run_cli(argv)
     assert_outcome(code, err, bad=True)
+    assert (tmp_path / "kept.json").read_text() == '{"kept": true}\n'
 
 
 @pytest.mark.parametrize("name", ["binary-nul.yaml", "billion-laughs.yaml", "deep-nesting.yaml",

@@ -291,7 +291,10 @@ def calibrate(
                                     "settings, model.cost with the profile to start from)"),
     run: List[Path] = typer.Option(..., "--run", help="recorded run folder (refbench or "
                                    "`latsim bench --out`); repeat to pool runs"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write the calibrated profile here"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the calibrated profile here "
+                                       "(a new file; --force to replace one)"),
+    force: bool = typer.Option(False, "--force", help="--out may name an existing file: it "
+                               "is replaced"),
     facts_only: bool = typer.Option(False, "--facts-only", help="measure the engine facts "
                                     "only (bookkeeping, decode waves, step tail); keep the "
                                     "profile's fitted coefficients"),
@@ -313,6 +316,11 @@ def calibrate(
     from simulator.report.files import json_safe
     if out is not None and out.suffix != ".json":
         raise LatsimError("must be a .json file", source="--out", value=str(out), has_value=True)
+    if out is not None and out.exists() and (out.is_dir() or not force):
+        # A profile is a result (a calibration can take minutes and a run may be gone):
+        # replaced only when asked, and never a folder.
+        raise LatsimError("is a folder" if out.is_dir() else "exists (--force to replace it)",
+                          source="--out", value=str(out), has_value=True)
     cases, sc, base = load_cases(scenario, run, policy, set_)
     if profile is not None:
         if not profile.exists():
