@@ -18,7 +18,7 @@ still real time). Useful for long, sparse traces.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -38,13 +38,16 @@ def _sleep_until(clock, t: float) -> None:
 def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Sequence[int],
               output_tokens: Sequence[int], priority: Optional[Sequence[int]] = None, *,
               realtime: bool = True, seed: int = 0,
-              max_wall_s: Optional[float] = None) -> dict:
+              max_wall_s: Optional[float] = None,
+              time_source: Callable[[], float] = time.perf_counter) -> dict:
     """Serve the requests; returns per-request timestamps and the step log.
 
     Request ``i`` (its index in the inputs) arrives at ``arrivals_s[i]`` with a
     prompt of ``prompt_tokens[i]`` random token ids (seeded) and generates exactly
     ``output_tokens[i]`` tokens. ``max_wall_s`` stops the run (unfinished
-    requests are cancelled and reported with ``completed: False``).
+    requests are cancelled and reported with ``completed: False``). ``time_source``:
+    the seconds the run's clock reads (a test may pass one that only the steps move,
+    which makes every recorded time exact).
 
     Returns ``{"requests": [...], "steps": [...], "policy", "realtime",
     "wall_s", "idle_skipped_s"}``. A request row: ``rid, arrival, enqueued,
@@ -75,10 +78,10 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
              "completed": False, "preemptions": 0} for i in range(n)]
     steps = []
     skipped = 0.0
-    t0 = time.perf_counter()
+    t0 = time_source()
 
     def clock() -> float:
-        return time.perf_counter() - t0 - skipped
+        return time_source() - t0 - skipped
 
     saved_clock = engine.clock
     engine.clock = clock
@@ -130,7 +133,7 @@ def run_trace(engine: EngineCore, arrivals_s: Sequence[float], prompt_tokens: Se
                 break
     finally:
         engine.clock = saved_clock
-        wall = time.perf_counter() - t0
+        wall = time_source() - t0
         engine.clear()
     return {"requests": recs, "steps": steps, "policy": getattr(engine.policy, "name", "?"),
             "realtime": realtime, "wall_s": wall, "idle_skipped_s": -skipped}

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.errors import LatsimError, one_line
+from simulator.model.policies.priority_aging import aging_key
 
 
 @dataclass
@@ -191,10 +192,15 @@ def read_iterations(path: str | Path) -> pd.DataFrame:
     return it
 
 
+# The reference engine's aging interval (data/h200-refbench/README.md: waiting requests
+# ordered by ``priority - floor(wait_s / 2.0)``).
+REFBENCH_AGING = np.array([2.0])
+
+
 def _order_key(policy: str, arrival: float, prio: int, now: float) -> tuple:
     if policy == "priority":
-        # The engine's aging rule: a request gains one priority level per 2 s waited.
-        return (prio - math.floor((now - arrival) / 2.0), arrival)
+        # The aging rule is latsim's own priority_aging order (one function for both).
+        return (aging_key(int(prio), float(arrival), 0, float(now), REFBENCH_AGING), arrival)
     return (arrival,)
 
 
