@@ -13,7 +13,8 @@ trace:
 - ``chunked`` / ``priority``: the prefill tokens of a step go first to the partially
   prefilled request(s), then to new requests in the policy's order (arrival; for
   ``priority``, ``priority - floor(wait / 2 s)`` then arrival), each getting
-  ``min(remaining prompt, remaining tokens)``;
+  ``min(remaining prompt, remaining tokens)``: latsim's own chunked fill rule
+  (``policies.chunked.fill_chunked``) and aging order (``policies.priority_aging``);
 - ``fifo``: the same walk, which gives whole prompts because the engine never splits
   one.
 
@@ -35,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.errors import LatsimError, one_line
+from simulator.model.policies.chunked import fill_chunked
 from simulator.model.policies.priority_aging import aging_key
 
 
@@ -195,6 +197,7 @@ def read_iterations(path: str | Path) -> pd.DataFrame:
 # The reference engine's aging interval (data/h200-refbench/README.md: waiting requests
 # ordered by ``priority - floor(wait_s / 2.0)``).
 REFBENCH_AGING = np.array([2.0])
+_NO_LIMIT = 1 << 62       # running requests and free KV blocks: not what shaped a logged step
 
 
 def _order_key(policy: str, arrival: float, prio: int, now: float) -> tuple:
@@ -243,23 +246,30 @@ def read_run(folder: str | Path) -> RunSteps:
         if (len(dec_ids) != row.n_decode or (ctxs and (max(ctxs) != row.max_decode_context
                                                        or sum(ctxs) != row.sum_decode_context))):
             bad_dec += 1
-        # Prefill side: partially prefilled first, then new ones in policy order.
+        # Prefill side: the step's recorded prefill tokens given out by latsim's own
+        # chunked fill rule (partially prefilled first, then new ones in policy order),
+        # with no limit but those tokens: the engine's own limits shaped the step already.
         waiting.sort(key=lambda r: _order_key(policy, arrival[r], prio[r], start))
+        pre_rem = np.array([prompt[r] - prefilled[r] for r in partial], np.int64)
+        cand_rem = np.array([prompt[r] for r in waiting], np.int64)
+        out_pre = np.zeros(len(partial), np.int64)
+        out_cand = np.zeros(len(waiting), np.int64)
+        _, npc, na, _ = fill_chunked(budget, max(budget, 1), _NO_LIMIT, 0, _NO_LIMIT, 0,
+                                     pre_rem, len(partial), cand_rem,
+                                     np.zeros(len(waiting), np.int64), len(waiting),
+                                     out_pre, out_cand)
+        given = [(partial[i], int(out_pre[i])) for i in range(npc)] + \
+            [(waiting[j], int(out_cand[j])) for j in range(na)]
         chunks = []
-        for r in list(partial) + list(waiting):
-            if budget <= 0:
-                break
+        for r, n in given:
             p = prefilled.get(r, 0)
-            n = min(prompt[r] - p, budget)
-            budget -= n
             done = p + n >= prompt[r]
-            chunks.append((int(n), int(p), bool(done), int(r)))
+            chunks.append((n, int(p), bool(done), int(r)))
             prefilled[r] = p + n
-            if r in waiting:
-                waiting.remove(r)
-                partial.append(r)
-            if done:
-                partial.remove(r)
+            budget -= n
+        del waiting[:na]
+        partial.extend(r for r, _ in given[npc:])
+        partial[:] = [r for r in partial if prefilled[r] < prompt[r]]
         if len(chunks) != row.n_prefill_seqs or budget != 0:
             bad_seqs += 1
         chunks_all.append(chunks)
