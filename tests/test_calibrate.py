@@ -634,3 +634,17 @@ def test_busy_bias_by_quarter_shows_the_engine_warming_up():
     assert whole == pytest.approx(errs["busy_bias"], abs=1e-9)
     assert qs[0]["bias"] < -0.03
     assert all(abs(q["bias"]) < 0.02 for q in qs[1:])
+
+
+def test_the_replays_pricer_takes_a_step_of_any_number_of_chunks(profile):
+    """A chunked step can pack more than 64 short prompts (a 512-token budget, 8-token
+    prompts): the replay's pricer had room for 64 chunks and raised IndexError. It prices
+    any number, as the physics breakdown does, and more chunks never cost less."""
+    c = FittedCostModel(profile).c
+    price = step_pricer(c)
+    chunks = [(8, 0, True)] * 70
+    core70, book70 = price(4, 100, 400, chunks)
+    core64, book64 = price(4, 100, 400, chunks[:64])
+    assert core70 > core64 and book70 > book64
+    bd = ph.step_breakdown(c, 4, 100, 400, chunks)
+    assert core70 + book70 == pytest.approx(bd["ms"], rel=1e-9)

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from simulator.cost.chunks import ChunkArrays
 from simulator.kernel import kernel
 
 # -- model shape ---------------------------------------------------------------------
@@ -687,13 +688,9 @@ def step_breakdown(c: np.ndarray, n_decode: int, ctx_max: int, ctx_sum: int,
     hide), ``bookkeeping`` and ``ms`` (the step, equal to ``step_ms``). ``chunks`` are
     ``(n, prior)`` or ``(n, prior, completes)``; ``graph_replay`` says whether a CUDA
     graph ran the step (``host`` is then the replay's cost)."""
-    k = len(chunks)
-    chn = np.zeros(max(k, 1), np.int64)
-    chp = np.zeros(max(k, 1), np.int64)
-    chf = np.zeros(max(k, 1), np.bool_)
-    for i, ch in enumerate(chunks):
-        chn[i], chp[i] = int(ch[0]), int(ch[1])
-        chf[i] = bool(ch[2]) if len(ch) > 2 else True
+    arrs = ChunkArrays(max(len(chunks), 1))
+    k = arrs.pack(chunks)
+    chn, chp, chf = arrs.n, arrs.p, arrs.f
     graphs = c[C_GRAPHS] > 0.0
     host = float(host_ms(c, n_decode, chp, k))
     floor = float(c[C_DEV_PER_HOST] * host + fixed_floor_ms(c))

@@ -16,6 +16,7 @@ import numpy as np
 
 from simulator.cost import physics as ph
 from simulator.cost.calibration.steplog import StepLog
+from simulator.cost.chunks import ChunkArrays
 from simulator.kernel import kernel
 
 
@@ -31,16 +32,12 @@ def steps_core_book(c, nd, cmax, csum, chn, chp, chf, nch, core, book):
 
 def step_pricer(c: np.ndarray) -> Callable:
     """``step_ms`` for ``replay``: ``(core, bookkeeping)`` ms of one step under ``c``."""
-    chn = np.zeros(64, np.int64)
-    chp = np.zeros(64, np.int64)
-    chf = np.zeros(64, np.bool_)
+    arrs = ChunkArrays()
     sc = float(c[ph.C_SCALE])
 
     def price(nd, cmax, csum, chunks):
-        k = len(chunks)
-        for i, ch in enumerate(chunks):
-            chn[i], chp[i], chf[i] = ch[0], ch[1], ch[2]
-        core = ph.step_core_ms(c, nd, cmax, csum, chn, chp, chf, k, False) * sc
+        k = arrs.pack(chunks)
+        core = ph.step_core_ms(c, nd, cmax, csum, arrs.n, arrs.p, arrs.f, k, False) * sc
         return core, (c[ph.C_BOOK_MS] + c[ph.C_BOOK_SEQ_MS] * (nd + k)) * sc
 
     return price
