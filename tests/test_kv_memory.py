@@ -605,3 +605,25 @@ def test_trace_system_prompts_and_their_conflict_with_prefix_hashes(data_dir):
                          limit=20, classes=[{"name": "bot", "system_prompt_tokens": 300}])
     with pytest.raises(LatsimError, match="prefix hashes"):
         build_workload(moon, np.random.default_rng(0), data_dir)
+
+
+def test_prefill_saved_counts_chunks_of_the_policys_own_chunk_size(data_dir):
+    """The prefill time the cache saved is priced in the chunks the policy really cuts:
+    a chunk size given in the policy's own parameters counts as one given on the
+    engine (the report used the engine's alone, i.e. the whole token budget here)."""
+    path = data_dir / "mooncake" / "conversation_trace.jsonl"
+    from conftest import ZERO_NET, ZERO_STREAM
+
+    def saved(**engine):
+        sc = make_scenario(workload={"kind": "trace", "path": str(path), "limit": 150},
+                           network=dict(ZERO_NET), stream=dict(ZERO_STREAM),
+                           engine={"policy": "chunked", "max_num_seqs": 8,
+                                   "max_num_batched_tokens": 4096,
+                                   "kv": {"num_blocks": 200_000, "prefix_caching": True},
+                                   **engine})
+        return simulate(sc).meta["kv"]["prefill_s_saved"]
+
+    on_engine = saved(chunk_size=256)
+    assert on_engine > 0
+    assert saved(policy_params={"chunk_size": 256}) == pytest.approx(on_engine, rel=1e-12)
+    assert saved() != pytest.approx(on_engine, rel=1e-3)     # the chunking shows

@@ -458,6 +458,16 @@ def test_queue_wait_estimate_published_and_its_error_reported():
     assert pd.Series(est).rank().corr(pd.Series(q).rank()) > 0.5
 
 
+def test_wait_estimate_divides_by_the_policys_own_chunk_size(spy):
+    """The published wait counts the chunks the policy really cuts: a chunk size in the
+    policy's own parameters is the one the estimator divides by (it read the engine's,
+    else the token budget)."""
+    cfg = dict(CONFIGS["reject+retry"])
+    eng = {**make_scenario_dict()["engine"], "policy_params": {"chunk_size": 64}}
+    simulate(make_scenario(seed=1, workload=cfg.pop("workload", workload()), engine=eng, **cfg))
+    assert spy["gateway"].estimator.chunk == 64 != eng["max_num_batched_tokens"]
+
+
 def test_seed_wait_estimate_is_waiting_prompt_over_chunk_times_mean_step():
     """The seed's ``estimate_wait_time``: waiting prompt tokens / chunk size x the
     replica's mean step time; ``little``: waiting / admissions per second."""

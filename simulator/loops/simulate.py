@@ -265,8 +265,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
             connections={"new": pools.new_connections, "reused": pools.reused_connections},
             sim_end=float(end),
         )
-        res.meta["kv"] = kv_run_stats(stats, costs[0], rec, workload,
-                                      eng.chunk_size or eng.max_num_batched_tokens)
+        res.meta["kv"] = kv_run_stats(stats, costs[0], rec, workload, pol.chunk_size)
         res.meta["loop"] = loop_name
         res.meta["policy_params"] = pol.params.model_dump(mode="json")
         if spec is not None:

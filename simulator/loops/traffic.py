@@ -119,7 +119,7 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     eng = sc.engine
     adm = cl.admission
     estimator = WaitEstimator(adm.wait_estimate if adm is not None else _default_estimate(),
-                              eng.chunk_size or eng.max_num_batched_tokens, slots)
+                              policy.chunk_size, slots)
     auto = cl.autoscaler
     gateway = Gateway(env, workload, arec, fleet, router, pools, net,
                       Clients(ccfg, rng_traffic),
