@@ -539,10 +539,23 @@ def terms_core_ms(c, host, floor, base, ar, p2p, unit, shift, ctx_max, ctx_sum):
 
 
 @kernel(inline=True)
+def book_ms(per_step, per_seq, n_seqs):
+    """The host's bookkeeping between two steps (ms): ``per_step`` plus ``per_seq`` for
+    each sequence the step held (its decodes and prefill chunks)."""
+    return per_step + per_seq * float(n_seqs)
+
+
+@kernel(inline=True)
+def bookkeeping_ms(c, n_seqs):
+    """``book_ms`` with the constants' engine facts (before the what-if scale)."""
+    return book_ms(c[C_BOOK_MS], c[C_BOOK_SEQ_MS], n_seqs)
+
+
+@kernel(inline=True)
 def finish_ms(c, core, n_seqs):
     """A step's milliseconds from its core: the per-step host bookkeeping outside the
     forward added, times the what-if scale."""
-    return (core + (c[C_BOOK_MS] + c[C_BOOK_SEQ_MS] * float(n_seqs))) * c[C_SCALE]
+    return (core + bookkeeping_ms(c, n_seqs)) * c[C_SCALE]
 
 
 @kernel
@@ -715,6 +728,6 @@ def step_breakdown(c: np.ndarray, n_decode: int, ctx_max: int, ctx_sum: int,
                           + floor)
     out["host"] = float(c[C_H_GRAPH]) if graph else host
     out["graph_replay"] = graph
-    out["bookkeeping"] = float(c[C_BOOK_MS] + c[C_BOOK_SEQ_MS] * float(n_decode + k))
+    out["bookkeeping"] = float(bookkeeping_ms(c, n_decode + k))
     out["ms"] = float(step_ms(c, n_decode, ctx_max, ctx_sum, chn, chp, chf, k))
     return out

@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from simulator.cost import physics as ph
 from simulator.cost.calibration.pricing import predict_intervals
 from simulator.cost.calibration.steplog import StepLog
 from simulator.cost.runs import cell_labels, fit_bookkeeping, score_decode_waves
@@ -64,13 +65,14 @@ def measure_facts(logs: Sequence[StepLog], profile: dict, *, waves: bool = True,
             k = k[ok]
             if not len(k):
                 continue
-            pb = np.array([(lg.nd[i]) for i in k], float)
             eng = profile.get("engine") or {}
             # Measured intervals that open at the previous step's end hold its gap too
             # (and every step holds its own when the run's steps include it).
-            extra = np.where(lg.iv_from_start[single][ok] & (not lg.book_in_step), 0.0,
-                             float(eng.get("bookkeeping_ms") or 0.0)
-                             + float(eng.get("bookkeeping_seq_ms") or 0.0) * pb)
+            per_step = float(eng.get("bookkeeping_ms") or 0.0)
+            per_seq = float(eng.get("bookkeeping_seq_ms") or 0.0)
+            # (decode-only steps: a sequence per decode)
+            book = np.array([ph.book_ms(per_step, per_seq, int(lg.nd[i])) for i in k])
+            extra = np.where(lg.iv_from_start[single][ok] & (not lg.book_in_step), 0.0, book)
             samples.append((lg.nd[k], lg.ctx_max[k], lg.ctx_sum[k],
                             lg.meas_ms[single][ok], extra))
         n = sum(len(s[0]) for s in samples)

@@ -27,7 +27,7 @@ def steps_core_book(c, nd, cmax, csum, chn, chp, chf, nch, core, book):
     for i in range(nd.shape[0]):
         core[i] = ph.step_core_ms(c, nd[i], cmax[i], csum[i], chn[i], chp[i], chf[i],
                                   nch[i], False) * c[ph.C_SCALE]
-        book[i] = (c[ph.C_BOOK_MS] + c[ph.C_BOOK_SEQ_MS] * float(nd[i] + nch[i])) * c[ph.C_SCALE]
+        book[i] = ph.bookkeeping_ms(c, nd[i] + nch[i]) * c[ph.C_SCALE]
 
 
 def step_pricer(c: np.ndarray) -> Callable:
@@ -38,7 +38,7 @@ def step_pricer(c: np.ndarray) -> Callable:
     def price(nd, cmax, csum, chunks):
         k = arrs.pack(chunks)
         core = ph.step_core_ms(c, nd, cmax, csum, arrs.n, arrs.p, arrs.f, k, False) * sc
-        return core, (c[ph.C_BOOK_MS] + c[ph.C_BOOK_SEQ_MS] * (nd + k)) * sc
+        return core, ph.bookkeeping_ms(c, nd + k) * sc
 
     return price
 
