@@ -289,7 +289,6 @@ def test_calibrate_end_to_end_on_a_bench_run_against_latsim_serve(tmp_path):
     eng = build_engine("tiny", "cpu", max_num_seqs=4, max_num_batched_tokens=256,
                        num_blocks=1024, threads=1)
     scen = _tiny_scenario(tmp_path / "tiny.yaml", _tiny_guess(tmp_path / "guess.json"))
-    cal_path = tmp_path / "tiny-calibrated.json"
     with BackgroundServer(make_app(eng, "tiny")) as srv:
         # Warm-up (first-call allocations) outside the recorded run.
         with httpx.Client(base_url=srv.url, timeout=60) as c:
@@ -301,6 +300,7 @@ def test_calibrate_end_to_end_on_a_bench_run_against_latsim_serve(tmp_path):
         # saying so). Such a recording is made once more; any other failure is final.
         for attempt in range(2):
             out = tmp_path / f"try{attempt}" / "bench"
+            cal_path = tmp_path / f"try{attempt}" / "tiny-calibrated.json"
             code, text = latsim("bench", "--url", srv.url, "--rate", "20", "--limit", "40",
                                 "--prompt-tokens", "64", "--output-tokens", "12", "--seed",
                                 "1", "--out", out)
