@@ -211,17 +211,24 @@ class EngineCore(EngineMemory):
         P, O = len(ids), int(output_tokens)
         if P < 1 or O < 1:
             raise ValueError(f"request {rid}: prompt and output must be >= 1 token")
-        if P + O > self.model.cfg.max_seq_len:
-            raise ValueError(f"request {rid}: {P}+{O} tokens exceed max_seq_len "
-                             f"{self.model.cfg.max_seq_len}")
+        why = self.never_runs(P, O)
+        if why is not None:
+            raise ValueError(f"request {rid}: {why}")
         seq = Seq(rid, self.clock() if now is None else now, P, O, priority=priority,
                   blocks_needed=request_blocks(P, O, self.kv.bs), payload=Request(ids))
-        why = self.kv.fits(seq)
-        if why is not None:
-            raise ValueError(f"request {rid} {why}")
         self.seqs[rid] = seq
         self.waiting.push(seq)
         return seq
+
+    def never_runs(self, prompt_tokens: int, output_tokens: int) -> Optional[str]:
+        """Why a request of these lengths could never run here, or None: the model's
+        context, then the KV memory rule the simulator applies (``KVSpace.fits``:
+        capacity less the watermark, a contiguous slot's size). Reads only settings
+        fixed at construction, so the server may ask from its own thread."""
+        P, O = int(prompt_tokens), int(output_tokens)
+        if P + O > self.model.cfg.max_seq_len:
+            return f"{P}+{O} tokens exceed max_seq_len {self.model.cfg.max_seq_len}"
+        return self.kv.fits(Seq(-1, 0.0, P, O))
 
     def cancel(self, rid: int) -> bool:
         """Drop a request now, wherever it is (waiting, running, paused, swapped out);

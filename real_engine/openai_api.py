@@ -16,9 +16,8 @@ import json
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from simulator.model.kv.blocks import request_blocks
 
 
 class ApiError(Exception):
@@ -103,9 +102,11 @@ class Parsed:
     model: str
 
 
-def parse_request(body: Any, chat: bool, vocab: int, max_seq_len: int, block_size: int,
-           num_blocks: int, model_name: str) -> Parsed:
-    """Validate a request body; raises ``ApiError`` with the offending field."""
+def parse_request(body: Any, chat: bool, vocab: int, max_seq_len: int,
+                  never_runs: Callable[[int, int], Optional[str]], model_name: str) -> Parsed:
+    """Validate a request body; raises ``ApiError`` with the offending field.
+    ``never_runs(prompt, max_tokens)``: why the engine could never run it (its
+    ``EngineCore.never_runs``), or None."""
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
     # One token past the context is enough to know a prompt is too long.
@@ -161,8 +162,9 @@ def parse_request(body: Any, chat: bool, vocab: int, max_seq_len: int, block_siz
         raise ApiError(f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the model's "
                        f"context of {max_seq_len}: max_tokens can be at most "
                        f"{max_seq_len - n} for this prompt", param="max_tokens")
-    if request_blocks(n, mt, block_size) > num_blocks:
-        raise ApiError(f"request needs more KV blocks than the cache has ({num_blocks})",
+    why = never_runs(n, mt)
+    if why is not None:
+        raise ApiError(f"the request could never run on this server: {why}",
                        param="max_tokens")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

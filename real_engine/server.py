@@ -192,8 +192,8 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
                 return _error("client disconnected", 499)
             received = time.time()
             body = loads_body(raw, max_json_depth)
-            p = parse_request(body, chat, cfg.vocab, cfg.max_seq_len, cache.block_size,
-                       cache.num_blocks, model_name)
+            p = parse_request(body, chat, cfg.vocab, cfg.max_seq_len, engine.never_runs,
+                              model_name)
             st = await loop_.submit(p.ids, p.max_tokens, p.priority, received)
         except ApiError as e:
             return _error(str(e), e.status, e.param, close=e.status in (408, 413))

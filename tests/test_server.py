@@ -167,15 +167,23 @@ def test_malformed_requests_get_4xx_json(client, path, content):
     assert client.get("/health").status_code == 200     # still serving
 
 
-def test_too_big_for_cache_is_400():
-    """A request needing more KV blocks than the whole cache is refused, not queued forever."""
+@pytest.mark.parametrize("blocks, watermark", [(4, 0.0), (8, 0.5)])
+def test_too_big_for_cache_is_400(blocks, watermark):
+    """A request needing more KV blocks than the cache can ever give it is refused with
+    the engine's own reason, not queued forever: the same rule as the simulator's
+    (``KVSpace.fits``), so a watermark's reserve counts (70 tokens need 5 of 16-token
+    blocks: 4 blocks, or 8 with half kept free, are too few)."""
     from real_engine.profile import build_engine
     from real_engine.hosting import BackgroundServer
     from real_engine.server import make_app
-    eng = build_engine("tiny", "cpu", num_blocks=4)
+    from simulator.model.kv.space import KVRules
+    eng = build_engine("tiny", "cpu", num_blocks=blocks, kv_rules=KVRules(watermark=watermark))
     with BackgroundServer(make_app(eng, "tiny")) as s, httpx.Client(base_url=s.url) as tc:
         r = tc.post("/v1/completions", json={"prompt": "x " * 60, "max_tokens": 10})
-        assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert "could never run" in msg and f"the cache has {blocks}" in msg, msg
+        assert r.json()["error"]["param"] == "max_tokens"
         assert tc.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
 
 
