@@ -648,3 +648,24 @@ def test_the_replays_pricer_takes_a_step_of_any_number_of_chunks(profile):
     assert core70 > core64 and book70 > book64
     bd = ph.step_breakdown(c, 4, 100, 400, chunks)
     assert core70 + book70 == pytest.approx(bd["ms"], rel=1e-9)
+
+
+def test_real_tpot_counts_the_tokens_asked_for_not_the_frames(tmp_path):
+    """TPOT as ``vllm bench serve`` and bench's own summary define it: (last - first) /
+    (output tokens - 1). A server may stream several tokens in one frame; a bench run's
+    ``tokens.csv`` holds frames, so dividing by frames - 1 overstated TPOT (here 2x and
+    1.33x); ITL stays the gaps between frames, as vLLM's."""
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    pd.DataFrame({"rid": [0, 1], "prompt_tokens": [10, 10], "output_tokens": [5, 3],
+                  "arrival": [0.0, 0.0], "first_token": [0.1, 0.15],
+                  "last_token": [0.3, 0.55], "finished": [True, True],
+                  "frames": [3, 2]}).to_csv(folder / "requests.csv", index=False)
+    # Request 0: 5 tokens in frames of 1, 2, 2; request 1: 3 tokens in frames of 1, 2.
+    pd.DataFrame({"request_id": [0, 0, 0, 1, 1], "token_index": [0, 1, 2, 0, 1],
+                  "time_s": [0.1, 0.2, 0.3, 0.15, 0.55]}).to_csv(folder / "tokens.csv",
+                                                                index=False)
+    real = read_recorded_run(folder).real
+    assert real["median_tpot_ms"] == pytest.approx(np.median([0.2 / 4, 0.4 / 2]) * 1e3)
+    assert real["median_itl_ms"] == pytest.approx(np.median([0.1, 0.1, 0.4]) * 1e3)
+    assert real["median_ttft_ms"] == pytest.approx(125.0)

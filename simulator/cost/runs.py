@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -307,15 +308,19 @@ def real_metrics(run: RunSteps) -> dict:
     return latency_metrics(dict(zip(run.trace["request_id"], run.trace["arrival_s"])), tok)
 
 
-def latency_metrics(arrival: dict, tok: pd.DataFrame) -> dict:
+def latency_metrics(arrival: dict, tok: pd.DataFrame, n_tokens: Optional[dict] = None) -> dict:
     """TTFT, TPOT, ITL and E2E P50/P99 (ms) from every token's time (``tok``: ``rid,
-    index, time``) and each request's ``arrival``, as ``vllm bench serve`` defines
-    them: TTFT = first token - arrival; TPOT = (last - first) / (n - 1) per request
-    with n > 1; ITL = every gap between a request's consecutive tokens, pooled; E2E =
-    last token - arrival; linear interpolation (NaN where there is no value)."""
+    index, time``; a row may be a streamed frame) and each request's ``arrival``, as
+    ``vllm bench serve`` defines them: TTFT = first token - arrival; TPOT = (last -
+    first) / (n - 1) per request with n > 1, n its output tokens (``n_tokens``, else
+    its rows: a frame carrying several tokens counts them all); ITL = every gap between
+    a request's consecutive rows, pooled; E2E = last token - arrival; linear
+    interpolation (NaN where there is no value)."""
     tok = tok.sort_values(["rid", "index"])
     g = tok.groupby("rid")["time"]
     first, last, n = g.first(), g.last(), g.count()
+    if n_tokens is not None:
+        n = pd.Series([int(n_tokens[r]) for r in n.index], index=n.index)
     arr = np.array([arrival[r] for r in first.index])
     ttft = first.to_numpy() - arr
     e2e = last.to_numpy() - arr

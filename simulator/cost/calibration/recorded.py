@@ -364,7 +364,8 @@ def _read_refbench(folder: Path) -> RecordedRun:
         token_clock="engine",
         # As ``vllm bench serve``: the latencies of the requests that finished.
         real=latency_metrics(dict(zip(rids, arrival)),
-                             tok[tok["rid"].isin(set(rids[count >= out].tolist()))]),
+                             tok[tok["rid"].isin(set(rids[count >= out].tolist()))],
+                             dict(zip(rids.tolist(), out.tolist()))),
         tokens=tok, steps=steps, notes=notes)
 
 
@@ -446,7 +447,10 @@ def _bench_real(folder: Path, df: pd.DataFrame, tok, arrival: dict) -> dict:
     fin = df[df["finished"].astype(bool)] if "finished" in df.columns else df
     if tok is not None:
         keep = set(fin["rid"].tolist())
-        return latency_metrics(arrival, tok[tok["rid"].isin(keep)])
+        # TPOT over the tokens asked for (bench sends ignore_eos), as bench's own
+        # summary counts them: a server may stream several tokens in one frame.
+        return latency_metrics(arrival, tok[tok["rid"].isin(keep)],
+                               dict(zip(df["rid"].tolist(), df["output_tokens"].tolist())))
     sj = folder / "summary.json"
     if sj.exists():
         try:
