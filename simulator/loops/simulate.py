@@ -32,6 +32,7 @@ import simpy
 from simulator.config.scenario import Scenario
 from simulator.cost import build_cost_model, profile_search_dirs
 from simulator.report.kv import kv_run_stats
+from simulator.model.kv import rules as kvr
 from simulator.model.kv.space import KVRules
 from simulator.model.kv.prefixkeys import WorkloadKeys
 from simulator.wire.network import ConnectionPools, H2Connections, NetworkTiming, Topology
@@ -184,17 +185,19 @@ def never_fit(scenario: Scenario, workload: Workload, capacity: Optional[int] = 
     "over_capacity": n, "largest_blocks": blocks the largest request needs,
     "capacity_blocks": ..., "usable_blocks": capacity less the watermark}``."""
     kv = scenario.engine.kv
-    cap = kv_capacity_blocks(scenario) if capacity is None else capacity
-    total = workload.prompt_tokens.astype(np.int64) + workload.output_tokens
-    max_len = -1 if kv.max_model_len is None else kv.max_model_len
-    over_len = (total > max_len) if max_len >= 0 else np.zeros(len(total), dtype=bool)
-    tokens = total if kv.allocation == "paged" or max_len < 0 else np.full_like(total, max_len)
-    blocks = -(-tokens // kv.block_size)
-    usable = cap - int(kv.watermark * cap)
-    over_cap = ~over_len & (blocks > usable)
-    return {"over_max_model_len": int(over_len.sum()), "over_capacity": int(over_cap.sum()),
-            "largest_blocks": int(blocks.max()) if len(blocks) else 0,
-            "capacity_blocks": int(cap), "usable_blocks": int(usable)}
+    cap = int(kv_capacity_blocks(scenario) if capacity is None else capacity)
+    n = len(workload)
+    why = np.zeros(n, np.int64)
+    blocks = np.zeros(n, np.int64)
+    wm = kvr.watermark_blocks(float(kv.watermark), cap)
+    kvr.never_fits_each(kv.allocation == "paged", workload.prompt_tokens.astype(np.int64),
+                        workload.output_tokens.astype(np.int64),
+                        -1 if kv.max_model_len is None else int(kv.max_model_len),
+                        int(kv.block_size), cap, wm, why, blocks)
+    return {"over_max_model_len": int((why == kvr.OVER_MAX_MODEL_LEN).sum()),
+            "over_capacity": int((why == kvr.OVER_CAPACITY).sum()),
+            "largest_blocks": int(blocks.max()) if n else 0,
+            "capacity_blocks": cap, "usable_blocks": cap - wm}
 
 
 def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,

@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 
 from simulator import kernel as _kernel
+from simulator.model.kv import rules as kvr
 from simulator.model.kv.manager import KVStats
 from simulator.loops.compiled.cost import cost_kind
 from simulator.wire.network import ConnectionPools
@@ -135,7 +136,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                    (S.P_FILLBUDGET, policy.fill_limits()[0]),
                    (S.P_FILLSEQS, policy.fill_limits()[2]),
                    (S.P_FILL, fill_id), (S.P_CAPACITY, capacity),
-                   (S.P_WATERMARK, int(rules.watermark * capacity)),
+                   (S.P_WATERMARK, kvr.watermark_blocks(float(rules.watermark), capacity)),
                    (S.P_PAGED, rules.allocation == "paged"), (S.P_BS, bs),
                    (S.P_MAXLEN, -1 if rules.max_model_len is None else rules.max_model_len),
                    (S.P_ROUTER, {"round_robin": S.ROUTER_RR, "random": S.ROUTER_RANDOM,

@@ -58,15 +58,41 @@ def decode_slots(context, lookahead):
 
 
 @kernel
+def watermark_blocks(watermark, capacity):
+    """Blocks kept free at admission: the ``watermark`` fraction of the cache."""
+    return int(watermark * capacity)
+
+
+@kernel
+def largest_tokens(paged, prompt, output, max_model_len):
+    """Token slots a request holds at its largest: paged, its prompt and output;
+    contiguous, its slot (``admission_tokens``)."""
+    if paged:
+        return prompt + output
+    return admission_tokens(paged, prompt, max_model_len, prompt, output)
+
+
+@kernel
 def never_fits(paged, prompt, output, max_model_len, block_size, capacity, watermark_blocks):
     """``FITS`` if a request can ever run in this cache, else why not."""
-    total = prompt + output
-    if max_model_len >= 0 and total > max_model_len:
+    if max_model_len >= 0 and prompt + output > max_model_len:
         return OVER_MAX_MODEL_LEN
-    tokens = total if paged else admission_tokens(paged, prompt, max_model_len, prompt, output)
+    tokens = largest_tokens(paged, prompt, output, max_model_len)
     if ceil_blocks(tokens, block_size) > capacity - watermark_blocks:
         return OVER_CAPACITY
     return FITS
+
+
+@kernel
+def never_fits_each(paged, prompt, output, max_model_len, block_size, capacity,
+                    watermark_blocks, why, blocks):
+    """``never_fits`` of every request (arrays ``prompt``, ``output``) into ``why``, and
+    the blocks each holds at its largest into ``blocks``."""
+    for i in range(prompt.shape[0]):
+        why[i] = never_fits(paged, prompt[i], output[i], max_model_len, block_size, capacity,
+                            watermark_blocks)
+        blocks[i] = ceil_blocks(largest_tokens(paged, prompt[i], output[i], max_model_len),
+                                block_size)
 
 
 @kernel
@@ -127,6 +153,7 @@ def warm_up() -> None:
     ceil_blocks(1, 16)
     admission_tokens(True, 1, -1, 1, 1)
     never_fits(True, 1, 1, -1, 16, 1, 0)
+    watermark_blocks(0.0, 1)
     later_victim(0, 0.0, 0, 0, 0.0, 1, True)
     swaps_out(True, True, 0, 1, -1)
     recompute_loss(True, 1, 1, 1)

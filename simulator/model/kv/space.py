@@ -83,7 +83,7 @@ class KVSpace:
                                        prefix_caching=rules.prefix_caching and self.paged,
                                        track_ids=track_ids)
         self.capacity = capacity_blocks
-        self.watermark_blocks = int(rules.watermark * capacity_blocks)
+        self.watermark_blocks = kvr.watermark_blocks(float(rules.watermark), capacity_blocks)
         self.max_len = -1 if rules.max_model_len is None else rules.max_model_len
         self.keys_of = keys_of if self.manager.prefix_caching else (lambda s: None)
         self.lookahead = rules.lookahead
