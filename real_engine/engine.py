@@ -55,7 +55,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from simulator.model.kv.blocks import request_blocks
+from simulator.model.kv.blocks import kv_bytes_per_token, request_blocks
 from simulator.model.kv.space import KVRules, KVSpace
 from simulator.model.kv.prefixkeys import keys_from_tokens
 from simulator.model.scheduling import SchedulerState, Seq, StepPlan
@@ -423,7 +423,8 @@ def default_num_blocks(model: Transformer, block_size: int = 16,
     """KV blocks to allocate: on a GPU, ``gpu_fraction`` of the free memory; on the
     CPU, room for 64k tokens (enough for every test and profile here)."""
     c = model.cfg
-    per = 2 * c.n_layers * c.n_kv_heads * block_size * c.head_dim * model.dtype.itemsize
+    per = int(kv_bytes_per_token(c.n_layers, c.n_kv_heads, c.head_dim,
+                                 model.dtype.itemsize)) * block_size
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
         return max(16, int(free * gpu_fraction) // per)

@@ -93,13 +93,6 @@ class PagedKVCache:
         # it promotes bf16 scores to fp32 in the same kernel.
         self.masked = torch.full((1,), MASKED_SCORE, device=self.device, dtype=torch.float32)
 
-    @staticmethod
-    def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int,
-                        block_size: int = DEFAULT_BLOCK_SIZE, dtype=torch.float32) -> int:
-        """Bytes one block costs over all layers, K and V."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * n_layers * n_kv_heads * block_size * head_dim * elem
-
     # -- block tables ---------------------------------------------------------
     def reserve(self, rid: int, n_blocks: int) -> np.ndarray:
         """Give sequence ``rid`` ``n_blocks`` fresh blocks (no admission rule, no prefix

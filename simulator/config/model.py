@@ -11,6 +11,7 @@ from simulator.errors import LatsimError
 from simulator.config.pluginfield import plugin
 from simulator.config.registry import COST_MODELS
 from simulator.config.strict import StrictModel
+from simulator.model.kv.blocks import kv_bytes_per_token
 
 
 class ModelShape(StrictModel):
@@ -31,7 +32,8 @@ class ModelShape(StrictModel):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype_bytes
+        return int(kv_bytes_per_token(self.n_layers, self.n_kv_heads, self.head_dim,
+                                      self.dtype_bytes))
 
     @property
     def weight_bytes(self) -> float:

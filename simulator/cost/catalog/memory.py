@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.errors import LatsimError
+from simulator.model.kv.blocks import kv_bytes_per_token as kv_bytes
 from simulator.cost.catalog.gpus import GpuSpec
 from simulator.cost.catalog.models import ModelArch, WeightFormat, dtype_bytes, weight_format
 
@@ -111,8 +112,8 @@ def kv_bytes_per_token_per_gpu(arch: ModelArch, tp: int = 1, pp: int = 1,
                                kv_dtype: str = "bf16") -> float:
     """K and V bytes one cached token takes on one GPU (its stage's layers, its KV heads)."""
     check_parallelism(arch, tp, pp)
-    return (2.0 * (arch.layers // pp) * kv_heads_per_gpu(arch, tp) * arch.head_dim
-            * dtype_bytes(kv_dtype))
+    return float(kv_bytes(arch.layers // pp, kv_heads_per_gpu(arch, tp), arch.head_dim,
+                          dtype_bytes(kv_dtype)))
 
 
 def activation_bytes_per_gpu(arch: ModelArch, tp: int = 1, max_num_batched_tokens: int = 8192,

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from simulator.model.kv.blocks import kv_bytes_per_token as kv_bytes
+
 # Bytes per element for activation / KV-cache dtypes.
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0, "float32": 4.0,
@@ -223,7 +225,7 @@ class ModelArch:
 
     def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> float:
         """K and V bytes one token stores in the cache, all layers (no TP split)."""
-        return 2.0 * self.layers * self.kv_dim * dtype_bytes(kv_dtype)
+        return float(kv_bytes(self.layers, self.kv_heads, self.head_dim, dtype_bytes(kv_dtype)))
 
     def weight_bytes(self, fmt: str | WeightFormat = "bf16") -> float:
         """Bytes of all weights: block linears in ``fmt``, everything else 16-bit."""

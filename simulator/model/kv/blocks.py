@@ -25,3 +25,9 @@ def request_blocks(prompt_tokens: int, output_tokens: int,
     admission price when no ``kvspace`` prices it). The last output token is never
     fed back, so one slot is spare; ``prompt + output`` keeps the rule simple."""
     return blocks_for(prompt_tokens + output_tokens, block_size)
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, elem_bytes: float) -> float:
+    """Bytes one token's K and V take in the cache: a key and a value of ``head_dim``
+    elements per KV head, in every layer (a GPU's share: its layers and its heads)."""
+    return 2 * layers * kv_heads * head_dim * elem_bytes
