@@ -73,12 +73,7 @@ class LeastOutstanding:
         self.n = n
 
     def pick(self, replicas, seq) -> int:
-        best, best_v = 0, None
-        for i, r in enumerate(replicas):
-            v = r.outstanding_tokens
-            if best_v is None or v < best_v:
-                best, best_v = i, v
-        return best
+        return _least_loaded(replicas, range(len(replicas)))[0]
 
 
 def _least_loaded(replicas, candidates) -> tuple[int, int]:

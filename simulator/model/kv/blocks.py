@@ -2,9 +2,12 @@
 ``block_size`` token slots (16 by default, as in vLLM) and a request holds whole
 blocks. Who holds which block is ``blockmanager``'s job.
 
-Pure Python, no torch: the simulator must not depend on the engine's stack.
+Pure Python, no torch: the simulator must not depend on the engine's stack. The
+block count itself is the memory rules' ``ceil_blocks`` (``rules``).
 """
 from __future__ import annotations
+
+from simulator.model.kv.rules import ceil_blocks
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -15,7 +18,7 @@ def blocks_for(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return -(-tokens // block_size)
+    return int(ceil_blocks(int(tokens), int(block_size)))
 
 
 def request_blocks(prompt_tokens: int, output_tokens: int,
