@@ -31,6 +31,7 @@ import torch
 
 from simulator.model.kv.blocks import request_blocks
 from simulator.model.kv.space import KVRules
+from simulator.model.policies.priority_aging import DEFAULT_AGING_S
 from simulator.model.scheduling import StepPlan, make_policy
 
 from real_engine.engine import EngineCore
@@ -45,7 +46,7 @@ def build_engine(model: str | ModelConfig | Transformer = "tiny", device: str = 
                  num_blocks: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  graph_max_batch: int = 64, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, chunk_size: Optional[int] = None,
-                 aging_s: float = 30.0, threads: Optional[int] = None,
+                 aging_s: float = DEFAULT_AGING_S, threads: Optional[int] = None,
                  kv_rules: Optional[KVRules] = None,
                  swap_blocks: Optional[int] = None) -> EngineCore:
     """A model (preset, config, checkpoint dir, or built) behind a policy by name.

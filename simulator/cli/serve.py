@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 
 from simulator.errors import LatsimError
+from simulator.model.policies.priority_aging import DEFAULT_AGING_S
 
 console = Console()
 err_console = Console(stderr=True)
@@ -108,7 +109,7 @@ def serve(
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", min=1),
     max_num_batched_tokens: int = typer.Option(512, "--max-num-batched-tokens", min=1),
     chunk_size: Optional[int] = typer.Option(None, "--chunk-size", min=1),
-    aging_s: float = typer.Option(30.0, "--aging-s", min=0.001),
+    aging_s: float = typer.Option(DEFAULT_AGING_S, "--aging-s", min=0.001),
     num_blocks: Optional[int] = typer.Option(None, "--num-blocks", min=1,
                                              help="KV blocks (default: by device)"),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads"),

@@ -30,6 +30,10 @@ def aging_key(prio, enq, progress, now, p):
     return prio - math.floor(wait / p[0])
 
 
+# Seconds of waiting worth one priority class when nothing says otherwise.
+DEFAULT_AGING_S = 30.0
+
+
 class AgingParams(ChunkParams):
     aging_s: Optional[float] = Field(None, gt=0, description="seconds of waiting worth one "
                                      "priority class (default: engine.aging_s)")
@@ -48,7 +52,8 @@ class PriorityAgingPolicy(Policy):
 
     @property
     def aging_s(self) -> float:
-        return float(self.params.aging_s if self.params.aging_s is not None else 30.0)
+        return float(self.params.aging_s if self.params.aging_s is not None
+                     else DEFAULT_AGING_S)
 
     def order_params(self) -> list[float]:
         return [self.aging_s]
