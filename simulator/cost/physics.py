@@ -93,6 +93,7 @@ from __future__ import annotations
 import numpy as np
 
 from simulator.cost.chunks import ChunkArrays
+from simulator.cost.decodectx import decode_context, epoch_context
 from simulator.kernel import kernel
 
 # -- model shape ---------------------------------------------------------------------
@@ -617,8 +618,7 @@ def outside_range(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch):
     if T > c[C_RANGE_TOKENS] or nd > c[C_RANGE_BATCH]:
         return True
     if nd > 0:
-        ctx = ctx_max if c[C_PADDED] > 0.0 else ctx_sum / nd
-        if ctx > c[C_RANGE_DECODE_CTX]:
+        if decode_context(c[C_PADDED] > 0.0, nd, ctx_max, ctx_sum) > c[C_RANGE_DECODE_CTX]:
             return True
     return False
 
@@ -674,7 +674,7 @@ def decode_run_outside(c, nd, ctx_max0, ctx_sum0, k):
         return int(k - first) if first < k else 0
     n = 0
     for j in range(k):
-        if (ctx_sum0 + nd * j) / nd > c[C_RANGE_DECODE_CTX]:
+        if epoch_context(False, nd, ctx_max0, ctx_sum0, j) > c[C_RANGE_DECODE_CTX]:
             n += 1
     return n
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from simulator.cost.decodectx import decode_context
 from simulator.kernel import kernel
 
 # CF: the profile model's constants.
@@ -106,9 +107,7 @@ T_PREFILL, T_DECODE, T_EAGER = 0, 1, 2
 def decode_ctx(CF, nd, ctx_max, ctx_sum):
     """The context a decode lookup reads: the longest one if the engine pads decode
     attention to it, else the mean (paged attention's cost follows the sum)."""
-    if CF[C_PADDED] != 0.0:
-        return float(ctx_max)
-    return ctx_sum / nd
+    return decode_context(CF[C_PADDED] != 0.0, nd, ctx_max, ctx_sum)
 
 
 @kernel

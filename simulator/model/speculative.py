@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from simulator.cost.decodectx import decode_context
 from simulator.errors import LatsimError
 
 FIELD = "engine.speculative"
@@ -106,7 +107,7 @@ class Speculative:
             return 0.0
         t = 0.0
         if nd:
-            ctx0 = ctx_max if d.padded else ctx_sum / nd
+            ctx0 = decode_context(d.padded, nd, ctx_max, ctx_sum)
             t += float(sum(d.decode_times(nd, ctx0, self.k)))
         if chunks:
             t += d.step_time(0, 0, 0, chunks)

@@ -7,6 +7,7 @@ import math
 
 
 from simulator.loops.compiled import state as S
+from simulator.cost.decodectx import epoch_context
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import clean_top
 from simulator.loops.compiled.cost import decode_ends, step_time
@@ -127,10 +128,8 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
             k = IP[S.P_MAXEPOCH]
         k = epoch_room(IP[S.P_PAGED] != 0, nd, k, bs, RS[r, S.R_FREE])
         if k > 1:
-            if IP[S.P_PADDED]:
-                ctx0 = float(RS[r, S.R_KEYMAX] + ticks)
-            else:
-                ctx0 = (RS[r, S.R_KEYSUM] + nd * ticks) / nd
+            ctx0 = epoch_context(IP[S.P_PADDED] != 0, nd, RS[r, S.R_KEYMAX], RS[r, S.R_KEYSUM],
+                                 ticks)
             decode_ends(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL[r], nd, ctx0, k, now,
                         ENDS[r], EBUF, Z, F)
             RS[r, S.R_INEP] = 1

@@ -42,6 +42,7 @@ from typing import Callable, Optional
 
 import simpy
 
+from simulator.cost.decodectx import epoch_context
 from simulator.model.kv.space import KVRules, KVSpace
 from simulator.loops.simpy.apply import ReplicaApply
 from simulator.loops.simpy.handoff import ReplicaHandoff
@@ -376,10 +377,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         interrupts: up to the first finish, within the blocks free for growth."""
         env = self.env
         now = env.now
-        if self.cost.padded:
-            ctx0 = self._key_max + self.ticks
-        else:
-            ctx0 = (self._key_sum + nd * self.ticks) / nd
+        ctx0 = epoch_context(self.cost.padded, nd, self._key_max, self._key_sum, self.ticks)
         dts = self.cost.decode_times(nd, ctx0, k)
         ends = list(accumulate(dts, initial=now))[1:]
         self._in_epoch = True
