@@ -83,15 +83,17 @@ class Grid:
     eager_decode: tuple = ()
 
     def max_blocks(self, block_size: int = 16) -> int:
-        """KV blocks the largest row needs (profile rows reserve prompt + output)."""
-        pre = max(request_blocks(c + p, 1, block_size)
-                  for c in self.prefill_chunks for p in self.prefill_priors)
-        dec = max(b * request_blocks(x - 1, 2, block_size)
-                  for b, x in [(b, x) for b in self.decode_batches for x in self.decode_contexts]
-                  + list(self.eager_decode))
-        mix = max((b * request_blocks(x - 1, 2, block_size) + request_blocks(c + p, 1, block_size)
-                   for b, x, c, p in self.mixed), default=0)
-        return max(pre, dec, mix)
+        """KV blocks the largest row needs: its requests (``row_requests``, as
+        ``setup_state`` installs them) each reserve prompt + output."""
+        def need(**row) -> int:
+            return sum(request_blocks(p, o, block_size) for p, o, _, _ in row_requests(**row))
+        rows = ([dict(chunk=c, prior=p, final=f) for c in self.prefill_chunks
+                 for p in self.prefill_priors for f in (True, False)]
+                + [dict(batch=b, context=x) for b in self.decode_batches
+                   for x in self.decode_contexts]
+                + [dict(batch=b, context=x) for b, x in self.eager_decode]
+                + [dict(batch=b, context=x, chunk=c, prior=p) for b, x, c, p in self.mixed])
+        return max(need(**r) for r in rows)
 
 
 def default_grid(cfg: ModelConfig, device: str, quick: bool = False) -> Grid:
@@ -166,15 +168,22 @@ def setup_state(engine: EngineCore, batch: int = 0, context: int = 0, chunk: int
     each, and one request whose ``chunk`` completes its prompt after ``prior`` (or,
     with ``final=False``, leaves one prompt token for later: no LM head, no sample)."""
     engine.clear()
-    for r in range(batch):
-        # prompt = context-1 plus the first sampled token: the decode input sits at
-        # position context-1 and attends to `context` entries.
-        engine.install_running(r, context - 1, 2, prefilled=context - 1, generated=1)
-    prefill = ()
-    if chunk:
-        engine.install_running(batch, prior + chunk + (0 if final else 1), 1, prefilled=prior)
-        prefill = ((batch, chunk),)
+    for r, (p, o, done, gen) in enumerate(row_requests(batch, context, chunk, prior, final)):
+        engine.install_running(r, p, o, prefilled=done, generated=gen)
+    prefill = ((batch, chunk),) if chunk else ()
     return StepPlan(decode=tuple(range(batch)), prefill=prefill)
+
+
+def row_requests(batch: int = 0, context: int = 0, chunk: int = 0, prior: int = 0,
+                 final: bool = True) -> list:
+    """The requests of a profile row's state (``setup_state``), each ``(prompt,
+    output, prefilled, generated)``: ``batch`` decoders, then the chunk's request."""
+    # A decoder's prompt is context-1 plus its first sampled token: the decode input
+    # sits at position context-1 and attends to `context` entries.
+    out = [(context - 1, 2, context - 1, 1)] * batch
+    if chunk:
+        out.append((prior + chunk + (0 if final else 1), 1, prior, 0))
+    return out
 
 
 def time_step_components(engine: EngineCore, batch: int = 32, context: int = 256,

@@ -90,3 +90,19 @@ def test_gpu_script_runs_on_cpu(tmp_path):
     log = (tmp_path / "cpu-tiny.log").read_text()
     assert "decode batch 8" in log and '"profile": "ok"' in log
     assert "padded graph check" in log     # the graph path's padding ran (eagerly)
+
+
+def test_grid_max_blocks_holds_every_row_the_profiler_sets_up():
+    """``Grid.max_blocks`` counts the requests ``setup_state`` installs (one function
+    describes them): a cache of exactly that many blocks holds every row, including
+    a chunk that leaves one prompt token for later (15 + 1 tokens + 1 output = 2 blocks
+    of 16; the old count, 1, would not hold it)."""
+    from real_engine.profile import Grid, build_engine, setup_state
+    grid = Grid(prefill_chunks=(15,), prefill_priors=(0,), decode_batches=(1,),
+                decode_contexts=(2,), repeats=1, warmup=0)
+    eng = build_engine("tiny", "cpu", num_blocks=grid.max_blocks())
+    assert grid.max_blocks() == 2
+    for row in (dict(chunk=15, prior=0), dict(chunk=15, prior=0, final=False),
+                dict(batch=1, context=2)):
+        setup_state(eng, **row)
+    eng.clear()
