@@ -12,6 +12,7 @@ import heapq
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.replica import release
+from simulator.model.kv.rules import ceil_blocks, growth_tick
 
 
 @jit
@@ -91,7 +92,7 @@ def join(r, rid, t, swapped_in, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C, pro
     lt_add(r, t, 1, RS, LT_T, LT_C)
     if IP[S.P_PAGED]:
         bs = IP[S.P_BS]
-        ph = (1 - key) % bs
+        ph = growth_tick(0, key, bs) % bs     # the ticks (mod bs) at which it grows
         RQ[rid, S.Q_PHASE] = ph
         PHASE[r, ph] += 1
         # Back from swap it holds the blocks of its whole context: no growth this tick.
@@ -216,7 +217,8 @@ def finish_due(r, t, FH, RS, RQ, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, out
         recompute |= key == RS[r, S.R_KEYMAX]
         if paged:
             PHASE[r, RQ[rid, S.Q_PHASE]] -= 1
-            held = -(-(prompt[rid] + output[rid] - 1) // bs)
+            # It wrote the KV of all but its last token.
+            held = ceil_blocks(prompt[rid] + output[rid] - 1, bs)
             if held > RQ[rid, S.Q_HELD]:
                 RQ[rid, S.Q_HELD] = held
         finish(r, rid, t, t + ft, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN)

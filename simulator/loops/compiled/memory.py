@@ -52,7 +52,7 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
         PHASE[r, RQ[rid, S.Q_PHASE]] -= 1
         lost = recompute_loss(True, prompt[rid], gen, RQ[rid, S.Q_PREFILLED])
         # Its context took a block at each boundary up to the last step's.
-        held = -(-(key + ticks - 1) // IP[S.P_BS])
+        held = ceil_blocks(key + ticks - 1, IP[S.P_BS])
         if RQ[rid, S.Q_HELD] > held:
             held = RQ[rid, S.Q_HELD]
         swap = swaps_out(True, IP[S.P_SWAP] != 0, RS[r, S.R_CPU], held, IP[S.P_CPUBLOCKS])

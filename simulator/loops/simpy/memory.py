@@ -55,7 +55,7 @@ class ReplicaMemory:
     def _push_growth(self, s) -> None:
         """Heap the tick of the next step at which ``s`` needs one more block."""
         held = self.kv.manager.blocks_of(s.rid)
-        s.grow_tick = held * self.kv.bs - s.key + 1
+        s.grow_tick = kvr.growth_tick(held, s.key, self.kv.bs)
         heapq.heappush(self._grow_heap, (s.grow_tick, s.rid, s.ver, s))
 
     def _leave_fast(self, s) -> None:

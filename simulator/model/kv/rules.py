@@ -38,6 +38,15 @@ def admission_tokens(paged, prefill_len, max_model_len, prompt, output):
     return prompt + output
 
 
+@kernel(inline=True)
+def growth_tick(held, key, block_size):
+    """The decode step (counted from the tick at which a decoder's context is ``key``;
+    its context at tick ``t`` is ``key + t``) whose token no longer fits the ``held``
+    blocks: the decoder takes one more block there, and again every ``block_size``
+    ticks after."""
+    return held * block_size - key + 1
+
+
 @kernel
 def spec_lookahead(k, remaining):
     """Draft tokens a sequence verifies in a speculative-decoding step when ``remaining``
