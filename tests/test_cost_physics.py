@@ -367,3 +367,24 @@ def test_profile_rows_cover_every_section(paged):
     rows = profile_rows(paged)
     assert set(rows.kind) == {"prefill", "decode", "mixed"}
     assert len(rows) == len(paged["prefill"]) + len(paged["decode"]) + len(paged["mixed"])
+
+
+@pytest.mark.parametrize("shape", [
+    (1, 200, 200, []), (16, 3000, 20000, []), (24, 900, 9000, []),
+    (8, 1024, 8000, [(512, 0, True)]), (30, 2048, 40000, [(200, 1500, True), (312, 0, False)]),
+    (0, 0, 0, [(4096, 0, True)]), (0, 0, 0, [(16, 3072, True)])])
+def test_a_steps_breakdown_adds_up_to_its_time(fits, shape):
+    """``step_breakdown`` names each term of a step on its own (it re-derives the
+    packed tokens and a graph's padding to show them): on both shipped H200 profiles
+    (padded eager, paged with CUDA graphs) the device terms add up to its device time,
+    and host and device combine as ``step_ms`` does, to the step's own time."""
+    nd, cmax, csum, chunks = shape
+    for name in ("refbench", "paged"):
+        c = fits[name].c
+        b = ph.step_breakdown(c, nd, cmax, csum, chunks)
+        parts = (b["linear"] + b["elementwise"] + b["prefill_attention"]
+                 + b["decode_attention"] + b["allreduce"] + b["pipeline_send"] + b["floor"])
+        assert b["device"] == pytest.approx(parts, rel=1e-9), (name, b)
+        core = ph.pnorm(b["host"], b["device"], c[ph.C_P_STEP])
+        assert b["ms"] == pytest.approx((core + b["bookkeeping"]) * c[ph.C_SCALE],
+                                        rel=1e-9), (name, b)
