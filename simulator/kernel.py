@@ -79,3 +79,11 @@ def kernel(f=None, *, inline: bool = False):
         return numba.njit(cache=True, **opts)(f)
     finally:
         _numba_config.CACHE_DIR = old
+
+
+def python_of(f):
+    """The plain Python function a kernel was compiled from (the kernel itself when numba
+    is off): the same rule, for a Python caller on a hot path, where a compiled call's
+    dispatch (type checks, boxing: microseconds) costs more than the rule's arithmetic.
+    Only for kernels that call no other kernel (those would still dispatch)."""
+    return getattr(f, "py_func", f)

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import heapq
 
+from simulator.kernel import python_of
 from simulator.model.kv import rules as kvr
+
+_growth_tick = python_of(kvr.growth_tick)      # once per decoder and block: no dispatch
 
 
 class ReplicaMemory:
@@ -55,7 +58,7 @@ class ReplicaMemory:
     def _push_growth(self, s) -> None:
         """Heap the tick of the next step at which ``s`` needs one more block."""
         held = self.kv.manager.blocks_of(s.rid)
-        s.grow_tick = kvr.growth_tick(held, s.key, self.kv.bs)
+        s.grow_tick = _growth_tick(held, s.key, self.kv.bs)
         heapq.heappush(self._grow_heap, (s.grow_tick, s.rid, s.ver, s))
 
     def _leave_fast(self, s) -> None:

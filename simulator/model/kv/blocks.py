@@ -7,7 +7,10 @@ block count itself is the memory rules' ``ceil_blocks`` (``rules``).
 """
 from __future__ import annotations
 
+from simulator.kernel import python_of
 from simulator.model.kv.rules import ceil_blocks
+
+_ceil_blocks = python_of(ceil_blocks)     # called per request and per block: no dispatch
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -18,7 +21,7 @@ def blocks_for(tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return int(ceil_blocks(int(tokens), int(block_size)))
+    return _ceil_blocks(tokens, block_size)
 
 
 def request_blocks(prompt_tokens: int, output_tokens: int,
