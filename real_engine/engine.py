@@ -365,25 +365,23 @@ class EngineCore(EngineMemory):
             tok = int(sampled[i])
             i += 1
             s.payload.out_ids.append(tok)
-            s.generated += 1
             tokens[rid] = tok
-            if s.generated >= s.output_tokens:
+            if s.emit():
                 finished.append(rid)
         newly_decoding = []
         for rid, n in plan.prefill:
             s = self.seqs[rid]
-            s.prefilled += n
+            completes = s.prefill_chunk(n)
             kv.computed(s)
-            if s.prefilled < s.prefill_len:
+            if not completes:
                 continue
             # The first token, or (recomputing after a preemption) the next one.
             tok = int(sampled[i])
             i += 1
             s.payload.out_ids.append(tok)
-            s.generated += 1
             tokens[rid] = tok
             self.prefilling.remove(s)
-            if s.generated >= s.output_tokens:
+            if s.emit():
                 finished.append(rid)
             else:
                 newly_decoding.append(s)

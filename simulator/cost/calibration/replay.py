@@ -325,16 +325,13 @@ def replay(run: RecordedRun, scenario, step_ms: Callable, *,
         # Apply the step: one token per decode, prefill progress, first tokens, finishes.
         done = []
         for s in dseqs:
-            s.generated += 1
-            if s.generated >= s.output_tokens:
+            if s.emit():
                 done.append(s)
         for r, k in plan.prefill:
             s = seqs[r]
-            s.prefilled += k
-            if s.prefilled >= s.prefill_len:
+            if s.prefill_chunk(k):
                 prefilling.remove(s)
-                s.generated += 1
-                if s.generated >= s.output_tokens:
+                if s.emit():
                     done.append(s)
                 else:
                     decoding.append(s)

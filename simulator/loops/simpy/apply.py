@@ -36,11 +36,11 @@ class ReplicaApply:
         same = 0
         done = []
         for s in dseqs:
-            s.generated += 1
+            last = s.emit()
             s.context += 1
             if s.stream is not None:
                 s.stream.emit(t)     # its own frame queue and client (``clientstream``)
-                if s.generated >= s.output_tokens:
+                if last:
                     done.append(s)
                 continue
             d_old = s.depart
@@ -52,7 +52,7 @@ class ReplicaApply:
                 d = (t if t > d_old else d_old) + ft
                 s.depart = d
                 itl.add(d - d_old)
-            if s.generated >= s.output_tokens:
+            if last:
                 done.append(s)
         if same:
             itl.add(t_ft - common_old, same)
@@ -93,7 +93,7 @@ class ReplicaApply:
         for s, m in zip(dseqs, draws.tolist()):
             n = min(m, kv.decode_lookahead(s) + 1)
             total += n
-            s.generated += n
+            last = s.emit(n)
             s.context += n
             if per_req:
                 rec.spec_steps[s.rid] += 1
@@ -108,7 +108,7 @@ class ReplicaApply:
                 itl.add(d - d_old)
                 if n > 1:
                     itl.add(0.0, n - 1)
-            if s.generated >= s.output_tokens:
+            if last:
                 done.append(s)
         sp.seq_steps += len(dseqs)
         sp.tokens += total
@@ -127,22 +127,21 @@ class ReplicaApply:
         tokens = 0
         for rid, n in chunks:
             s = by_id[rid]
-            s.prefilled += n
-            done = s.prefilled >= s.prefill_len
+            done = s.prefill_chunk(n)
             tokens += n + done
             kv.computed(s)
             if not done:
                 continue
             self.prefilling.remove(s)
             resumed = s.generated > 0
-            s.generated += 1
+            last = s.emit()
             if not resumed:
                 rec.first_token[rid] = t
                 if s.stream is None:
                     rec.first_delivered[rid] = t + ft + self.one_way
             if s.stream is not None:
                 s.stream.emit(t)
-            if s.generated >= s.output_tokens:
+            if last:
                 self.kv_tokens += tokens
                 self._outstanding -= tokens
                 tokens = 0

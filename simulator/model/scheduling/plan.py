@@ -51,6 +51,20 @@ class Seq:
     def remaining_prefill(self) -> int:
         return self.prefill_len - self.prefilled
 
+    # -- what a step does to a request: one rule for every executor that holds Seqs
+    # (the SimPy replica, the real engine, the calibration's replay) ---------------------
+    def prefill_chunk(self, n: int) -> bool:
+        """``n`` more prompt tokens computed; True when that completes the prefill (the
+        step then yields a token: the first one, or after a recompute the next one)."""
+        self.prefilled += n
+        return self.prefilled >= self.prefill_len
+
+    def emit(self, n: int = 1) -> bool:
+        """``n`` more output tokens (a decode's; a speculative verify's accepted ones);
+        True when the request has all its tokens."""
+        self.generated += n
+        return self.generated >= self.output_tokens
+
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (f"Seq(rid={self.rid}, prio={self.priority}, prompt={self.prompt_tokens}, "
                 f"prefilled={self.prefilled}, generated={self.generated}/{self.output_tokens})")
