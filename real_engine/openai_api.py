@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 
-
 class ApiError(Exception):
     """A request the server refuses: becomes an HTTP 4xx with an OpenAI-style JSON body."""
 
