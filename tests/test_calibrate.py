@@ -276,22 +276,27 @@ def test_calibrate_end_to_end_on_a_bench_run_against_latsim_serve(tmp_path):
     settings on what bench wrote: the replay follows the server's recorded times, the
     table of real vs simulated before and after is printed, and the calibrated model's
     busy time on the run is closer to the measured one than the starting guess's; the
-    written profile then validates the run (``latsim validate --run``)."""
+    written profile then validates the run (``latsim validate --run``).
+
+    The server runs in its own process, as a served model does. In the test's process
+    its threads shared the client's GIL: five recordings gave 3-10 recorded times
+    contradicting the replay of ~240 (the replay refuses a run above 5%, ~12; CI saw 12
+    twice in a row); in its own process 0-3 of ~290."""
     import httpx
 
-    from real_engine.profile import build_engine
-    from real_engine.hosting import BackgroundServer
-    from real_engine.server import make_app
+    from serveproc import serve_process, stop
     # Four sequences at most: on a CPU a step's time grows with its batch far more than
     # the physics of a GPU engine says. Bench records every token as the client saw it
     # (tokens.csv: the run's token clock is the client's) and the server's enqueue,
     # schedule, first and last token times; steps between them are priced by the model.
-    eng = build_engine("tiny", "cpu", max_num_seqs=4, max_num_batched_tokens=256,
-                       num_blocks=1024, threads=1)
     scen = _tiny_scenario(tmp_path / "tiny.yaml", _tiny_guess(tmp_path / "guess.json"))
-    with BackgroundServer(make_app(eng, "tiny")) as srv:
+    proc, port = serve_process({}, "--model", "tiny", "--policy", "chunked",
+                               "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+                               "--num-blocks", "1024", "--threads", "1")
+    url = f"http://127.0.0.1:{port}"
+    try:
         # Warm-up (first-call allocations) outside the recorded run.
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with httpx.Client(base_url=url, timeout=60) as c:
             for _ in range(3):
                 assert c.post("/v1/completions", json={"model": "tiny", "prompt": "a b c",
                                                        "max_tokens": 4}).status_code == 200
@@ -301,13 +306,15 @@ def test_calibrate_end_to_end_on_a_bench_run_against_latsim_serve(tmp_path):
         for attempt in range(2):
             out = tmp_path / f"try{attempt}" / "bench"
             cal_path = tmp_path / f"try{attempt}" / "tiny-calibrated.json"
-            code, text = latsim("bench", "--url", srv.url, "--rate", "20", "--limit", "40",
+            code, text = latsim("bench", "--url", url, "--rate", "20", "--limit", "40",
                                 "--prompt-tokens", "64", "--output-tokens", "12", "--seed",
                                 "1", "--out", out)
             assert code == 0, text
             code, text = latsim("calibrate", scen, "--run", out, "--out", cal_path)
             if code == 0 or "could not follow the run" not in text:
                 break
+    finally:
+        stop(proc)
     assert code == 0, text
     for word in ("real vs simulated, before and after calibration", "P50 TTFT", "P99 ITL",
                  "P99 E2EL", "busy bias", "wrote"):

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import subprocess
 import sys
 import time
 import types
@@ -26,6 +24,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from serveproc import get_when_up, serve_process, stop  # noqa: E402
 from simulator.wire.benchclient import SseParser, bench_outputs, run_bench  # noqa: E402
 from simulator.workload import Workload  # noqa: E402
 
@@ -460,65 +459,26 @@ def test_bench_http2_without_h2_is_exit_2_before_anything_runs(monkeypatch, caps
     assert not out.exists()
 
 
-def _serve_process(extra_env: dict, *args: str):
-    """``latsim serve --port 0`` in a subprocess; returns it and its banner's port."""
-    env = {k: v for k, v in os.environ.items() if k != "LATSIM_API_KEY"}
-    env.update(PYTHONUNBUFFERED="1", **extra_env)
-    proc = subprocess.Popen([sys.executable, "-c", "from simulator.cli.main import main; main()",
-                             "serve", "--port", "0", "--num-blocks", "64", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    t_end = time.monotonic() + 120
-    port = None
-    while port is None:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, f"serve exited: {proc.stderr.read()}"
-        assert time.monotonic() < t_end, "no banner from latsim serve"
-        if line.startswith("latsim serve:"):
-            port = int(line.rsplit(":", 1)[1].split("/")[0])
-    return proc, port
-
-
-def _stop(proc) -> str:
-    proc.terminate()
-    try:
-        _, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-    return err
-
-
-def _get(port: int, path: str, headers=None, bound: float = 60.0):
-    """GET once the server accepts connections (it binds before the engine is built)."""
-    t_end = time.monotonic() + bound
-    while True:
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}{path}", headers=headers, timeout=SAFETY_S)
-        except httpx.TransportError:
-            assert time.monotonic() < t_end, f"nothing answers on port {port}"
-            time.sleep(0.1)
-
-
 def test_serve_port_0_prints_the_real_port_and_warns_beyond_loopback():
-    proc, port = _serve_process({}, "--host", "0.0.0.0")
+    proc, port = serve_process({}, "--num-blocks", "64", "--host", "0.0.0.0")
     try:
         assert port != 0
-        assert _get(port, "/health").status_code == 200     # the printed port is the real one
-        assert _get(port, "/v1/models").status_code == 200  # no key: open
+        assert get_when_up(port, "/health").status_code == 200     # the printed port is the real one
+        assert get_when_up(port, "/v1/models").status_code == 200  # no key: open
     finally:
-        err = _stop(proc)
+        err = stop(proc)
     warnings = [ln for ln in err.splitlines() if ln.startswith("latsim: warning:")]
     assert len(warnings) == 1 and "without an API key" in warnings[0] and str(port) in warnings[0]
 
 
 def test_serve_key_from_the_environment_and_no_warning():
-    proc, port = _serve_process({"LATSIM_API_KEY": KEY}, "--host", "0.0.0.0")
+    proc, port = serve_process({"LATSIM_API_KEY": KEY}, "--num-blocks", "64", "--host", "0.0.0.0")
     try:
-        assert _get(port, "/health").status_code == 200
-        assert _get(port, "/v1/models").status_code == 401
-        assert _get(port, "/v1/models", headers=AUTH).status_code == 200
+        assert get_when_up(port, "/health").status_code == 200
+        assert get_when_up(port, "/v1/models").status_code == 401
+        assert get_when_up(port, "/v1/models", headers=AUTH).status_code == 200
     finally:
-        err = _stop(proc)
+        err = stop(proc)
     assert "latsim: warning:" not in err
 
 
