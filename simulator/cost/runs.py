@@ -312,8 +312,8 @@ def latency_metrics(arrival: dict, tok: pd.DataFrame, n_tokens: Optional[dict] =
     """TTFT, TPOT, ITL and E2E P50/P99 (ms) from every token's time (``tok``: ``rid,
     index, time``; a row may be a streamed frame) and each request's ``arrival``, as
     ``vllm bench serve`` defines them: TTFT = first token - arrival; TPOT = (last -
-    first) / (n - 1) per request with n > 1, n its output tokens (``n_tokens``, else
-    its rows: a frame carrying several tokens counts them all); ITL = every gap between
+    first) / (n - 1) per request with n > 1, n its output tokens (``n_tokens``; else
+    its rows, right only when each row is one token); ITL = every gap between
     a request's consecutive rows, pooled; E2E = last token - arrival; linear
     interpolation (NaN where there is no value)."""
     tok = tok.sort_values(["rid", "index"])

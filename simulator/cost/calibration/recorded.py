@@ -25,7 +25,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -138,23 +138,6 @@ class RecordedRun:
                         meta={"source": str(self.folder)})
 
 
-def _read_csv(path: Path, need: Sequence[str], what: str) -> pd.DataFrame:
-    df = read_table(path, need, what)
-    for c in need:
-        v = pd.to_numeric(df[c], errors="coerce") if c != "policy" else df[c]
-        if c != "policy" and v.isna().any() and c not in ("enqueued", "scheduled",
-                                                          "first_token", "last_token",
-                                                          "first_delivered",
-                                                          "last_delivered"):
-            i = int(np.where(v.isna())[0][0])
-            cell = df[c].iloc[i]
-            empty = pd.isna(cell)
-            raise LatsimError("empty or NaN" if empty else "not a number", source=str(path),
-                              field=f"{c} (row {i + 1})",
-                              value=float("nan") if empty else cell, has_value=True)
-    return df
-
-
 def _no_duplicates(path: Path, col: str, values: np.ndarray, what: str) -> None:
     """A one-line ``LatsimError`` at the first value of ``col`` seen before."""
     dup = pd.Series(values).duplicated().to_numpy()
@@ -169,7 +152,7 @@ def _read_tokens(path: Path, rids: set) -> pd.DataFrame:
     """``tokens.csv``, checked: request ids and token indexes whole numbers (indexes at
     least 0), times finite and at least 0, each ``(request_id, token_index)`` once, and
     every request listed by the run."""
-    tok = _read_csv(path, ("request_id", "token_index", "time_s"), "tokens")
+    tok = read_table(path, ("request_id", "token_index", "time_s"), "tokens")
     rid = numeric_column(path, tok, "request_id", integer=True)
     index = numeric_column(path, tok, "token_index", integer=True, minimum=0)
     time = numeric_column(path, tok, "time_s", minimum=0)
@@ -234,7 +217,7 @@ def _read_trace(path: Path) -> pd.DataFrame:
     numbers, each once; arrivals finite and at least 0; token counts whole numbers of at
     least 1; priorities (when given) whole numbers of at least 0. Sorted by arrival (ties
     by request id): the order the run is replayed in."""
-    trace = _read_csv(path, ("request_id", "arrival_s", "prompt_tokens", "output_tokens"),
+    trace = read_table(path, ("request_id", "arrival_s", "prompt_tokens", "output_tokens"),
                       "trace")
     if trace.empty:
         raise LatsimError("the run has no requests", source=str(path))
@@ -261,7 +244,7 @@ def _read_requests(path: Path, trace: pd.DataFrame) -> pd.DataFrame:
     request missing here has no recorded admission); one serving policy; the token
     counts, when given, the trace's; ``first_scheduled_s`` a time of at least 0 or
     empty."""
-    reqs = _read_csv(path, ("request_id",), "requests")
+    reqs = read_table(path, ("request_id",), "requests")
     if reqs.empty:
         raise LatsimError("the run has no requests", source=str(path))
     qid = numeric_column(path, reqs, "request_id", integer=True)
@@ -375,7 +358,7 @@ _BENCH_COLS = ("rid", "prompt_tokens", "output_tokens", "arrival", "first_token"
 
 def _read_bench(folder: Path) -> RecordedRun:
     path = folder / "requests.csv"
-    df = _read_csv(path, _BENCH_COLS, "requests")
+    df = read_table(path, _BENCH_COLS, "requests")
     if df.empty:
         raise LatsimError("the run has no requests", source=str(path))
     rid = numeric_column(path, df, "rid", integer=True)
