@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover
 
 _ROOT = Path(__file__).resolve().parent
 # Folders (under simulator/) whose modules define kernels; the cache hash covers them.
-KERNEL_DIRS = ("model", "cost", "loops/compiled")
+KERNEL_DIRS = ("model", "cost", "loops/compiled", "wire", "cluster")
 
 ENABLED = numba is not None and os.environ.get("LATSIM_NO_JIT", "") in ("", "0")
 

@@ -133,6 +133,39 @@ def test_keepalive_pool_reuse_and_expiry():
     assert (pools.new_connections, pools.reused_connections) == (3, 1)
 
 
+def test_keepalive_rules_warmest_idle_expiry_and_one_off_compiled_as_in_python():
+    """``wire.keepalive``: the warmest idle connection is taken, an expired one leaves the
+    pool, a full pool opens one-off connections; the compiled kernels (the compiled
+    loop's) and their Python functions (``ConnectionPools``') make the same moves."""
+    from simulator.kernel import python_of
+    from simulator.wire import keepalive as K
+
+    def play(acq, rel, dis):
+        idle, n_idle, n_open = np.zeros((2, 3)), np.zeros(2, np.int64), np.zeros(2, np.int64)
+        got = [acq(idle, n_idle, n_open, 1, 0.0, 10.0, 3, True) for _ in range(4)]
+        assert got == [K.NEW_POOLED] * 3 + [K.NEW_ONE_OFF]     # pool of 3 full: one-off
+        for t in (1.0, 3.0, 2.0):
+            rel(idle, n_idle, 1, t, True, True)
+        rel(idle, n_idle, 1, 4.0, False, True)                  # a one-off just closes
+        assert acq(idle, n_idle, n_open, 1, 5.0, 10.0, 3, True) == K.REUSED
+        assert list(idle[1, :n_idle[1]]) == [1.0, 2.0]          # the one idle since 3 s went
+        # At 11.5 s the one idle since 1 s has expired (10.5 s > 10 s): the one since 2 s
+        # is taken, and the pool has one connection fewer.
+        assert acq(idle, n_idle, n_open, 1, 11.5, 10.0, 3, True) == K.REUSED
+        assert n_idle[1] == 0 and n_open[1] == 2
+        rel(idle, n_idle, 1, 12.0, True, True)
+        dis(idle, n_idle, n_open, 1, 12.0, True)                # the client closed it
+        assert n_idle[1] == 0 and n_open[1] == 1
+        assert acq(idle, n_idle, n_open, 0, 0.0, 10.0, 3, False) == K.NEW_ONE_OFF
+        return idle, n_idle, n_open
+
+    fs = (K.pool_acquire, K.pool_release, K.pool_discard)
+    for a, b in zip(play(*fs), play(*(python_of(f) for f in fs))):
+        np.testing.assert_array_equal(a, b)
+    assert K.request_net_s(0.01, 0.03, True, 0.02) == 0.04
+    assert K.request_net_s(0.01, 0.03, False, 0.02) == 0.03
+
+
 def test_t_net_and_t_stream_in_a_run():
     net = {"distance_km": 2000, "base_rtt_ms": 0, "tls": "1.3", "gateway_ms": 1.0,
            "request_overhead_bytes": 1000, "bytes_per_prompt_token": 0, "uplink_mbps": 8.0,

@@ -174,6 +174,32 @@ def test_epochs_and_step_by_step_agree(policy):
     assert runs["auto"].rec.steps == runs["slow"].rec.steps
 
 
+def test_epoch_rules():
+    """``model.scheduling.epoch``: an interrupted epoch runs the step in progress to its
+    end; the router sees the steps ended; an arrival ends an epoch only if the next step
+    would admit it (or under aging); epochs stop at the next finish and the cap."""
+    from simulator.model.scheduling import epoch as E
+    ends = np.empty(3)
+    E.step_ends(1.0, np.array([0.5, 0.25, 0.25]), 3, ends)
+    assert list(ends) == [1.5, 1.75, 2.0]
+    assert [E.steps_run(ends, 3, t) for t in (1.2, 1.5, 1.6, 1.99, 5.0)] == [1, 1, 2, 3, 3]
+    assert [E.steps_ended(ends, 3, t) for t in (1.2, 1.5, 1.6, 2.0)] == [0, 1, 1, 3]
+    # (aging, queue was empty, running, max seqs, blocks it needs, blocks free)
+    assert E.arrival_interrupts(False, True, 3, 4, 5, 5)
+    assert not E.arrival_interrupts(False, False, 3, 4, 5, 5)   # others wait before it
+    assert not E.arrival_interrupts(False, True, 4, 4, 5, 5)    # no sequence slot
+    assert not E.arrival_interrupts(False, True, 3, 4, 6, 5)    # no blocks
+    assert E.arrival_interrupts(True, False, 4, 4, 6, 5)        # aging: any arrival
+    # (decodes, chunks, held back, copy seconds, aging, waiting)
+    assert E.may_start(2, 0, False, 0.0, True, 0)
+    assert not any([E.may_start(0, 0, False, 0.0, False, 0), E.may_start(2, 1, False, 0.0, False, 0),
+                    E.may_start(2, 0, True, 0.0, False, 0), E.may_start(2, 0, False, 0.1, False, 0),
+                    E.may_start(2, 0, False, 0.0, True, 1)])
+    assert E.epoch_length(110, 100, True, 4, 16, 100) == 10
+    assert E.epoch_length(10 ** 6, 0, False, 4, 16, 0) == E.MAX_EPOCH_STEPS
+    assert E.epoch_length(10 ** 6, 0, True, 4, 16, 8) == 32     # 2 blocks each: 32 steps
+
+
 def test_policy_runs_carry_their_own_engine_settings():
     from simulator.config.scenario import validate_scenario
     from conftest import make_scenario_dict

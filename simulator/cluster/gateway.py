@@ -36,6 +36,7 @@ from simulator.cluster.autoscaler import DRAINING
 from simulator.loops.simpy.replica import SimSeq
 from simulator.model.kv.blocks import request_blocks
 from simulator.wire import clients as C
+from simulator.wire.network import net_time
 
 # How a request (logical) ended. A client that gives up here does so on a timer
 # (connect, read, deadline): ``timed_out``. ``cancelled`` (a client's own disconnect) is
@@ -130,7 +131,7 @@ class Gateway:
             # The connection is never set up: the client gives up at its connect timeout.
             self._timer(now + cl.connect_timeout, aid, C.CONNECT_TIMEOUT)
             return
-        t_net = net.send_time(p) + (net.handshake if is_new else 0.0)
+        t_net = net_time(net.send_time(p), net.handshake, is_new, 0.0)
         env.timeout(t_net).callbacks.append(lambda _e, s=seq: self.reach(s))
         if math.isfinite(cl.read_timeout):
             sent = now + t_net - net.one_way - net.gateway

@@ -36,8 +36,13 @@ from typing import Literal
 
 from simulator.config.strict import StrictModel
 
-from simulator.wire.network import Topology
+from simulator.cluster.picks import first_least, next_in_turn
 from simulator.config.registry import ROUTERS
+from simulator.kernel import python_of
+from simulator.wire.network import Topology
+
+# Once per routed request from Python: the plain functions (no compiled dispatch).
+_next_in_turn, _first_least = python_of(next_in_turn), python_of(first_least)
 
 
 class RouterName(StrictModel):
@@ -52,7 +57,7 @@ class RoundRobin:
         self.n, self.i = n, -1
 
     def pick(self, replicas, seq) -> int:
-        self.i = (self.i + 1) % len(replicas)
+        self.i = _next_in_turn(self.i, len(replicas))
         return self.i
 
 
@@ -77,13 +82,11 @@ class LeastOutstanding:
 
 
 def _least_loaded(replicas, candidates) -> tuple[int, int]:
-    """(index, outstanding tokens) of the least loaded of ``candidates``, ties to the first."""
-    best, best_v = candidates[0], None
-    for i in candidates:
-        v = replicas[i].outstanding_tokens
-        if best_v is None or v < best_v:
-            best, best_v = i, v
-    return best, best_v
+    """(index, outstanding tokens) of the least loaded of ``candidates``, ties to the first
+    (``picks.first_least``)."""
+    load = [replicas[i].outstanding_tokens for i in candidates]
+    j = _first_least(load, len(load))
+    return candidates[j], load[j]
 
 
 class NearestRegion:

@@ -32,6 +32,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from simulator.kernel import python_of
+from simulator.wire.keepalive import (NEW_POOLED, REUSED, pool_acquire, pool_discard,
+                                      pool_release, request_net_s)
+
+# A pool's rules run once per request from Python: their plain functions (a compiled
+# call's dispatch costs more than the few comparisons they make).
+_acquire, _release, _discard = (python_of(f) for f in (pool_acquire, pool_release,
+                                                        pool_discard))
+net_time = python_of(request_net_s)
+
 TLS_RTTS = {"none": 0, "1.2": 2, "1.3": 1, "0rtt": 0}
 
 
@@ -67,54 +77,38 @@ class NetworkTiming:
 
 
 class ConnectionPools:
-    """Per-client keep-alive pools. Pure bookkeeping: callers pass the clock."""
+    """Per-client keep-alive pools (the rules: ``keepalive``, on this object's arrays,
+    which the compiled loop runs on too). Pure bookkeeping: callers pass the clock."""
 
-    __slots__ = ("reuse", "size", "keepalive", "_idle", "_open", "new_connections",
+    __slots__ = ("reuse", "size", "keepalive", "idle", "n_idle", "n_open", "new_connections",
                  "reused_connections")
 
     def __init__(self, n_clients: int, pool_size: int, keepalive_s: float, reuse: bool) -> None:
         self.reuse = reuse
         self.size = pool_size
         self.keepalive = keepalive_s
-        # Per client: list of times at which a pooled connection becomes idle.
-        self._idle: list[list[float]] = [[] for _ in range(n_clients)]
-        self._open = [0] * n_clients
+        # Per client: when each idle pooled connection became idle; how many are idle;
+        # how many pooled connections are open (``keepalive``'s module doc).
+        self.idle = np.zeros((n_clients, max(pool_size, 1) if reuse else 1))
+        self.n_idle = np.zeros(n_clients, dtype=np.int64)
+        self.n_open = np.zeros(n_clients, dtype=np.int64)
         self.new_connections = 0
         self.reused_connections = 0
 
     def acquire(self, client: int, now: float, handshake: float = 0.0) -> tuple[bool, bool]:
         """Take a connection at ``now``: returns (is_new, pooled). ``handshake``: unused
         here (a reused HTTP/1.1 connection is idle, hence set up)."""
-        if not self.reuse:
-            self.new_connections += 1
-            return True, False
-        idle = self._idle[client]
-        best = -1
-        i = 0
-        while i < len(idle):
-            t = idle[i]
-            if t <= now and now - t > self.keepalive:
-                # Expired while idle: the server closed it.
-                idle.pop(i)
-                self._open[client] -= 1
-                continue
-            if t <= now and (best < 0 or t > idle[best]):
-                best = i   # most recently used idle connection (warmest)
-            i += 1
-        if best >= 0:
-            idle.pop(best)
+        got = _acquire(self.idle, self.n_idle, self.n_open, client, now, self.keepalive,
+                       self.size, self.reuse)
+        if got == REUSED:
             self.reused_connections += 1
             return False, True
         self.new_connections += 1
-        if self._open[client] < self.size:
-            self._open[client] += 1
-            return True, True
-        return True, False
+        return True, got == NEW_POOLED
 
     def release(self, client: int, free_at: float, pooled: bool) -> None:
         """The connection is idle again from ``free_at`` (its response delivered)."""
-        if pooled and self.reuse:
-            self._idle[client].append(free_at)
+        _release(self.idle, self.n_idle, client, free_at, pooled, self.reuse)
 
     def setup_wait(self, client: int, now: float, handshake: float) -> float:
         """Extra wait of a request that reused a connection: none, it was idle and open."""
@@ -123,13 +117,9 @@ class ConnectionPools:
     def discard(self, client: int, idle_at: float | None = None) -> None:
         """The client closed one of its pooled connections (it disconnected): it leaves
         the pool. ``idle_at``: the idle time it was released with, if it was."""
-        if not self.reuse:
-            return
-        if idle_at is not None:
-            idle = self._idle[client]
-            if idle_at in idle:
-                idle.remove(idle_at)
-        self._open[client] -= 1
+        if self.reuse:
+            _discard(self.idle, self.n_idle, self.n_open, client,
+                     0.0 if idle_at is None else idle_at, idle_at is not None)
 
 
 class H2Connections:

@@ -9,7 +9,7 @@ import numpy as np
 
 from simulator.wire.clientstream import ClientStream, Link, StreamStats
 from simulator.report.metrics import batch_share_seconds
-from simulator.wire.network import NetworkTiming
+from simulator.wire.network import NetworkTiming, net_time
 from simulator.wire.stream import DisconnectDraws, stream_params
 
 
@@ -85,8 +85,8 @@ class Wire:
         is_new, pooled = self.pools.acquire(key, now, tm.handshake)
         seq.pooled = pooled
         self.rec.new_connection[rid] = is_new
-        wait = tm.handshake if is_new else self.pools.setup_wait(key, now, tm.handshake)
-        return tm.send_time(seq.prompt_tokens) + wait
+        wait = 0.0 if is_new else self.pools.setup_wait(key, now, tm.handshake)
+        return net_time(tm.send_time(seq.prompt_tokens), tm.handshake, is_new, wait)
 
     def replica_for(self, seq) -> int:
         """The replica ``seq`` joins on arrival."""

@@ -29,7 +29,7 @@ from simulator.model.kv import rules as kvr
 from simulator.model.kv.manager import KVStats
 from simulator.loops.compiled.cost import cost_kind
 from simulator.wire.network import ConnectionPools
-from simulator.loops.simpy.replica import MAX_EPOCH_STEPS
+from simulator.model.scheduling.epoch import MAX_EPOCH_STEPS, fast_reason
 
 __all__ = ["Handback", "kernel_reason", "run_compiled", "worth_compiling"]
 
@@ -81,8 +81,6 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
     if policy_ids(policy) is None:
         return f"policy {policy.name!r} has kernels the compiled loop does not know"
     lim = policy.limits
-    if lim.max_num_seqs > lim.max_num_batched_tokens:
-        return "max_num_seqs above the token budget"
     if rules.prefix_caching and rules.allocation == "paged":
         return "prefix caching"
     if router not in ("round_robin", "least_outstanding", "random"):
@@ -98,8 +96,11 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
             return f"cost model {type(c).__name__}"
         if getattr(c, "_rng", None) is not None or getattr(c, "noise", None) is not None:
             return "cost noise"
-        if frame_time > c.min_step_s:
-            return "frames slower than the fastest step"
+        # The loop keeps only the fast bookkeeping (decoders on one tick, epochs).
+        why = fast_reason(frame_time, c.min_step_s, lim.max_num_seqs,
+                          lim.max_num_batched_tokens)
+        if why:
+            return why
     return None
 
 
@@ -142,7 +143,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                    (S.P_ROUTER, {"round_robin": S.ROUTER_RR, "random": S.ROUTER_RANDOM,
                                  "least_outstanding": S.ROUTER_LEAST}[router]),
                    (S.P_REUSE, bool(pools.reuse)), (S.P_POOLSIZE, pools.size),
-                   (S.P_HASUNTIL, until is not None), (S.P_MAXEPOCH, MAX_EPOCH_STEPS),
+                   (S.P_HASUNTIL, until is not None),
                    (S.P_FLUSH, flush), (S.P_SERCAP, series_cap), (S.P_ORDER, order_id),
                    (S.P_REQUEUE, policy.requeue), (S.P_TIMEDEP, policy.time_dependent),
                    (S.P_PADDED, bool(costs[0].padded)),
@@ -218,11 +219,10 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
            np.zeros((R, MAX_EPOCH_STEPS)),              # ENDS: the epoch's step ends
            np.zeros((R, width)),                        # LT_T, LT_C: ``_last_tok``
            np.zeros((R, width), dtype=np.int64),
-           np.zeros((R, 6, series_cap)))                # SER: time-series buffer
-    n_clients = len(pools._open)
-    POOL = (np.zeros((n_clients, max(pools.size, 1))),   # idle since, per pooled connection
-            np.zeros(n_clients, dtype=np.int64),         # idle connections
-            np.zeros(n_clients, dtype=np.int64))         # open (pooled) connections
+           np.zeros((R, 6, series_cap)),                # SER: time-series buffer
+           np.zeros(R, dtype=np.int64))                 # LOAD: outstanding tokens (router)
+    # The pools' own arrays (``wire.keepalive``): the loop runs their rules on them.
+    POOL = (pools.idle, pools.n_idle, pools.n_open)
     # ITL entries of one event: gaps since each group's last token (up to a batch), an
     # epoch's gaps, and recomputed prefills' gaps; plus what waits for a flush.
     cap = flush + MAX_EPOCH_STEPS + 2 * width + 16
@@ -255,7 +255,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
         GI[S.G_NFL] = 0
 
     def drain_series() -> None:
-        ser = BUF[-1]
+        ser = BUF[10]
         for r in range(R):
             k = int(RS[r, S.R_NSER])
             for f in range(6):

@@ -11,7 +11,7 @@ import heapq
 
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
-from simulator.loops.compiled.replica import release
+from simulator.wire.keepalive import pool_release
 from simulator.model.kv.rules import ceil_blocks, growth_tick
 
 
@@ -66,7 +66,7 @@ def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN):
     RS[r, S.R_FREE] += RQ[rid, S.Q_HELD]
     RQ[rid, S.Q_HELD] = 0
     RS[r, S.R_KV] -= prompt[rid] + RQ[rid, S.Q_GENERATED]
-    release(clients[rid], arrived, RQ[rid, S.Q_POOLED] != 0, IP, IDL, ILEN)
+    pool_release(IDL, ILEN, clients[rid], arrived, RQ[rid, S.Q_POOLED] != 0, IP[S.P_REUSE] != 0)
 
 
 @jit

@@ -14,20 +14,9 @@ import numpy as np
 from simulator.cost import physics as ph
 from simulator.cost import table as T
 from simulator.kernel import kernel as jit
+from simulator.model.scheduling.epoch import step_ends
 
 KIND_TABLE, KIND_PHYSICS = 0, 1
-
-
-@jit
-def bisect_left(x, n, q):
-    """First index of ``x[:n]`` holding a value not below ``q`` (the epoch's step ends)."""
-    return T.bisect_left(x, n, q)
-
-
-@jit
-def bisect_right(x, n, q):
-    """First index of ``x[:n]`` holding a value above ``q``."""
-    return T.bisect_right(x, n, q)
 
 
 @jit
@@ -50,7 +39,7 @@ def step_time(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL, nd, ctx_max, ctx_sum
 def decode_ends(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL, nd, ctx0, k, now, ends, buf, z,
                 f):
     """The ends of ``k`` decode-only steps from ``now`` (the cost model's
-    ``decode_times``, summed as ``itertools.accumulate`` does) into ``ends[:k]``;
+    ``decode_times``, summed by ``epoch.step_ends``) into ``ends[:k]``;
     ``buf``: scratch of at least ``k``; ``z``, ``f``: empty chunk arrays."""
     if KIND[0] == KIND_TABLE:
         T.decode_run_ms(CF, A, X, Y, N, TO, G, YB, BEY, CL, nd, ctx0, nd * ctx0, k, buf, z, f)
@@ -58,10 +47,9 @@ def decode_ends(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL, nd, ctx0, k, now, 
         ph.decode_run_ms(PC, nd, ctx0, nd * ctx0, k, buf)
         CL[0] += k
         CL[1] += ph.decode_run_outside(PC, nd, ctx0, nd * ctx0, k)
-    acc = now
     for j in range(k):
-        acc += buf[j] / 1000.0
-        ends[j] = acc
+        buf[j] /= 1000.0
+    step_ends(now, buf, k, ends)
 
 
 def cost_kind(cost):

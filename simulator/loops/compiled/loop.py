@@ -14,8 +14,11 @@ import numpy as np
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import catch_up_growth, finish_due, itl_add, itl_add_gaps, prefill, sample
+from simulator.cluster.picks import first_least, next_in_turn
 from simulator.loops.compiled.plan import plan
-from simulator.loops.compiled.replica import acquire, enqueue, interrupted, outstanding, push, rejects, release
+from simulator.loops.compiled.replica import enqueue, interrupted, outstanding, push, rejects
+from simulator.wire.keepalive import (NEW_ONE_OFF, REUSED, pool_acquire, pool_release,
+                                      request_net_s)
 
 
 @jit
@@ -32,27 +35,31 @@ def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send,
             GI[S.G_NEXT] = rid
             return
         resumed = False
-        is_new, pooled = acquire(clients[rid], now, IP, FP, GI, IDL, ILEN, OPEN)
+        got = pool_acquire(IDL, ILEN, OPEN, clients[rid], now, FP[S.D_KEEPALIVE],
+                           IP[S.P_POOLSIZE], IP[S.P_REUSE] != 0)
+        is_new = got != REUSED
+        GI[S.G_NEWC if is_new else S.G_REUSEDC] += 1
         TS[S.T_NEWC][rid] = is_new
-        RQ[rid, S.Q_POOLED] = pooled
-        t_net = send[rid] + (FP[S.D_HANDSHAKE] if is_new else 0.0)
+        RQ[rid, S.Q_POOLED] = got != NEW_ONE_OFF
+        t_net = request_net_s(send[rid], FP[S.D_HANDSHAKE], is_new, 0.0)
         push(heap, GI, now + t_net, S.NORMAL, S.EV_DELIVER, rid, 0)
         rid += 1
     GI[S.G_NEXT] = n
 
 
 @jit
-def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, picks, prompt, output,
-            clients, IDL, ILEN):
+def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, LOAD, WQ, cls, picks, prompt,
+            output, clients, IDL, ILEN):
     """``FastLoop._deliver``: reject, or route and enqueue."""
     TS[S.T_ENQ][rid] = now
     if rejects(rid, IP, RQ, prompt, output):
         TS[S.T_REJ][rid] = True
-        release(clients[rid], now + FP[S.D_ONEWAY], RQ[rid, S.Q_POOLED] != 0, IP, IDL, ILEN)
+        pool_release(IDL, ILEN, clients[rid], now + FP[S.D_ONEWAY], RQ[rid, S.Q_POOLED] != 0,
+                     IP[S.P_REUSE] != 0)
         return
     R = IP[S.P_R]
     if IP[S.P_ROUTER] == S.ROUTER_RR:
-        GI[S.G_RR] = (GI[S.G_RR] + 1) % R
+        GI[S.G_RR] = next_in_turn(GI[S.G_RR], R)
         k = GI[S.G_RR]
     elif IP[S.P_ROUTER] == S.ROUTER_RANDOM:
         # ``RandomRouter``: the router's generator drawn ahead, one pick per routing.
@@ -60,12 +67,9 @@ def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, picks, prompt
         GI[S.G_RANDOM] += 1
     else:
         # ``LeastOutstanding``: fewest outstanding tokens, ties to the lowest index.
-        k = 0
-        best = outstanding(0, now, RS, ENDS)
-        for i in range(1, R):
-            v = outstanding(i, now, RS, ENDS)
-            if v < best:
-                k, best = i, v
+        for i in range(R):
+            LOAD[i] = outstanding(i, now, RS, ENDS)
+        k = first_least(LOAD, R)
     TS[S.T_REPLICA][rid] = k
     enqueue(k, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output)
 
@@ -79,7 +83,7 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
     state's tuples of arrays by value on every call, and each event's handling is already
     a call into the shared kernels (``plan``, ``apply``, the policy and memory rules)."""
     arrival, prompt, output, clients, prio, cls, send, picks = W
-    DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER = BUF
+    DEC, PRE, CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, SER, LOAD = BUF
     IDL, ILEN, OPEN = POOL
     R = IP[S.P_R]
     heap = [(0.0, 0, 0, 0, 0, 0)]
@@ -157,8 +161,8 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
             RS[r, S.R_IDLE] = 0
             RS[r, S.R_WAKE] = 0
         elif kind == S.EV_DELIVER:
-            deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, WQ, cls, picks, prompt, output,
-                    clients, IDL, ILEN)
+            deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, LOAD, WQ, cls, picks, prompt,
+                    output, clients, IDL, ILEN)
             continue
         elif kind == S.EV_ARRIVE:
             arrivals(t, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,

@@ -14,7 +14,7 @@ from simulator.loops.compiled.cost import decode_ends, step_time
 from simulator.loops.compiled.memory import make_room, swap_in
 from simulator.loops.compiled.queue import begin_candidates, fill, next_candidate, waiting_remove
 from simulator.loops.compiled.replica import adm_blocks, push
-from simulator.model.kv.rules import epoch_room
+from simulator.model.scheduling.epoch import epoch_length, may_start
 
 
 @jit
@@ -117,16 +117,11 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
             push(heap, GI, now + copy_s, S.NORMAL, S.EV_END, r, RS[r, S.R_VER])
             return 0
         return S.Y_EMPTY
-    if (nd and nch == 0 and not hold and not copy_s
-            and not (IP[S.P_TIMEDEP] and RS[r, S.R_WLEN])):
-        # A decode epoch up to the next finish (an order that changes with time alone,
-        # as aging, may admit someone at any step: epochs only while nobody waits).
+    if may_start(nd, nch, hold, copy_s, IP[S.P_TIMEDEP] != 0, RS[r, S.R_WLEN]):
+        # A decode epoch up to the next finish (``model.scheduling.epoch``).
         fh = FH[r]
         clean_top(fh, RQ)
-        k = (fh[0] >> 32) - ticks
-        if k > IP[S.P_MAXEPOCH]:
-            k = IP[S.P_MAXEPOCH]
-        k = epoch_room(IP[S.P_PAGED] != 0, nd, k, bs, RS[r, S.R_FREE])
+        k = epoch_length(fh[0] >> 32, ticks, IP[S.P_PAGED] != 0, nd, bs, RS[r, S.R_FREE])
         if k > 1:
             ctx0 = epoch_context(IP[S.P_PADDED] != 0, nd, RS[r, S.R_KEYMAX], RS[r, S.R_KEYSUM],
                                  ticks)

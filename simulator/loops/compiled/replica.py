@@ -1,7 +1,7 @@
-"""One replica's bookkeeping, compiled: events, connection pools, admission sizes, the
-swapped queue, arrivals and epoch cuts (the SimPy replica's ``enqueue`` and epoch
-interrupts, ``KVSpace.fits``/``admission``, ``ConnectionPools``), on the arrays of
-``state``; the waiting queues are ``queue``'s.
+"""One replica's bookkeeping, compiled: events, admission sizes, the swapped queue,
+arrivals and epoch cuts (the SimPy replica's ``enqueue`` and epoch interrupts,
+``KVSpace.fits``/``admission``), on the arrays of ``state``; the waiting queues are
+``queue``'s, the connection pools ``wire.keepalive``'s.
 
 Orders that matter are kept: the swapped queue (linked through ``Q_NEXT``: a request is
 in one queue at a time), the prefilling list (``PRE``, shifted on removal), the finish
@@ -14,7 +14,7 @@ import heapq
 
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
-from simulator.loops.compiled.cost import bisect_left, bisect_right
+from simulator.model.scheduling.epoch import arrival_interrupts, steps_ended, steps_run
 from simulator.loops.compiled.queue import waiting_append
 from simulator.model.kv.rules import FITS, admission_tokens, ceil_blocks, never_fits
 
@@ -24,47 +24,6 @@ def push(heap, GI, t, prio, kind, obj, ver):
     """``FastLoop.push``: SimPy's order is (time, priority, insertion)."""
     heapq.heappush(heap, (t, prio, GI[S.G_EID], kind, obj, ver))
     GI[S.G_EID] += 1
-
-
-@jit
-def acquire(c, now, IP, FP, GI, IDL, ILEN, OPEN):
-    """``ConnectionPools.acquire``: (is_new, pooled)."""
-    if IP[S.P_REUSE] == 0:
-        GI[S.G_NEWC] += 1
-        return True, False
-    keepalive = FP[S.D_KEEPALIVE]
-    best = -1
-    i = 0
-    while i < ILEN[c]:
-        t = IDL[c, i]
-        if t <= now and now - t > keepalive:
-            for j in range(i, ILEN[c] - 1):
-                IDL[c, j] = IDL[c, j + 1]
-            ILEN[c] -= 1
-            OPEN[c] -= 1
-            continue
-        if t <= now and (best < 0 or t > IDL[c, best]):
-            best = i
-        i += 1
-    if best >= 0:
-        for j in range(best, ILEN[c] - 1):
-            IDL[c, j] = IDL[c, j + 1]
-        ILEN[c] -= 1
-        GI[S.G_REUSEDC] += 1
-        return False, True
-    GI[S.G_NEWC] += 1
-    if OPEN[c] < IP[S.P_POOLSIZE]:
-        OPEN[c] += 1
-        return True, True
-    return True, False
-
-
-@jit
-def release(c, free_at, pooled, IP, IDL, ILEN):
-    """``ConnectionPools.release``."""
-    if pooled and IP[S.P_REUSE] != 0:
-        IDL[c, ILEN[c]] = free_at
-        ILEN[c] += 1
 
 
 @jit
@@ -87,7 +46,7 @@ def outstanding(r, now, RS, ENDS):
     """``FastReplica.outstanding_tokens``."""
     if RS[r, S.R_HASENDS] == 0:
         return RS[r, S.R_OUT]
-    return RS[r, S.R_OUT] - bisect_right(ENDS[r], RS[r, S.R_EPK], now) * RS[r, S.R_ND]
+    return RS[r, S.R_OUT] - steps_ended(ENDS[r], RS[r, S.R_EPK], now) * RS[r, S.R_ND]
 
 
 @jit
@@ -114,10 +73,9 @@ def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
         if not RS[r, S.R_WAKE]:
             RS[r, S.R_WAKE] = 1
             push(heap, GI, now, S.NORMAL, S.EV_WAKE, r, 0)
-    elif RS[r, S.R_INEP] and (IP[S.P_TIMEDEP] or (
-            was_empty and RS[r, S.R_ND] + RS[r, S.R_NP] < IP[S.P_MAXSEQS]
-            and adm_blocks(rid, IP, RQ, prompt, output)[1]
-            <= RS[r, S.R_FREE] - IP[S.P_WATERMARK])):
+    elif RS[r, S.R_INEP] and arrival_interrupts(
+            IP[S.P_TIMEDEP] != 0, was_empty, RS[r, S.R_ND] + RS[r, S.R_NP], IP[S.P_MAXSEQS],
+            adm_blocks(rid, IP, RQ, prompt, output)[1], RS[r, S.R_FREE] - IP[S.P_WATERMARK]):
         RS[r, S.R_INEP] = 0
         push(heap, GI, now, S.URGENT, S.EV_INTERRUPT, r, 0)
 
@@ -125,10 +83,9 @@ def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
 @jit
 def interrupted(r, now, heap, GI, RS, ENDS):
     """``FastReplica.interrupted``: the step in progress completes."""
-    k = RS[r, S.R_EPK]
-    j = min(bisect_left(ENDS[r], k, now), k - 1)
-    RS[r, S.R_EPM] = j + 1
+    m = steps_run(ENDS[r], RS[r, S.R_EPK], now)
+    RS[r, S.R_EPM] = m
     RS[r, S.R_INEP] = 0
-    d = ENDS[r, j] - now
+    d = ENDS[r, m - 1] - now
     RS[r, S.R_VER] += 1
     push(heap, GI, now + (d if d > 0.0 else 0.0), S.NORMAL, S.EV_END, r, RS[r, S.R_VER])

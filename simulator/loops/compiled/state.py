@@ -39,9 +39,9 @@ H_STEPTOT, H_T, H_NOW, H_SWAPCOPY, H_NCOLS = range(5)
 # Integer parameters. The policy: its fill rule and order (numbers in ``queue.FILLS`` /
 # ``ORDERS``), its requeue rule, and whether its order changes with time alone.
 (P_R, P_BUDGET, P_MAXSEQS, P_CHUNK, P_FILL, P_CAPACITY, P_WATERMARK, P_PAGED, P_BS,
- P_MAXLEN, P_ROUTER, P_REUSE, P_POOLSIZE, P_HASUNTIL, P_MAXEPOCH, P_FLUSH, P_SERCAP,
+ P_MAXLEN, P_ROUTER, P_REUSE, P_POOLSIZE, P_HASUNTIL, P_FLUSH, P_SERCAP,
  P_ORDER, P_SWAP, P_VICTIM, P_CPUBLOCKS, P_REQUEUE, P_TIMEDEP, P_PADDED, P_FILLBUDGET,
- P_FILLSEQS, P_NCOLS) = range(27)
+ P_FILLSEQS, P_NCOLS) = range(26)
 ROUTER_RR, ROUTER_LEAST, ROUTER_RANDOM = 0, 1, 2
 
 # Float parameters.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from simulator.cluster.routers import make_router
 from simulator.loops.simpy.replica import Replica, SimSeq
 from simulator.model.kv.blocks import request_blocks
+from simulator.wire.network import net_time
 from simulator.wire.per_request import Wire
 from simulator.wire.stream import DisconnectDraws, client_downlinks_bps
 
@@ -89,7 +90,7 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
             if keys_of is not None:
                 seq.keys = keys_of(rid)
             if wire is None:
-                t_net = net.send_time(p) + (net.handshake if is_new else 0.0)
+                t_net = net_time(net.send_time(p), net.handshake, is_new, 0.0)
             else:
                 t_net = wire.send(seq, env.now)
             env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))

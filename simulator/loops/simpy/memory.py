@@ -129,11 +129,6 @@ class ReplicaMemory:
             kv.grow(s, s.key + tick)
             self._push_growth(s)
 
-    def _epoch_room(self, nd: int, k: int) -> int:
-        """Largest epoch length <= k whose block growth surely fits (``rules.epoch_room``)."""
-        kv = self.kv
-        return kvr.epoch_room(kv.paged, nd, k, kv.bs, kv.manager.num_free)
-
     def _preempt(self, s, now: float) -> None:
         """Preempt running request ``s`` now (see module doc; the rules are
         ``KVSpace.preemption`` / ``release_preempted``)."""

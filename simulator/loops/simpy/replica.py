@@ -20,36 +20,42 @@ into the inter-token-latency histogram. Two exact ways to compute it:
   ``finish_tick`` (a heap). A run of decode-only steps with nothing to admit is
   simulated as one *epoch*: its step times come from the cost model as a vector, it
   ends at the first finish, and an arrival that could be admitted interrupts it at
-  the next step boundary - exactly when a step-by-step loop would have seen it.
+  the next step boundary - exactly when a step-by-step loop would have seen it (the
+  epoch's rules: ``model.scheduling.epoch``).
 - **slow** (a client slower than the engine): every decoder's frame queue is updated
   step by step.
 
-KV memory (allocation, growth, preemption, swap, cancellation) is in
-``replica_memory``; the block accounting itself in ``kvspace``/``blockmanager``.
+KV memory (allocation, growth, preemption, swap, cancellation) is in ``memory``; the
+block accounting itself in ``model.kv`` (``space``, ``manager``, the ``rules``).
 
-``fastloop`` replays this model without SimPy for runs of the built-in policies in
-the fast mode without per-request streams (identical results,
-tested bit for bit); a change here must be made there too, and
-``tests/test_fastloop.py`` fails until it is.
+``loops.compiled`` runs this model without SimPy for runs of the built-in policies in
+the fast mode without per-request streams, calling the same rule kernels (policies,
+``model.kv.rules``, ``model.scheduling.epoch``, ``wire.keepalive``, the cost models')
+on arrays; what it keeps of this replica's bookkeeping is checked bit for bit against
+it by ``tests/test_compiled.py``.
 """
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
 from collections import deque
-from itertools import accumulate
 from typing import Callable, Optional
 
+import numpy as np
 import simpy
 
 from simulator.cost.decodectx import epoch_context
+from simulator.kernel import python_of
 from simulator.model.kv.space import KVRules, KVSpace
 from simulator.loops.simpy.apply import ReplicaApply
 from simulator.loops.simpy.handoff import ReplicaHandoff
 from simulator.loops.simpy.memory import ReplicaMemory
 from simulator.model.scheduling import SchedulerState, Seq, StepPlan
+from simulator.model.scheduling import epoch as E
 
-MAX_EPOCH_STEPS = 4096
+# The epoch rules this loop asks on every step and arrival, as plain functions (a
+# compiled call's dispatch costs more than their few comparisons).
+_may_start, _epoch_length, _arrival_interrupts = (
+    python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts))
 
 
 class SimSeq(Seq):
@@ -128,9 +134,9 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         # ``mode``: "auto" picks fast+epochs when exact; "step" = fast without epochs;
         # "slow" = per-request bookkeeping. All three give the same results (tested).
         self.spec = speculative.for_replica(index) if speculative is not None else None
-        self.fast = (mode != "slow" and frame_time <= cost.min_step_s
-                     and lim.max_num_seqs <= lim.max_num_batched_tokens
-                     and self.spec is None)
+        self.fast = (mode != "slow" and self.spec is None
+                     and E.fast_reason(frame_time, cost.min_step_s, lim.max_num_seqs,
+                                       lim.max_num_batched_tokens) is None)
         self.epochs = mode == "auto" and self.fast
         # Per-request stream models (``clientstream``) need the per-request mode.
         self._streams = streams
@@ -179,7 +185,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         ends = self._epoch_ends
         if ends is None:
             return self._outstanding
-        done = bisect_right(ends, self.env.now)
+        done = E.steps_ended(ends, len(ends), float(self.env.now))
         return self._outstanding - done * len(self.decoding)
 
     # -- arrivals -----------------------------------------------------------------
@@ -195,13 +201,10 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self._outstanding += seq.prompt_tokens + seq.output_tokens
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
-        elif self._in_epoch and (self._aging or (
-                was_empty and len(self.decoding) + len(self.prefilling) < self.max_num_seqs
-                and self.kv.admission(seq)[1] <= self.kv.policy_free())):
+        elif self._in_epoch and _arrival_interrupts(
+                self._aging, was_empty, len(self.decoding) + len(self.prefilling),
+                self.max_num_seqs, self.kv.admission(seq)[1], self.kv.policy_free()):
             # Admissible now: the engine must look at it at the next step boundary.
-            # With aging the queue's order changes with time alone, so whether anyone
-            # waiting becomes admissible is not decided at arrivals: any arrival ends
-            # the epoch, and the loop then steps one by one while somebody waits.
             self._in_epoch = False
             self.process.interrupt()
 
@@ -294,11 +297,11 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
             k_room = 0
             # An epoch repeats this plan until something happens; a step that held
             # admissions back (a preemption, swapped requests) is not one to repeat.
-            if (self.epochs and nd and not plan.prefill and not self._copy_s and not hold
-                    and (not self._aging or len(self.waiting) == 0)):
+            if self.epochs and _may_start(nd, len(plan.prefill), hold, self._copy_s,
+                                           self._aging, len(self.waiting)):
                 self._clean_top(self._finish_heap)
-                k = min(self._finish_heap[0][0] - self.ticks, MAX_EPOCH_STEPS)
-                k_room = self._epoch_room(nd, k)
+                k_room = _epoch_length(self._finish_heap[0][0], self.ticks, kv.paged, nd,
+                                        kv.bs, kv.manager.num_free)
             if k_room > 1:
                 yield from self._epoch(nd, k_room)
             else:
@@ -378,8 +381,9 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         env = self.env
         now = env.now
         ctx0 = epoch_context(self.cost.padded, nd, self._key_max, self._key_sum, self.ticks)
-        dts = self.cost.decode_times(nd, ctx0, k)
-        ends = list(accumulate(dts, initial=now))[1:]
+        ends = np.empty(k)
+        E.step_ends(float(now), np.asarray(self.cost.decode_times(nd, ctx0, k), dtype=np.float64),
+                    k, ends)
         self._in_epoch = True
         self._epoch_ends = ends
         try:
@@ -387,10 +391,9 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
             m = k
         except simpy.Interrupt:
             # Steps run to completion: the one in progress ends, then the engine re-plans.
-            j = min(bisect_left(ends, env.now), k - 1)
-            m = j + 1
+            m = E.steps_run(ends, k, float(env.now))
             self._in_epoch = False
-            yield env.timeout(max(ends[j] - env.now, 0.0))
+            yield env.timeout(max(ends[m - 1] - env.now, 0.0))
         self._in_epoch = False
         self._epoch_ends = None
         self.rec.steps += m
