@@ -285,7 +285,7 @@ class EngineCore(EngineMemory):
         hold = bool(preempted) or bool(self.swapped)
         state = SchedulerState(now=t0, waiting=self.waiting, decoding=self.decoding,
                                prefilling=self.prefilling,
-                               free_blocks=0 if hold else self.kv.policy_free(),
+                               free_blocks=self.kv.policy_free(hold),
                                num_running=self.num_running, kv=self.kv)
         plan = self.policy.schedule(state)
         if plan.admit:

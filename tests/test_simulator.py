@@ -200,6 +200,28 @@ def test_epoch_rules():
     assert E.epoch_length(10 ** 6, 0, True, 4, 16, 8) == 32     # 2 blocks each: 32 steps
 
 
+def test_progress_rules_and_the_tick_keys_agree():
+    """``model.scheduling.progress``: a chunk completing the prefill (and only it) says so;
+    the last token says so; a decoder kept on the replica's tick has, ``j`` ticks after
+    joining, the context and tokens a per-request count gives, and finishes at its
+    output count."""
+    from simulator.model.scheduling import progress as P
+    from simulator.model.scheduling.plan import Seq
+    assert P.prefill_progress(100, 28, 130) == (128, False)
+    assert P.prefill_progress(128, 2, 130) == (130, True)
+    assert P.emit_tokens(8, 1, 10) == (9, False) and P.emit_tokens(9, 1, 10) == (10, True)
+    s = Seq(1, 0.0, prompt_tokens=300, output_tokens=50)
+    assert [s.prefill_chunk(n) for n in (256, 44)] == [False, True] and s.prefilled == 300
+    prompt, out, gen, t0 = 300, 50, 7, 1000       # joins at tick 1000 with 7 tokens
+    key, fin = P.tick_key(prompt, gen, t0), P.finish_tick(t0, out, gen)
+    for j in (0, 5, out - gen):
+        assert key + t0 + j == prompt + gen + j                  # its context
+        assert P.generated_by(out, fin, t0 + j) == gen + j       # its tokens
+    assert fin == t0 + out - gen
+    assert P.last_token_at(t0, t0, 9.0, 4.0) == 4.0              # no step since it joined
+    assert P.last_token_at(t0 + 1, t0, 9.0, 4.0) == 9.0
+
+
 def test_policy_runs_carry_their_own_engine_settings():
     from simulator.config.scenario import validate_scenario
     from conftest import make_scenario_dict

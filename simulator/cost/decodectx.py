@@ -17,8 +17,16 @@ def decode_context(padded, nd, ctx_max, ctx_sum):
 
 
 @kernel(inline=True)
+def tick_contexts(nd, key_max, key_sum, ticks):
+    """``(longest, sum)`` of the contexts of ``nd`` decoders ``ticks`` steps after they
+    held contexts of largest ``key_max`` and sum ``key_sum`` (each grows by one token a
+    step; the fast bookkeeping's keys, ``model.scheduling.progress.tick_key``)."""
+    return key_max + ticks, key_sum + nd * ticks
+
+
+@kernel(inline=True)
 def epoch_context(padded, nd, key_max, key_sum, ticks):
     """``decode_context`` of the decode-only step ``ticks`` steps into an epoch whose
-    sequences started it with contexts of largest ``key_max`` and sum ``key_sum``
-    (each context grows by one token a step)."""
-    return decode_context(padded, nd, key_max + ticks, key_sum + nd * ticks)
+    sequences started it with contexts of largest ``key_max`` and sum ``key_sum``."""
+    cmax, csum = tick_contexts(nd, key_max, key_sum, ticks)
+    return decode_context(padded, nd, cmax, csum)

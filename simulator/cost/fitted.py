@@ -40,6 +40,7 @@ from simulator.config.strict import StrictModel
 
 from simulator.cost import physics as ph
 from simulator.cost.chunks import ChunkArrays
+from simulator.cost.counts import LookupCounts, new_counts
 from simulator.cost.fit import FitResult, fit
 from simulator.cost.fitstore import fit_from_dict, stored_fit_state
 from simulator.cost.noise import NoiseModel
@@ -88,7 +89,7 @@ def step_tail(profile: dict) -> float:
     return float(v) if isinstance(v, (int, float)) and 0.5 <= v <= 2.0 else 1.0
 
 
-class FittedCostModel:
+class FittedCostModel(LookupCounts):
     """Step time (seconds) of a step, from the fitted physics model.
 
     ``scale`` multiplies every step (what-if); ``noise`` turns on the seeded
@@ -120,8 +121,7 @@ class FittedCostModel:
         self.c = c
         self.scale = float(scale)
         self.padded = c[ph.C_PADDED] > 0.0
-        self.lookups = 0
-        self.extrapolations = 0
+        self.CL = new_counts()
         self._chunks = ChunkArrays()
         self._rng = rng if noise else None
         if noise:
@@ -170,11 +170,8 @@ class FittedCostModel:
         k = self._chunks.pack(chunks)
         n, p, f = self._chunks.n, self._chunks.p, self._chunks.f
         completes = bool(f[:k].any())
-        ms = ph.step_ms(self.stepping_constants(), n_decode, decode_ctx_max, decode_ctx_sum,
-                        n, p, f, k)
-        self.lookups += 1
-        if ph.outside_range(self.c, n_decode, decode_ctx_max, decode_ctx_sum, n, p, f, k):
-            self.extrapolations += 1
+        ms = ph.counted_step_ms(self.stepping_constants(), self.CL, n_decode, decode_ctx_max,
+                                decode_ctx_sum, n, p, f, k)
         if self.noise is not None:
             ms = self.noise.next(self._rng, ms, completes)
         return ms / 1000.0
@@ -202,11 +199,8 @@ class FittedCostModel:
         ``step_time`` (the same kernel, the same noise draws)."""
         # Padded: ``ctx0`` is the longest context; paged: the mean, so the sum is
         # ``batch * ctx0`` (the model reads only the one its engine's attention follows).
-        cmax, csum = ctx0, batch * ctx0
         out = np.empty(k)
-        ph.decode_run_ms(self.stepping_constants(), batch, cmax, csum, k, out)
-        self.lookups += k
-        self.extrapolations += ph.decode_run_outside(self.c, batch, cmax, csum, k)
+        ph.counted_decode_run_ms(self.stepping_constants(), self.CL, batch, ctx0, k, out)
         if self.noise is not None:
             self.noise.run(self._rng, out)
         return (out / 1000.0).tolist()

@@ -658,6 +658,27 @@ def decode_run_ms(c, nd, ctx_max0, ctx_sum0, k, out):
 
 
 @kernel
+def counted_step_ms(c, CL, nd, ctx_max, ctx_sum, chn, chp, chf, nch):
+    """``step_ms``, counted into ``CL`` (``cost.counts``: one lookup, and one
+    extrapolation if it lies ``outside_range``)."""
+    CL[0] += 1
+    if outside_range(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch):
+        CL[1] += 1
+    return step_ms(c, nd, ctx_max, ctx_sum, chn, chp, chf, nch)
+
+
+@kernel
+def counted_decode_run_ms(c, CL, nd, ctx0, k, out):
+    """``decode_run_ms`` of ``nd`` decodes whose context (the longest if padded, the
+    mean if paged: ``decodectx.epoch_context``) is ``ctx0`` at the first step, counted
+    into ``CL`` (``k`` lookups, ``decode_run_outside`` extrapolations)."""
+    csum = nd * ctx0
+    decode_run_ms(c, nd, ctx0, csum, k, out)
+    CL[0] += k
+    CL[1] += decode_run_outside(c, nd, ctx0, csum, k)
+
+
+@kernel
 def decode_run_outside(c, nd, ctx_max0, ctx_sum0, k):
     """How many of ``decode_run_ms``'s steps lie outside the fitted range
     (``outside_range`` of each: the batch is the run's, only the context grows)."""

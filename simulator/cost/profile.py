@@ -39,6 +39,7 @@ from simulator.config.strict import StrictModel
 
 import simulator.cost.table as T
 from simulator.cost.chunks import ChunkArrays
+from simulator.cost.counts import LookupCounts, new_counts
 from simulator.errors import LatsimError, read_text
 
 
@@ -232,7 +233,7 @@ def _check_stored_fit(fit, source: str) -> None:
 BLEND_BATCHES = 1025
 
 
-class ProfileCostModel:
+class ProfileCostModel(LookupCounts):
     """Step time (seconds) of a ``StepPlan``-shaped step, from a measured profile. The
     lookups are ``table``'s kernels (the compiled event loop calls the same ones)."""
 
@@ -275,27 +276,10 @@ class ProfileCostModel:
         # the decode table blended per batch size (``table.blend``).
         stacked = T.pack_tables(self.PT, self.DT, self.ET)
         self.tables = stacked + T.blended(stacked, BLEND_BATCHES)
-        self.CL = np.zeros(2, dtype=np.int64)      # lookups, extrapolations
+        self.CL = new_counts()
         self._chunks = ChunkArrays()
         self._rng = rng if noise else None
         self.noise_sigma = self._fit_noise(pre + dec) if noise else 0.0
-
-    # -- counts -------------------------------------------------------------------------
-    @property
-    def lookups(self) -> int:
-        return int(self.CL[0])
-
-    @lookups.setter
-    def lookups(self, v: int) -> None:
-        self.CL[0] = v
-
-    @property
-    def extrapolations(self) -> int:
-        return int(self.CL[1])
-
-    @extrapolations.setter
-    def extrapolations(self, v: int) -> None:
-        self.CL[1] = v
 
     # -- fitting ---------------------------------------------------------------
     def _row(self, tab, qa: float, qb: float) -> float:

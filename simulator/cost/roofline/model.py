@@ -22,6 +22,7 @@ from simulator.cost import catalog
 from simulator.cost import physics as ph
 from simulator.cost.catalog import GpuSpec, ModelArch
 from simulator.cost.chunks import ChunkArrays
+from simulator.cost.counts import new_counts
 from simulator.cost.fitted import FittedCostModel
 from simulator.cost.roofline.constants import (VLLM_GRAPH_BUCKETS, Engine, build_constants,
                                                compute_peak)
@@ -122,8 +123,7 @@ class RooflineCostModel(FittedCostModel):
         self.fit = None
         self.noise = None
         self._rng = None
-        self.lookups = 0
-        self.extrapolations = 0
+        self.CL = new_counts()
         self._chunks = ChunkArrays()
 
     @property

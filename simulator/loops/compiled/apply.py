@@ -13,6 +13,8 @@ from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.wire.keepalive import pool_release
 from simulator.model.kv.rules import ceil_blocks, growth_tick
+from simulator.model.scheduling.progress import (emit_tokens, finish_tick, prefill_progress,
+                                                 tick_key)
 
 
 @jit
@@ -74,9 +76,9 @@ def join(r, rid, t, swapped_in, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C, pro
     """``FastApply._join``: ``rid`` decodes from now on, its last token left at ``t``."""
     ticks = RS[r, S.R_TICKS]
     gen = RQ[rid, S.Q_GENERATED]
-    key = prompt[rid] + gen - ticks
+    key = tick_key(prompt[rid], gen, ticks)
     RQ[rid, S.Q_KEY] = key
-    fkey = ((ticks + output[rid] - gen) << 32) | rid
+    fkey = (finish_tick(ticks, output[rid], gen) << 32) | rid
     RQ[rid, S.Q_FKEY] = fkey
     heapq.heappush(FH[r], fkey)
     RQ[rid, S.Q_JOIN] = ticks
@@ -136,20 +138,20 @@ def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT
     for i in range(RS[r, S.R_NCH]):
         rid = CHR[r, i]
         n = CHN[r, i]
-        RQ[rid, S.Q_PREFILLED] += n
-        done = RQ[rid, S.Q_PREFILLED] >= RQ[rid, S.Q_PLEN]
+        RQ[rid, S.Q_PREFILLED], done = prefill_progress(RQ[rid, S.Q_PREFILLED], n,
+                                                        RQ[rid, S.Q_PLEN])
         tokens += n + (1 if done else 0)
         if not done:
             continue
         pre_remove(r, rid, RS, PRE)
         resumed = RQ[rid, S.Q_GENERATED] > 0
-        RQ[rid, S.Q_GENERATED] += 1
+        RQ[rid, S.Q_GENERATED], last = emit_tokens(RQ[rid, S.Q_GENERATED], 1, output[rid])
         if not resumed:
             TS[S.T_FIRST][rid] = t
             TS[S.T_FIRSTDEL][rid] = t + ft + FP[S.D_ONEWAY]
         else:
             itl_add(GI, ITL, t - RQF[rid, S.QF_LAST_T], 1, flush)
-        if RQ[rid, S.Q_GENERATED] >= output[rid]:
+        if last:
             RS[r, S.R_KV] += tokens
             RS[r, S.R_OUT] -= tokens
             tokens = 0

@@ -28,10 +28,7 @@ def step_time(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL, nd, ctx_max, ctx_sum
         ms = T.step_ms(CF, A, X, Y, N, TO, G, YB, BEY, CL, nd, ctx_max, ctx_sum, chn, chp, chf,
                        nch)
     else:
-        ms = ph.step_ms(PC, nd, ctx_max, ctx_sum, chn, chp, chf, nch)
-        CL[0] += 1
-        if ph.outside_range(PC, nd, ctx_max, ctx_sum, chn, chp, chf, nch):
-            CL[1] += 1
+        ms = ph.counted_step_ms(PC, CL, nd, ctx_max, ctx_sum, chn, chp, chf, nch)
     return ms / 1000.0
 
 
@@ -44,9 +41,7 @@ def decode_ends(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL, nd, ctx0, k, now, 
     if KIND[0] == KIND_TABLE:
         T.decode_run_ms(CF, A, X, Y, N, TO, G, YB, BEY, CL, nd, ctx0, nd * ctx0, k, buf, z, f)
     else:
-        ph.decode_run_ms(PC, nd, ctx0, nd * ctx0, k, buf)
-        CL[0] += k
-        CL[1] += ph.decode_run_outside(PC, nd, ctx0, nd * ctx0, k)
+        ph.counted_decode_run_ms(PC, CL, nd, ctx0, k, buf)
     for j in range(k):
         buf[j] /= 1000.0
     step_ends(now, buf, k, ends)

@@ -10,6 +10,7 @@ from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import dec_remove, join, key_max, lt_add, pre_remove
 from simulator.loops.compiled.queue import waiting_requeue
 from simulator.loops.compiled.replica import swapped_append
+from simulator.model.scheduling.progress import generated_by, last_token_at
 from simulator.model.kv.rules import (ceil_blocks, later_victim, recompute_loss, swap_in_fits,
                                       swaps_out)
 
@@ -38,9 +39,9 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
     if RQ[rid, S.Q_DECODING]:
         # ``_leave_fast``: what it generated so far, and when its last token left.
         ticks = RS[r, S.R_TICKS]
-        gen = output[rid] - ((RQ[rid, S.Q_FKEY] >> 32) - ticks)
+        gen = generated_by(output[rid], RQ[rid, S.Q_FKEY] >> 32, ticks)
         RQ[rid, S.Q_GENERATED] = gen
-        tl = RF[r, S.F_LASTDEC] if ticks > RQ[rid, S.Q_JOIN] else RQF[rid, S.QF_LAST_T]
+        tl = last_token_at(ticks, RQ[rid, S.Q_JOIN], RF[r, S.F_LASTDEC], RQF[rid, S.QF_LAST_T])
         lt_add(r, tl, -1, RS, LT_T, LT_C)
         RQF[rid, S.QF_LAST_T] = tl
         RQ[rid, S.Q_FKEY] = -1

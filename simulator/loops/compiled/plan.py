@@ -7,13 +7,14 @@ import math
 
 
 from simulator.loops.compiled import state as S
-from simulator.cost.decodectx import epoch_context
+from simulator.cost.decodectx import epoch_context, tick_contexts
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import clean_top
 from simulator.loops.compiled.cost import decode_ends, step_time
 from simulator.loops.compiled.memory import make_room, swap_in
 from simulator.loops.compiled.queue import begin_candidates, fill, next_candidate, waiting_remove
 from simulator.loops.compiled.replica import adm_blocks, push
+from simulator.model.kv.rules import policy_blocks
 from simulator.model.scheduling.epoch import epoch_length, may_start
 
 
@@ -56,7 +57,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
     if RS[r, S.R_SLEN] and not hold:
         swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output)
     hold = hold or RS[r, S.R_SLEN] > 0
-    free = 0 if hold else RS[r, S.R_FREE] - IP[S.P_WATERMARK]
+    free = policy_blocks(hold, RS[r, S.R_FREE], IP[S.P_WATERMARK])
     nd0 = RS[r, S.R_ND]
     npre = RS[r, S.R_NP]
     CAND, CREM, CNEED, COUT = WQ[S.W_CAND], WQ[S.W_CREM], WQ[S.W_CNEED], WQ[S.W_COUT]
@@ -138,8 +139,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
                  RS[r, S.R_VER])
             return 0
     if nd:
-        ctx_max = RS[r, S.R_KEYMAX] + ticks
-        ctx_sum = RS[r, S.R_KEYSUM] + nd * ticks
+        ctx_max, ctx_sum = tick_contexts(nd, RS[r, S.R_KEYMAX], RS[r, S.R_KEYSUM], ticks)
     else:
         ctx_max = ctx_sum = 0
     for i in range(nch):

@@ -30,8 +30,12 @@ import heapq
 
 from simulator.kernel import python_of
 from simulator.model.kv import rules as kvr
+from simulator.model.scheduling import progress as P
 
-_growth_tick = python_of(kvr.growth_tick)      # once per decoder and block: no dispatch
+# Once per decoder and block, or join: the plain functions (no compiled dispatch).
+_growth_tick = python_of(kvr.growth_tick)
+_tick_key, _finish_tick, _generated_by, _last_token_at = (
+    python_of(f) for f in (P.tick_key, P.finish_tick, P.generated_by, P.last_token_at))
 
 
 class ReplicaMemory:
@@ -42,11 +46,11 @@ class ReplicaMemory:
         """``s`` decodes from the next step on; it holds ``generated`` tokens and its
         last token left the engine at ``last_token_t``."""
         s.ver += 1
-        key = s.prompt_tokens + s.generated - self.ticks
+        key = _tick_key(s.prompt_tokens, s.generated, self.ticks)
         s.key = key
         s.join_tick = self.ticks
         s.last_t = last_token_t
-        s.finish_tick = self.ticks + s.output_tokens - s.generated
+        s.finish_tick = _finish_tick(self.ticks, s.output_tokens, s.generated)
         heapq.heappush(self._finish_heap, (s.finish_tick, s.rid, s.ver, s))
         self._key_sum += key
         if len(self.decoding) == 1 or key > self._key_max:
@@ -63,8 +67,8 @@ class ReplicaMemory:
 
     def _leave_fast(self, s) -> None:
         """Take decoder ``s`` out of the tick bookkeeping; sets ``generated``/``last_t``."""
-        s.generated = s.output_tokens - (s.finish_tick - self.ticks)
-        tl = self._last_dec_end if self.ticks > s.join_tick else s.last_t
+        s.generated = _generated_by(s.output_tokens, s.finish_tick, self.ticks)
+        tl = _last_token_at(self.ticks, s.join_tick, self._last_dec_end, s.last_t)
         self._last_tok[tl] -= 1
         s.last_t = tl
         s.ver += 1                      # its heap entries go stale

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 import numpy as np
 import simpy
 
-from simulator.cost.decodectx import epoch_context
+from simulator.cost.decodectx import epoch_context, tick_contexts
 from simulator.kernel import python_of
 from simulator.model.kv.space import KVRules, KVSpace
 from simulator.loops.simpy.apply import ReplicaApply
@@ -52,10 +52,10 @@ from simulator.loops.simpy.memory import ReplicaMemory
 from simulator.model.scheduling import SchedulerState, Seq, StepPlan
 from simulator.model.scheduling import epoch as E
 
-# The epoch rules this loop asks on every step and arrival, as plain functions (a
-# compiled call's dispatch costs more than their few comparisons).
-_may_start, _epoch_length, _arrival_interrupts = (
-    python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts))
+# The rules this loop asks on every step and arrival, as plain functions (a compiled
+# call's dispatch costs more than their few comparisons).
+_may_start, _epoch_length, _arrival_interrupts, _tick_contexts = (
+    python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts, tick_contexts))
 
 
 class SimSeq(Seq):
@@ -251,7 +251,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 # scheduled (it keeps its KV) until the buffer drains.
                 decoding = [d for d in decoding if d.stream is None or not d.stream.blocked(now)]
             state = SchedulerState(now, self.waiting, decoding, self.prefilling,
-                                   0 if hold else kv.policy_free(), kv=kv,
+                                   kv.policy_free(hold), kv=kv,
                                    num_running=len(self.decoding) + len(self.prefilling))
             plan = policy.schedule(state)
             if plan.admit:
@@ -309,8 +309,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                     dseqs, ctx_max, ctx_sum = (), 0, 0
                 elif self.fast:
                     dseqs = self.decoding
-                    ctx_max = self._key_max + self.ticks
-                    ctx_sum = self._key_sum + nd * self.ticks
+                    ctx_max, ctx_sum = _tick_contexts(nd, self._key_max, self._key_sum,
+                                                      self.ticks)
                 else:
                     dseqs = (self.decoding if nd == len(self.decoding)
                              else [by_id[r] for r in plan.decode])

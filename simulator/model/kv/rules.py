@@ -138,6 +138,14 @@ def recovered_by_hit(cached, dropped):
     return cached if cached < dropped else dropped
 
 
+@kernel(inline=True)
+def policy_blocks(hold, free_blocks, watermark_blocks):
+    """Blocks a policy may admit new requests against: the free ones but the watermark;
+    none in a step that holds admissions back (it preempted, or requests are still
+    swapped out: they come back first, as in vLLM)."""
+    return 0 if hold else free_blocks - watermark_blocks
+
+
 @kernel
 def swap_in_fits(tokens, block_size, watermark_blocks, free_blocks):
     """Whether a swapped-out request's blocks fit back now (the watermark kept free)."""
@@ -168,6 +176,7 @@ def warm_up() -> None:
     recompute_loss(True, 1, 1, 1)
     recovered_by_hit(0, 0)
     swap_in_fits(1, 16, 0, 1)
+    policy_blocks(False, 1, 0)
     epoch_room(True, 1, 1, 16, 1)
     spec_lookahead(4, 10)
     decode_slots(1, 0)

@@ -26,10 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from simulator import kernel
 from simulator.model.kv import rules as kvr
 from simulator.model.kv.blocks import blocks_for
 from simulator.model.kv.manager import make_kv_manager
 from simulator.model.scheduling.plan import Seq, StepPlan
+
+_policy_blocks = kernel.python_of(kvr.policy_blocks)   # every step: no compiled dispatch
 
 
 @dataclass(frozen=True)
@@ -123,9 +126,11 @@ class KVSpace:
         """``(cached_tokens, blocks)`` admitting ``seq`` now would take (for policies)."""
         return self.manager.admission(self.admission_tokens(seq), self.keys_of(seq))
 
-    def policy_free(self, reserved: int = 0) -> int:
-        """Blocks a policy may admit against: free minus watermark minus ``reserved``."""
-        return self.manager.num_free - self.watermark_blocks - reserved
+    def policy_free(self, hold: bool = False) -> int:
+        """Blocks a policy may admit against (``rules.policy_blocks``): the free ones but
+        the watermark; none in a step that holds admissions back (``hold``: it preempted,
+        or requests are still swapped out)."""
+        return _policy_blocks(hold, self.manager.num_free, self.watermark_blocks)
 
     # -- what the executor does ------------------------------------------------------------
     def admit(self, seq: Seq) -> int:

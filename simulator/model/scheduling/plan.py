@@ -13,6 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from simulator.kernel import python_of
+from simulator.model.scheduling.progress import emit_tokens, prefill_progress
+
+# Once per request and step from Python: the plain functions (no compiled dispatch).
+_prefill_progress, _emit_tokens = python_of(prefill_progress), python_of(emit_tokens)
+
 
 class Seq:
     """One request as the scheduler sees it.
@@ -51,19 +57,18 @@ class Seq:
     def remaining_prefill(self) -> int:
         return self.prefill_len - self.prefilled
 
-    # -- what a step does to a request: one rule for every executor that holds Seqs
-    # (the SimPy replica, the real engine, the calibration's replay) ---------------------
+    # -- what a step does to a request (``progress``: the rules every executor calls) ----
     def prefill_chunk(self, n: int) -> bool:
         """``n`` more prompt tokens computed; True when that completes the prefill (the
         step then yields a token: the first one, or after a recompute the next one)."""
-        self.prefilled += n
-        return self.prefilled >= self.prefill_len
+        self.prefilled, done = _prefill_progress(self.prefilled, n, self.prefill_len)
+        return done
 
     def emit(self, n: int = 1) -> bool:
         """``n`` more output tokens (a decode's; a speculative verify's accepted ones);
         True when the request has all its tokens."""
-        self.generated += n
-        return self.generated >= self.output_tokens
+        self.generated, done = _emit_tokens(self.generated, n, self.output_tokens)
+        return done
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (f"Seq(rid={self.rid}, prio={self.priority}, prompt={self.prompt_tokens}, "
