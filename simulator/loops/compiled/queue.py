@@ -19,6 +19,7 @@ from simulator.model.policies.fifo import fill_whole_prompts
 from simulator.model.policies.priority_aging import aging_key
 from simulator.model.policies.static import fill_static
 from simulator.model.scheduling.policy import REQUEUE_ARRIVAL, REQUEUE_FRONT
+from simulator.model.scheduling.queues import goes_before, progress
 
 FILLS = (fill_whole_prompts, fill_chunked, fill_static)
 ORDERS = (None, aging_key, fair_key)          # None: arrival order (one FIFO)
@@ -145,15 +146,17 @@ def next_candidate(r, now, order_id, GI, RS, RQ, WQ, TS, prio, output, OP):
         if rid < 0:
             continue
         e = TS[S.T_ENQ][rid]
-        k = order_key(order_id, prio[rid], e, RQ[rid, S.Q_GENERATED] / output[rid], now, OP)
-        if best < 0 or k < best_k or (k == best_k and e < best_e):
+        k = order_key(order_id, prio[rid], e, progress(RQ[rid, S.Q_GENERATED], output[rid]),
+                      now, OP)
+        if best < 0 or goes_before(k, e, best_k, best_e):
             best, best_c, best_k, best_e = rid, c, k, e
     m = RS[r, S.R_RHEAD] if RS[r, S.R_RLEN] else -1
     while m >= 0:
         if RQ[m, S.Q_ROUND] != GI[S.G_ROUND]:
             e = TS[S.T_ENQ][m]
-            k = order_key(order_id, prio[m], e, RQ[m, S.Q_GENERATED] / output[m], now, OP)
-            if best < 0 or k < best_k or (k == best_k and e < best_e):
+            k = order_key(order_id, prio[m], e, progress(RQ[m, S.Q_GENERATED], output[m]),
+                          now, OP)
+            if best < 0 or goes_before(k, e, best_k, best_e):
                 best, best_c, best_k, best_e = m, -1, k, e
         m = RQ[m, S.Q_NEXT]
     if best < 0:

@@ -14,16 +14,34 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterator
 
+from simulator.kernel import kernel, python_of
 from simulator.model.scheduling.plan import Seq
 from simulator.model.scheduling.policy import REQUEUE_ARRIVAL, REQUEUE_FRONT
 
-__all__ = ["WaitingQueue", "progress_of"]
+__all__ = ["WaitingQueue", "progress_of", "progress", "goes_before"]
+
+
+@kernel(inline=True)
+def progress(generated, output_tokens):
+    """A waiting request's progress: output tokens generated before it was preempted,
+    over its output tokens (what the ``fair_score`` key rewards)."""
+    return generated / output_tokens if output_tokens else 0.0
+
+
+@kernel(inline=True)
+def goes_before(key_a, enq_a, key_b, enq_b):
+    """Whether request a comes before request b in a discipline's order: the lower key
+    first, ties to the earlier arrival."""
+    return key_a < key_b or (key_a == key_b and enq_a < enq_b)
+
+
+# Once per waiting request offered: the plain functions (no compiled dispatch).
+_progress, _goes_before = python_of(progress), python_of(goes_before)
 
 
 def progress_of(seq: Seq) -> float:
-    """A waiting request's progress: output tokens generated before it was preempted,
-    over its output tokens (what the ``fair_score`` key rewards)."""
-    return seq.generated / seq.output_tokens if seq.output_tokens else 0.0
+    """``progress`` of ``seq``."""
+    return _progress(seq.generated, seq.output_tokens)
 
 
 class WaitingQueue:
@@ -90,12 +108,12 @@ class WaitingQueue:
             yield from q
         yield from self._resumed
 
-    def key(self, seq: Seq, now: float) -> tuple[float, float]:
-        """``seq``'s place in the order at ``now`` (lower first)."""
+    def key(self, seq: Seq, now: float) -> float:
+        """``seq``'s key in the order at ``now`` (``goes_before``: lower first, ties to
+        the earlier arrival)."""
         if self._key is None:
-            return (0.0, seq.enqueued)
-        return (self._key(seq.priority, seq.enqueued, progress_of(seq), now, self._p),
-                seq.enqueued)
+            return 0.0
+        return self._key(seq.priority, seq.enqueued, progress_of(seq), now, self._p)
 
     def candidates(self, now: float) -> Iterator[Seq]:
         """The waiting requests in the order the discipline admits them at ``now``: the
@@ -109,16 +127,17 @@ class WaitingQueue:
         heads = {c: 0 for c, q in self._classes.items() if q}
         resumed = list(self._resumed)
         while heads or resumed:
-            best = best_key = None
+            best = best_key = best_enq = None
             for c, i in heads.items():
-                k = self.key(self._classes[c][i], now)
-                if best_key is None or k < best_key:
-                    best_key, best = k, c
+                s = self._classes[c][i]
+                k = self.key(s, now)
+                if best_key is None or _goes_before(k, s.enqueued, best_key, best_enq):
+                    best_key, best_enq, best = k, s.enqueued, c
             r_best = -1
             for j, s in enumerate(resumed):
                 k = self.key(s, now)
-                if best_key is None or k < best_key:
-                    best_key, r_best = k, j
+                if best_key is None or _goes_before(k, s.enqueued, best_key, best_enq):
+                    best_key, best_enq, r_best = k, s.enqueued, j
             if r_best >= 0:
                 yield resumed.pop(r_best)
                 continue
