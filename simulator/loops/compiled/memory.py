@@ -11,8 +11,8 @@ from simulator.loops.compiled.apply import dec_remove, join, key_max, lt_add, pr
 from simulator.loops.compiled.queue import waiting_requeue
 from simulator.loops.compiled.replica import swapped_append
 from simulator.model.scheduling.progress import generated_by, last_token_at
-from simulator.model.kv.rules import (ceil_blocks, later_victim, recompute_loss, swap_in_fits,
-                                      swaps_out)
+from simulator.model.kv.rules import (ceil_blocks, later_victim, recompute_loss, swap_copy,
+                                      swap_in_fits, swaps_out)
 
 
 @jit
@@ -68,9 +68,9 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
     if swap:
         RQ[rid, S.Q_SWAPBLK] = held
         RS[r, S.R_CPU] += held
-        nbytes = held * FP[S.D_BLOCKBYTES]
+        nbytes, copy_s = swap_copy(held, FP[S.D_BLOCKBYTES], FP[S.D_SWAPBPS])
         TS[S.T_SWAPPED][rid] += nbytes
-        RF[r, S.F_COPY] += nbytes / FP[S.D_SWAPBPS]
+        RF[r, S.F_COPY] += copy_s
         swapped_append(r, rid, RS, RQ)
         return
     TS[S.T_RECOMPUTED][rid] += lost
@@ -113,9 +113,9 @@ def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, pro
         RS[r, S.R_ADMISSIONS] += 1
         RS[r, S.R_QUERIED] += tokens
         RS[r, S.R_CPU] -= RQ[rid, S.Q_SWAPBLK]
-        nbytes = RQ[rid, S.Q_SWAPBLK] * FP[S.D_BLOCKBYTES]
+        nbytes, copy_s = swap_copy(RQ[rid, S.Q_SWAPBLK], FP[S.D_BLOCKBYTES], FP[S.D_SWAPBPS])
         TS[S.T_SWAPPED][rid] += nbytes
-        RF[r, S.F_COPY] += nbytes / FP[S.D_SWAPBPS]
+        RF[r, S.F_COPY] += copy_s
         TS[S.T_PREEMPTED_S][rid] += now - RQF[rid, S.QF_PREEMPTED_AT]
         RS[r, S.R_KV] += tokens
         join(r, rid, RQF[rid, S.QF_LAST_T], True, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C,

@@ -16,6 +16,7 @@ from simulator.loops.compiled.queue import begin_candidates, fill, next_candidat
 from simulator.loops.compiled.replica import adm_blocks, push
 from simulator.model.kv.rules import policy_blocks
 from simulator.model.scheduling.epoch import epoch_length, may_start
+from simulator.model.scheduling.policy import next_offer
 
 
 @jit
@@ -82,9 +83,9 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
         nd, nch, nadm, more = fill(IP[S.P_FILL], IP[S.P_FILLBUDGET], IP[S.P_CHUNK],
                                    IP[S.P_FILLSEQS], nd0 + npre, free, nd0, PREM, npre, CREM,
                                    CNEED, nc, POUT, COUT)
-        if not more or k == n_wait or k == cap:
+        k = next_offer(k, n_wait, more, cap)
+        if not k:
             break
-        k = min(2 * k, n_wait, cap)
     for i in range(nch):
         CHR[r, i] = PRE[r, i]
         CHN[r, i] = POUT[i]

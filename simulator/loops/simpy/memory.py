@@ -33,7 +33,7 @@ from simulator.model.kv import rules as kvr
 from simulator.model.scheduling import progress as P
 
 # Once per decoder and block, or join: the plain functions (no compiled dispatch).
-_growth_tick = python_of(kvr.growth_tick)
+_growth_tick, _swap_copy = python_of(kvr.growth_tick), python_of(kvr.swap_copy)
 _tick_key, _finish_tick, _generated_by, _last_token_at = (
     python_of(f) for f in (P.tick_key, P.finish_tick, P.generated_by, P.last_token_at))
 
@@ -157,9 +157,9 @@ class ReplicaMemory:
             s.where = "s"
             s.swapped_blocks = blocks
             self.cpu_used += blocks
-            nbytes = blocks * self.block_bytes
+            nbytes, copy_s = _swap_copy(blocks, self.block_bytes, self.swap_bps)
             rec.swapped_bytes[rid] += nbytes
-            self._copy_s += nbytes / self.swap_bps
+            self._copy_s += copy_s
             self.swapped.append(s)
             return
         # Recompute: the KV is gone; it prefills again whatever it had computed.
@@ -179,9 +179,9 @@ class ReplicaMemory:
                 break
             self.swapped.popleft()
             self.cpu_used -= s.swapped_blocks
-            nbytes = s.swapped_blocks * self.block_bytes
+            nbytes, copy_s = _swap_copy(s.swapped_blocks, self.block_bytes, self.swap_bps)
             rec.swapped_bytes[s.rid] += nbytes
-            self._copy_s += nbytes / self.swap_bps
+            self._copy_s += copy_s
             rec.preempted_s[s.rid] += now - s.preempted_at
             self.kv_tokens += tokens
             s.where = "d"

@@ -139,6 +139,15 @@ def recovered_by_hit(cached, dropped):
 
 
 @kernel(inline=True)
+def swap_copy(blocks, block_bytes, copy_bps):
+    """``(bytes, seconds)`` of copying ``blocks`` KV blocks between GPU and CPU memory (a
+    swap out or in), at ``copy_bps`` bytes per second; the step that does it is longer
+    by the seconds."""
+    nbytes = blocks * block_bytes
+    return nbytes, nbytes / copy_bps
+
+
+@kernel(inline=True)
 def policy_blocks(hold, free_blocks, watermark_blocks):
     """Blocks a policy may admit new requests against: the free ones but the watermark;
     none in a step that holds admissions back (it preempted, or requests are still
@@ -177,6 +186,7 @@ def warm_up() -> None:
     recovered_by_hit(0, 0)
     swap_in_fits(1, 16, 0, 1)
     policy_blocks(False, 1, 0)
+    swap_copy(1, 1.0, 1.0)
     epoch_room(True, 1, 1, 16, 1)
     spec_lookahead(4, 10)
     decode_slots(1, 0)

@@ -33,7 +33,25 @@ import numpy as np
 
 from simulator.config.strict import StrictModel
 
+from simulator.kernel import kernel, python_of
 from simulator.model.scheduling.plan import EMPTY_PLAN, SchedulerState, StepPlan, admission_cost
+
+
+@kernel(inline=True)
+def next_offer(offered, n_waiting, more, cap):
+    """How many waiting requests (in the discipline's order) the fill rule is offered
+    next, or 0 when the plan is final: one at first, then twice as many each time the
+    rule says it could take more (``more``), up to all of them (or ``cap``). A plan
+    admits at most the free sequence slots, so this looks at a few, not the queue."""
+    if not more or offered >= n_waiting or offered >= cap:
+        return 0
+    k = 2 * offered
+    if k > n_waiting:
+        k = n_waiting
+    return k if k < cap else cap
+
+
+_next_offer = python_of(next_offer)      # once per fill: no compiled dispatch
 
 __all__ = ["Limits", "Policy", "PolicyParams", "POLICIES", "register_policy", "policy_names",
            "policy_class", "make_policy", "check_policy_name", "REQUEUE_FRONT",
@@ -143,9 +161,9 @@ class Policy:
                 pre_rem, n_pre,
                 np.asarray(rem, np.int64), np.asarray(need, np.int64), len(cands),
                 out_pre, out_cand)
-            if not more or k == n_wait:
+            k = _next_offer(k, n_wait, more, n_wait)
+            if not k:
                 break
-            k = min(2 * k, n_wait)
         if not nd and not npc and not na:
             return EMPTY_PLAN
         chunks = [(pre[i].rid, int(out_pre[i])) for i in range(npc)]
