@@ -5,12 +5,17 @@ built-in ones: fifo, chunked prefill, priority classes with aging, the weighted 
 score), paged or contiguous memory with watermarks and preemption (by recompute or swap,
 either victim rule), round-robin, random or least-outstanding routing, keep-alive pools,
 a measured profile without noise, and a clock stop. The decisions are the very kernels
-the SimPy model calls (policies' fill rules and order keys, ``simulator.model.kv.rules``,
-the cost lookups); the loop keeps the SimPy replica's fast bookkeeping (decode epochs,
-a replica-wide decode tick) on arrays, processes events in SimPy's order, does the same
-floating-point operations in the same order, and feeds the ITL histogram the same
-entries with the same flushes. ``tests/test_compiled.py`` checks its results against
-the SimPy model bit for bit on random configurations.
+the SimPy model calls: the policies' fill rules and order keys and the queue's tie rule
+(``model.scheduling.queues``), how many candidates a fill is offered
+(``policy.next_offer``), the memory rules (``model.kv.rules``), what a step does to a
+request and the decode tick's keys (``model.scheduling.progress``), the decode epoch's
+rules (``model.scheduling.epoch``), the connection pools (``wire.keepalive``), the
+routers' picks (``cluster.picks``) and the cost models' kernels. The loop keeps the
+SimPy replica's fast bookkeeping (decode epochs, a replica-wide decode tick, decoders
+grouped by the tick at which they take their next block) on arrays, processes events
+in SimPy's order, does the same floating-point operations in the same order, and feeds
+the ITL histogram the same entries with the same flushes. ``tests/test_compiled.py``
+checks its results against the SimPy model bit for bit on random configurations.
 
 What it does not cover is decided before the run (``kernel_reason``); those runs use
 SimPy. A run that hits an empty plan (an error the SimPy model reports) is handed back
