@@ -240,7 +240,8 @@ class EngineLoop:
                             self.streams[rid].timing.setdefault("scheduled", t)
                 if res.tokens:
                     self._deliver(res.tokens, set(res.finished), res.t_end)
-                self._publish()
+                else:
+                    self._publish()
         except Exception as e:      # a bug or device error: fail requests, don't hang them
             self.failure = f"{type(e).__name__}: {e}"
             logging.getLogger("latsim.server").exception("engine thread failed")
@@ -270,8 +271,8 @@ class EngineLoop:
 
     def _deliver(self, tokens: dict, finished: set, t: float) -> None:
         """Hand one step's tokens to their request queues (one thread hop per event
-        loop); under ``block``, pause every request whose buffer is now full, so it
-        sits out the next step."""
+        loop), after publishing the metrics they change; under ``block``, pause every
+        request whose buffer is now full, so it sits out the next step."""
         by_loop: dict = {}
         wall = t + self.wall_offset
         block = self.backpressure == "block"
@@ -295,6 +296,10 @@ class EngineLoop:
                     if st.buffered >= self.buffer_frames and self.engine.pause(rid):
                         st.paused, st.paused_at = True, self.engine.clock()
                         self.pauses += 1
+        # The metrics first: a client that has read a request's last frame then finds
+        # it counted (published after the hand-over, a quick client could read the
+        # metrics of the step before).
+        self._publish()
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)

@@ -497,6 +497,27 @@ def slow_engine():
                         num_blocks=512)
 
 
+def test_metrics_count_a_request_before_its_last_token_is_handed_over(slow_engine):
+    """The engine thread publishes the metrics a step changes before it hands the step's
+    tokens to the event loop: a client that has read a request's last frame then finds
+    it counted. (Published after, ``requests_served`` lagged a quick client: once in a
+    whole-suite run, the slow-reader test read 0 after its stream had ended.)"""
+    from real_engine.engineloop import EngineLoop, _Stream
+
+    el = EngineLoop(slow_engine)
+    seen = []
+
+    class Loop:                 # an event loop that records what the metrics said
+        def call_soon_threadsafe(self, fn, items):
+            seen.append((el.snapshot["requests_served"], [last for _, _, last in items]))
+
+    st = _Stream(7, Loop(), 0.0)
+    el.streams[7] = st
+    el._deliver({7: 11}, set(), 1.0)
+    el._deliver({7: 12}, {7}, 2.0)
+    assert seen == [(0, [False]), (1, [True])]
+
+
 @contextlib.contextmanager
 def _slow_reader(engine, mode: str):
     """A server with ``mode`` backpressure and a small send buffer, a metrics client,
