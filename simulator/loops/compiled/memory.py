@@ -10,7 +10,7 @@ from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import dec_remove, join, key_max, lt_add, pre_remove
 from simulator.loops.compiled.queue import waiting_requeue
 from simulator.loops.compiled.replica import swapped_append
-from simulator.model.scheduling.progress import generated_by, last_token_at
+from simulator.model.scheduling.progress import admission_times, generated_by, last_token_at
 from simulator.model.kv.rules import (ceil_blocks, later_victim, recompute_loss, swap_copy,
                                       swap_in_fits, swaps_out)
 
@@ -116,7 +116,8 @@ def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, pro
         nbytes, copy_s = swap_copy(RQ[rid, S.Q_SWAPBLK], FP[S.D_BLOCKBYTES], FP[S.D_SWAPBPS])
         TS[S.T_SWAPPED][rid] += nbytes
         RF[r, S.F_COPY] += copy_s
-        TS[S.T_PREEMPTED_S][rid] += now - RQF[rid, S.QF_PREEMPTED_AT]
+        TS[S.T_PREEMPTED_S][rid] += admission_times(TS[S.T_SCHED][rid],
+                                                    RQF[rid, S.QF_PREEMPTED_AT], now)[1]
         RS[r, S.R_KV] += tokens
         join(r, rid, RQF[rid, S.QF_LAST_T], True, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C,
              prompt, output)

@@ -3,9 +3,6 @@ the preemptions it forces, swap-ins, the policy's fill rule and its admissions, 
 decode epoch, one step, or an iteration that only copies swapped blocks)."""
 from __future__ import annotations
 
-import math
-
-
 from simulator.loops.compiled import state as S
 from simulator.cost.decodectx import epoch_context, tick_contexts
 from simulator.kernel import kernel as jit
@@ -17,6 +14,7 @@ from simulator.loops.compiled.replica import adm_blocks, push
 from simulator.model.kv.rules import policy_blocks
 from simulator.model.scheduling.epoch import epoch_length, may_start
 from simulator.model.scheduling.policy import next_offer
+from simulator.model.scheduling.progress import admission_times
 
 
 @jit
@@ -102,11 +100,10 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
         RQ[rid, S.Q_HELD] = need
         RS[r, S.R_ADMISSIONS] += 1
         RS[r, S.R_QUERIED] += tokens
-        pre_at = RQF[rid, S.QF_PREEMPTED_AT]
-        if math.isnan(pre_at):
-            TS[S.T_SCHED][rid] = now
-        else:
-            TS[S.T_PREEMPTED_S][rid] += now - pre_at
+        TS[S.T_SCHED][rid], waited, again = admission_times(TS[S.T_SCHED][rid],
+                                                            RQF[rid, S.QF_PREEMPTED_AT], now)
+        if again:
+            TS[S.T_PREEMPTED_S][rid] += waited
         PRE[r, RS[r, S.R_NP]] = rid
         RS[r, S.R_NP] += 1
     copy_s = RF[r, S.F_COPY]

@@ -34,8 +34,9 @@ from simulator.model.scheduling import progress as P
 
 # Once per decoder and block, or join: the plain functions (no compiled dispatch).
 _growth_tick, _swap_copy = python_of(kvr.growth_tick), python_of(kvr.swap_copy)
-_tick_key, _finish_tick, _generated_by, _last_token_at = (
-    python_of(f) for f in (P.tick_key, P.finish_tick, P.generated_by, P.last_token_at))
+_tick_key, _finish_tick, _generated_by, _last_token_at, _admission_times = (
+    python_of(f) for f in (P.tick_key, P.finish_tick, P.generated_by, P.last_token_at,
+                           P.admission_times))
 
 
 class ReplicaMemory:
@@ -182,7 +183,8 @@ class ReplicaMemory:
             nbytes, copy_s = _swap_copy(s.swapped_blocks, self.block_bytes, self.swap_bps)
             rec.swapped_bytes[s.rid] += nbytes
             self._copy_s += copy_s
-            rec.preempted_s[s.rid] += now - s.preempted_at
+            rec.preempted_s[s.rid] += _admission_times(rec.scheduled[s.rid], s.preempted_at,
+                                                       now)[1]
             self.kv_tokens += tokens
             s.where = "d"
             self.decoding.append(s)

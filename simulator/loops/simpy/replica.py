@@ -51,11 +51,13 @@ from simulator.loops.simpy.handoff import ReplicaHandoff
 from simulator.loops.simpy.memory import ReplicaMemory
 from simulator.model.scheduling import SchedulerState, Seq, StepPlan
 from simulator.model.scheduling import epoch as E
+from simulator.model.scheduling.progress import admission_times
 
 # The rules this loop asks on every step and arrival, as plain functions (a compiled
 # call's dispatch costs more than their few comparisons).
-_may_start, _epoch_length, _arrival_interrupts, _tick_contexts = (
-    python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts, tick_contexts))
+_may_start, _epoch_length, _arrival_interrupts, _tick_contexts, _admission_times = (
+    python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts, tick_contexts,
+                           admission_times))
 
 
 class SimSeq(Seq):
@@ -364,10 +366,10 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 rec.cached_tokens[rid] += cached
                 self.kv_tokens += cached
                 self._outstanding -= cached
-            if math.isnan(rec.scheduled[rid]):
-                rec.scheduled[rid] = now
-            else:
-                rec.preempted_s[rid] += now - seq.preempted_at
+            rec.scheduled[rid], waited, again = _admission_times(rec.scheduled[rid],
+                                                                 seq.preempted_at, now)
+            if again:
+                rec.preempted_s[rid] += waited
                 # Dropped KV that a re-admission's prefix hit recovers is not recomputed.
                 rec.recomputed_tokens[rid] -= recovered
             seq.where = "p"

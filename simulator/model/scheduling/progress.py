@@ -14,6 +14,10 @@ a decoder's progress as a key on that tick rather than per request:
 - its context is ``key + ticks`` (``tick_key``);
 - it has all its tokens at tick ``finish_tick``; taken out earlier (preempted), it has
   generated ``generated_by`` tokens, the last of them at ``last_token_at``.
+
+And what an admission records (``admission_times``): the first one is when the
+request was first scheduled; a later one (back after a preemption, recomputed or
+swapped in) adds the time it spent preempted.
 """
 from __future__ import annotations
 
@@ -57,3 +61,13 @@ def last_token_at(ticks, join_tick, last_decode_end, joined_last_t):
     """When a decoder's last token left the engine: at the last decode step's end if
     a step has run since it joined, else when its last token before joining did."""
     return last_decode_end if ticks > join_tick else joined_last_t
+
+
+@kernel(inline=True)
+def admission_times(scheduled, preempted_at, now):
+    """An admission at ``now`` of a request first scheduled at ``scheduled`` (NaN: never)
+    and last preempted at ``preempted_at``: ``(first scheduled, seconds preempted to
+    add, whether it is a re-admission)``."""
+    if scheduled != scheduled:
+        return now, 0.0, False
+    return scheduled, now - preempted_at, True
