@@ -50,6 +50,18 @@ def test_azure_and_vidur_slices_agree():
     assert az.hash_ids is None and set(az.priority) == {0}
 
 
+@pytest.mark.parametrize("frac", ["", ".5", ".000", ".0000000"])
+def test_azure_timestamps_in_seconds_whatever_their_decimals(tmp_path, frac):
+    """Rows 3 s apart span 42 s whether their timestamps carry 0, 1, 3 or 7 decimals
+    (pandas parses them at a unit it picks from the digits; read as nanoseconds, a
+    millisecond-stamped trace ran 1000 times too fast)."""
+    rows = [f"2023-11-16 18:00:{10 + 3 * i:02d}{frac},500,50" for i in range(15)]
+    p = tmp_path / "az.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    w = build(p, format="azure")
+    np.testing.assert_allclose(w.arrival_s, 3.0 * np.arange(15), rtol=0, atol=1e-9)
+
+
 def test_mooncake_slice_carries_hash_ids():
     wl = build("mooncake_conv_head30.jsonl")
     lines = [json.loads(x) for x in (FIX / "mooncake_conv_head30.jsonl").read_text().splitlines()]

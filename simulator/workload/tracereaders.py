@@ -256,7 +256,10 @@ def _read_tabular(path: Path, fmt: str, block: int, max_bytes: int) -> RawTrace:
             i = int(np.argmax(bad))
             raise cell_error(path, int(lines[i]), tcol, f"not a date-time "
                              f"'YYYY-MM-DD HH:MM:SS.fff' (got {df[tcol].iloc[i]!r})")
-        ns = stamps.astype("int64").to_numpy()
+        # In nanoseconds whatever unit pandas parsed them at (it picks one from the
+        # digits given: milliseconds for '.fff', so counting them as nanoseconds would
+        # shrink the trace's clock 1000 times).
+        ns = stamps.dt.as_unit("ns").astype("int64").to_numpy()
         # No natural origin for a wall clock: the trace's clock starts at its earliest row.
         time_s = (ns - ns.min()) / 1e9
     else:
