@@ -11,6 +11,8 @@ with its ``exit_code`` (2: bad input).
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 VALUE_CHARS = 80     # the quoted value, at most
@@ -115,7 +117,23 @@ class LatsimError(Exception):
         if has_value:
             msg = f"{msg} (got {short_repr(value)})"
         full = f"{head}: {msg}" if head else msg
+        self.source = source
         super().__init__(one_line(full))
+
+
+@contextlib.contextmanager
+def about(source: str):
+    """Name ``source`` (the file being worked on) in a ``LatsimError`` raised inside that
+    names no file: a check of a scenario's values after it loaded (memory, sizes) then
+    says which scenario, as its loader's errors do. Keeps the error's class (its exit
+    code)."""
+    try:
+        yield
+    except LatsimError as e:
+        if not getattr(e, "source", None):
+            e.source = source
+            e.args = (one_line(f"{source}: {e.args[0]}"),)
+        raise
 
 
 def check_file(path, *, max_bytes: int, what: str = "file", field: str | None = None):

@@ -23,7 +23,8 @@ from simulator.cost import physics as ph
 from simulator.cost.roofline import checks, constants, defaults, derive, model, transfer
 from simulator.cost.fitted import FittedCostModel, fitted_constants
 from simulator.errors import LatsimError
-from simulator.loops.simulate import kv_capacity_blocks, replica_kv_args, simulate
+from simulator.loops.simulate import (kv_capacity_blocks, replica_kv_args, roofline_memory_plan,
+                                      simulate)
 
 REFBENCH = REPO / "profiles" / "h200-llama3-8b-refbench.json"
 
@@ -309,6 +310,19 @@ def test_a_model_that_does_not_fit_is_refused_before_the_run():
     d = _scenario(name="llama-2-70b", cost={"kind": "roofline", "gpu": "h100-80gb", "tp": 4})
     d["engine"]["kv"] = {"gpu_memory_gb": 80}
     with pytest.raises(LatsimError, match="memory is the GPU's"):
+        kv_capacity_blocks(validate_scenario(d))
+    # Blocks given do not skip the check: the weights still do not fit on one H100, and
+    # on four a cache of more blocks than the memory holds is refused too.
+    d = _scenario(name="llama-2-70b", cost={"kind": "roofline", "gpu": "h100-80gb", "tp": 1})
+    d["engine"]["kv"] = {"num_blocks": 1000}
+    with pytest.raises(LatsimError, match="does not fit: weights 128.5 GiB"):
+        kv_capacity_blocks(validate_scenario(d))
+    d["model"]["cost"]["tp"] = 4
+    room = roofline_memory_plan(validate_scenario(d), require_fit=False).kv_blocks
+    d["engine"]["kv"] = {"num_blocks": room}
+    assert kv_capacity_blocks(validate_scenario(d)) == room
+    d["engine"]["kv"] = {"num_blocks": room + 1}
+    with pytest.raises(LatsimError, match=f"num_blocks.*room for {room} blocks"):
         kv_capacity_blocks(validate_scenario(d))
 
 

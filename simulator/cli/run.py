@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from simulator.cli.common import _fail, _policy_list
-from simulator.errors import LatsimError
+from simulator.errors import LatsimError, about
 
 console = Console()
 err_console = Console(stderr=True)
@@ -217,7 +217,8 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
     sized = expected is not None
     if sized:
         _check_size(expected(), len(runs), loop, yes, str(scenario))
-    capacity = kv_capacity_blocks(sc)
+    with about(str(scenario)):
+        capacity = kv_capacity_blocks(sc)
     # Same traffic for every policy: build the workload once from the seed.
     wl_rng = np.random.default_rng(np.random.SeedSequence(s).spawn(4)[0])
     wl = build_workload(sc.workload, wl_rng, base)

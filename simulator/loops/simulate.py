@@ -79,7 +79,9 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
     model, what ``catalog.plan_memory`` leaves on the GPU type for its TP x PP, weight
     and KV formats, ``gpu_memory_utilization`` and the engine's activation reserve
     (refused before the run, with the numbers, when the model does not fit); else
-    (GPU memory x utilisation - weights) / block bytes.
+    (GPU memory x utilisation - weights) / block bytes. Given blocks are refused when
+    more than that room holds (with a roofline model, or with ``gpu_memory_gb`` given
+    too): a cache the GPU cannot hold is no what-if.
 
     With a roofline cost model ``cluster.gpus_per_replica`` must equal tp x pp; left
     out, it is set to that here (every run computes this first)."""
@@ -93,19 +95,34 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
     cost = scenario.model.cost
     if getattr(cost, "kind", None) == "roofline":
         _settle_gpus_per_replica(scenario)
-        if kv.num_blocks is not None:
-            return kv.num_blocks
-        return roofline_memory_plan(scenario).kv_blocks
-    if kv.num_blocks is not None:
-        return kv.num_blocks
-    shape = scenario.model.shape
-    free = kv.gpu_memory_gb * 1e9 * kv.gpu_memory_utilization - shape.weight_bytes
-    per_block = shape.kv_bytes_per_token * kv.block_size
-    blocks = int(free // per_block)
-    if blocks < 1:
-        raise LatsimError("the model's weights leave no memory for the KV cache",
-                          field="engine.kv.gpu_memory_gb", value=kv.gpu_memory_gb, has_value=True)
-    return blocks
+        if kv.num_blocks is None:
+            return roofline_memory_plan(scenario).kv_blocks
+        # Given blocks must still fit on the GPU, after the weights and the reserve.
+        plan = roofline_memory_plan(scenario, require_fit=False)
+        if plan.kv_blocks < 1:
+            raise LatsimError(plan.reason, field="model.cost")
+        room = plan.kv_blocks
+        where = f"{plan.model} on {plan.gpu} (TP{plan.tp} PP{plan.pp})"
+    else:
+        shape = scenario.model.shape
+        free = kv.gpu_memory_gb * 1e9 * kv.gpu_memory_utilization - shape.weight_bytes
+        per_block = shape.kv_bytes_per_token * kv.block_size
+        room = int(free // per_block)
+        if kv.num_blocks is None or "gpu_memory_gb" in kv.model_fields_set:
+            if room < 1:
+                raise LatsimError("the model's weights leave no memory for the KV cache",
+                                  field="engine.kv.gpu_memory_gb", value=kv.gpu_memory_gb,
+                                  has_value=True)
+        if kv.num_blocks is None:
+            return room
+        if "gpu_memory_gb" not in kv.model_fields_set:
+            return kv.num_blocks       # blocks given alone: the engine's own count
+        where = f"engine.kv.gpu_memory_gb = {kv.gpu_memory_gb:g} GB"
+    if kv.num_blocks > room:
+        raise LatsimError(f"more blocks than fit: {where} leaves room for {room} blocks of "
+                          f"{kv.block_size} tokens after the weights",
+                          field="engine.kv.num_blocks", value=kv.num_blocks, has_value=True)
+    return kv.num_blocks
 
 
 def _settle_gpus_per_replica(scenario: Scenario) -> None:
