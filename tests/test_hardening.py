@@ -560,3 +560,61 @@ def test_validation_on_a_busy_cpu_box_says_the_errors_measure_the_load(capsys, m
     monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
     M._warn_if_busy("cpu")
     assert capsys.readouterr().out == ""
+
+
+# -- result files: checked before any work, never replaced unasked -------------------------
+
+RUN50 = REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"
+SCEN50 = REPO / "scenarios" / "refbench-load50-fifo.yaml"
+
+
+@pytest.mark.parametrize("cmd", [
+    ["plan", "{s}", "--cost-per-gpu-hour", "2", "--search", "cluster.replicas=1:2",
+     "--no-headroom", "--workers", "1"],
+    ["calibrate", SCEN50, "--run", RUN50, "--no-sim"],
+    ["validate", "--run", RUN50, SCEN50],
+    ["sweep", "{s}", "--grid", "engine.max_num_seqs=8,16", "--workers", "1"],
+    ["bench", "--url", "http://127.0.0.1:1", "--limit", "1"],
+    ["trace", "convert", REPO / "tests" / "data" / "azure_conv_head40.csv"],
+], ids=["plan", "calibrate", "validate", "sweep", "bench", "trace-convert"])
+def test_an_unwritable_out_is_refused_before_any_work(tmp_path, capsys, cmd):
+    """``--out`` under a file, or where nothing can be made (``/proc``, whatever the
+    permission bits say to root), is one error line naming --out before anything runs
+    (it was found only when writing: exit 70 'a bug in latsim', the results lost)."""
+    s = write(tmp_path, small(20))
+    argv = [str(a).replace("{s}", str(s)) for a in cmd]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    name = "x.json" if cmd[0] == "calibrate" else "x.csv" if cmd[0] == "trace" else "x"
+    for bad in (afile / name, Path("/proc") / name):
+        code, out, err = cli(argv + ["--out", bad], capsys)
+        assert code == 2 and "--out" in error_line(err), err
+        assert "Latency" not in out and "real vs simulated" not in out    # nothing ran
+
+
+def test_earlier_results_are_replaced_only_with_force(tmp_path, capsys):
+    """``plan``, ``bench`` and ``trace convert`` refuse to replace earlier results unless
+    ``--force`` (as ``run``, ``sweep`` and ``calibrate`` do); ``trace convert`` never
+    writes over the trace it reads."""
+    s = write(tmp_path, small(20))
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "summary.json").write_text("{}")
+    code, _, err = cli(["plan", s, "--cost-per-gpu-hour", "2", "--search",
+                        "cluster.replicas=1:2", "--no-headroom", "--workers", "1",
+                        "--out", old], capsys)
+    assert code == 2 and "--force" in error_line(err)
+    code, _, err = cli(["bench", "--url", "http://127.0.0.1:1", "--limit", "1", "--out", old],
+                       capsys)
+    assert code == 2 and "--force" in error_line(err)
+    assert (old / "summary.json").read_text() == "{}"
+    src = tmp_path / "t.csv"
+    src.write_text((REPO / "tests" / "data" / "azure_conv_head40.csv").read_text())
+    code, _, err = cli(["trace", "convert", src, "--out", src, "--limit", "3"], capsys)
+    assert code == 2 and "the file being read" in error_line(err)
+    dst = tmp_path / "c.csv"
+    assert cli(["trace", "convert", src, "--out", dst], capsys)[0] == 0
+    code, _, err = cli(["trace", "convert", src, "--out", dst, "--limit", "3"], capsys)
+    assert code == 2 and "--force" in error_line(err)
+    assert cli(["trace", "convert", src, "--out", dst, "--limit", "3", "--force"], capsys)[0] == 0
+    assert len(pd.read_csv(dst)) == 3

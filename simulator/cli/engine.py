@@ -78,7 +78,8 @@ def validate(
     chunk_size: Optional[int] = typer.Option(None, "--chunk-size", min=1),
     aging_s: float = typer.Option(2.0, "--aging-s", min=0.001),
     seed: int = typer.Option(0, "--seed"),
-    out: Path = typer.Option(Path("results/validate"), "--out"),
+    out: Path = typer.Option(Path("results/validate"), "--out", help="folder for the "
+                             "comparison's files (a file of the same run or trace is replaced)"),
     endpoint: Optional[str] = typer.Option(
         None, "--endpoint", help="over real HTTP: 'local' (serve each policy here on a "
         "loopback port) or the URL of a running `latsim serve` (its own policy)"),
@@ -91,6 +92,7 @@ def validate(
     so the wire (T_net, T_stream) is measured too (``real_engine.endpoint``). With
     ``--run DIR SCENARIO`` the real side is a recorded run and nothing is served
     (``simulator.cli.fidelity.validate_run``)."""
+    from simulator.report.files import check_out_dir
     try:
         if run is not None or scenario is not None:
             if run is None or scenario is None:
@@ -109,9 +111,6 @@ def validate(
                                       "server's settings with --set a.b=value)",
                                       source=param.opts[0], value=ctx.params[param.name],
                                       has_value=True)
-            if out.exists() and not out.is_dir():
-                raise LatsimError("exists and is not a folder", source="--out", value=str(out),
-                                  has_value=True)
             from simulator.cli.fidelity import validate_run
             label = None if policies == _VALIDATE_POLICIES else policies.strip()
             validate_run(run, scenario, label, out, set_)
@@ -128,6 +127,7 @@ def validate(
         names = _policy_list(policies)
         if not profile.exists():
             raise LatsimError("file not found", source=str(profile), field="--profile")
+        check_out_dir(out, keep=True)
         prof = load_profile(profile)
         mdl = model or prof.get("meta", {}).get("model", {}).get("name")
         if not mdl:

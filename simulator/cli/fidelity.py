@@ -313,14 +313,13 @@ def calibrate(
     from simulator.cost.calibration import (ReplayError, calibrate as run_calibration,
                                             simulate_run)
     from simulator.cost.fitted import FittedCostModel
-    from simulator.report.files import json_safe
+    from simulator.report.files import check_out_file, json_safe
     if out is not None and out.suffix != ".json":
         raise LatsimError("must be a .json file", source="--out", value=str(out), has_value=True)
-    if out is not None and out.exists() and (out.is_dir() or not force):
+    if out is not None:
         # A profile is a result (a calibration can take minutes and a run may be gone):
-        # replaced only when asked, and never a folder.
-        raise LatsimError("is a folder" if out.is_dir() else "exists (--force to replace it)",
-                          source="--out", value=str(out), has_value=True)
+        # replaced only when asked, and its folder checked before any work.
+        check_out_file(out, force=force)
     cases, sc, base = load_cases(scenario, run, policy, set_)
     if profile is not None:
         if not profile.exists():
@@ -397,8 +396,10 @@ def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[
     """``latsim validate --run DIR SCENARIO``: real vs simulated P50/P99 for a recorded
     run, and the model's step time against the measured one per step kind."""
     from simulator.cost.calibration import ReplayError, validate_recorded
-    from simulator.report.files import json_safe
+    from simulator.report.files import check_out_dir, json_safe
     cases, _, base = load_cases(scenario, [run], label, set_, "--policies")
+    if out is not None:
+        check_out_dir(out, keep=True)     # one file per run: a repeat replaces its own
     k = cases[0]
     try:
         res = validate_recorded(k, base_dir=base)

@@ -50,8 +50,9 @@ def sweep(
                                         help="stop after N points (--resume later)"),
 ) -> None:
     """Run every point of a parameter grid and write one tidy table (CSV + parquet)."""
-    from simulator.planning.sweep import check_sweep_dir, parse_axis, run_sweep
-    check_sweep_dir(out)
+    from simulator.planning.sweep import parse_axis, run_sweep
+    from simulator.report.files import check_out_dir
+    check_out_dir(out, keep=True)      # a sweep resumes into its folder
     base, base_dir = _base(scenario, set_)
     axes = [parse_axis(g) for g in grid or []]
     try:
@@ -140,6 +141,8 @@ def plan(
                                           help="processes (default: cores)"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for plan.json, evaluations.csv"
                                        " and load_curve.png (default: results/plan-<name>)"),
+    force: bool = typer.Option(False, "--force", help="--out may hold an earlier plan: it is "
+                               "replaced"),
     headroom: bool = typer.Option(True, "--headroom/--no-headroom", help="find the max rate"),
     tol: float = typer.Option(0.05, "--headroom-tol", min=1e-4, max=1.0,
                               help="relative precision of the headroom"),
@@ -157,6 +160,7 @@ def plan(
     from simulator.planning.planner import Planner
     from simulator.planning.slo import class_names_of, default_slos, parse_slo
     from simulator.planning.sweep import parse_axis
+    from simulator.report.files import check_out_dir
     prices = parse_prices(cost_per_gpu_hour)
     if not math.isfinite(tol):
         raise LatsimError("must be a number in [0.0001, 1]", source="--headroom-tol", value=tol,
@@ -168,6 +172,8 @@ def plan(
         raise LatsimError("name at least one GPU type", source="--gpus", value=gpus, has_value=True)
     base, base_dir = _base(scenario, set_)
     sc = validate_scenario(base, source=str(scenario), base_dir=base_dir)
+    out = out or Path("results") / f"plan-{sc.name}"
+    check_out_dir(out, force=force)
     slos = ([parse_slo(s, class_names_of(sc)) for s in slo] if slo else default_slos(sc))
     if not slos:
         raise LatsimError("no SLO: give --slo or SLOs on the workload's classes", source="--slo")
@@ -198,7 +204,6 @@ def plan(
                 pl.headroom(result, tol=tol)
     finally:
         pl.close()
-    out = out or Path("results") / f"plan-{sc.name}"
     files = write_plan(out, result, prices)
     print_plan(console, result, prices, runner_ups, len(pl.combos), len(pl.replicas))
     console.print(f"wrote {', '.join(str(f) for f in files)}")

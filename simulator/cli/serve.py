@@ -249,6 +249,8 @@ def bench(
                                                help="stop the whole run after this long"),
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(Path("results/bench"), "--out"),
+    force: bool = typer.Option(False, "--force", help="--out may hold an earlier run: it is "
+                               "replaced"),
 ) -> None:
     """Replay a trace over real HTTP/SSE against an OpenAI-compatible server.
 
@@ -258,10 +260,11 @@ def bench(
     import pandas as pd
 
     from simulator.wire.benchclient import bench_outputs, need_h2, run_bench
-    from simulator.report.files import json_safe
+    from simulator.report.files import check_out_dir, json_safe
     from simulator.report.tables import latency_table, throughput_table
     from simulator.workload import Workload
     _need("httpx")
+    check_out_dir(out, force=force)
     if not url.startswith(("http://", "https://")):
         raise LatsimError("must be an http:// or https:// URL", source="--url",
                           value=_short(url), has_value=True)

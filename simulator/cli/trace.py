@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from simulator.errors import LatsimError
+from simulator.report.files import check_out_file
 from simulator.workload.base import Workload
 from simulator.workload.traces import TraceWorkload, build_trace, summarize_workload
 
@@ -109,22 +110,6 @@ def summarize(
     console.print(summary_table(path, summarize_workload(wl)))
 
 
-def check_out_file(out: Path) -> None:
-    """Before any work: ``out`` can be written as a file (not a folder, in an existing
-    writable folder)."""
-    out = Path(out)
-    if out.is_dir():
-        raise LatsimError("is a folder; give a file name", source="--out", value=str(out),
-                          has_value=True)
-    parent = out.absolute().parent
-    if not parent.is_dir():
-        raise LatsimError(f"its folder {parent} does not exist" if not parent.exists() else
-                          f"{parent} is a file, not a folder", source="--out", value=str(out),
-                          has_value=True)
-    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise LatsimError("not writable", source="--out", value=str(out), has_value=True)
-
-
 def write_canonical(wl: Workload, out: Path) -> None:
     """Write ``wl`` as the canonical CSV (full float precision, so it reads back exactly),
     to a temporary file renamed over ``out`` at the end: an interrupted write leaves no
@@ -155,9 +140,11 @@ def convert(
     rate: Optional[float] = typer.Option(None, help="rescale to this mean rate (req/s)"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
     sort: bool = typer.Option(False, help="sort out-of-order timestamps (with a warning)"),
+    force: bool = typer.Option(False, "--force", help="--out may name an existing file: it "
+                               "is replaced"),
 ) -> None:
     """Write the canonical CSV: arrival_s, prompt_tokens, output_tokens, priority, prefix_hashes."""
-    check_out_file(out)
+    check_out_file(out, force=force, reading=(path,))
     wl = load_trace(path, format, speedup=speedup, rate=rate, window=window, limit=limit, sort=sort)
     write_canonical(wl, out)
     typer.echo(f"wrote {len(wl):,} requests over {wl.arrival_s[-1]:,.1f} s to {out}")

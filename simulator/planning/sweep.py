@@ -38,6 +38,7 @@ from simulator.config.scenario import validate_scenario
 from simulator.config.yamlfile import INT_LIMIT, parse_override
 from simulator.errors import LatsimError
 from simulator.planning.executors import load_profile_for, make_executor
+from simulator.report.files import check_out_dir
 
 SHORTHANDS = {"replicas": "cluster.replicas", "router": "cluster.router",
               "policy": "engine.policy"}
@@ -315,7 +316,7 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
                           f"({INT_LIMIT - 1})", source="--seeds", value=seeds, has_value=True)
     seed_list = [base_seed + i for i in range(seeds)]
     out_dir = Path(out_dir)
-    check_sweep_dir(out_dir)
+    check_out_dir(out_dir, keep=True)
     path = out_dir / RESULTS_CSV
     if path.exists() and not (resume or force):
         raise LatsimError("results already exist: pass --resume to continue them or --force "
@@ -399,28 +400,6 @@ def _check_same_sweep(spec: Path, axes: list, base: dict) -> None:
             "scenario (or --set)"
         raise LatsimError(f"the results there are of another sweep (its {what} differs): pass "
                           f"--force to start again, or --out another folder", source=str(spec))
-
-
-def check_sweep_dir(out_dir: Path) -> None:
-    """Before anything runs: ``out_dir`` is (or can be made) a writable folder."""
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise LatsimError("exists and is not a folder", source="--out", value=str(out_dir),
-                              has_value=True)
-        if not os.access(out_dir, os.W_OK | os.X_OK):
-            raise LatsimError("folder is not writable", source="--out", value=str(out_dir),
-                              has_value=True)
-        return
-    anc = out_dir.absolute().parent
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        raise LatsimError(f"cannot create the folder: {anc} is a file", source="--out",
-                          value=str(out_dir), has_value=True)
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise LatsimError(f"cannot create the folder: {anc} is not writable", source="--out",
-                          value=str(out_dir), has_value=True)
 
 
 def _check_sweep_memory(tasks: list, rows: list, executor: str, workers: Optional[int]) -> None:

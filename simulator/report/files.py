@@ -193,13 +193,23 @@ RUN_OUTPUTS = ("requests.csv", "requests-*.csv", "requests.parquet", "requests-*
 
 
 def _writable_dir(d: Path) -> bool:
-    return os.access(d, os.W_OK | os.X_OK)
+    """Whether a file can be made in folder ``d``, by making one (permission bits do not
+    say it for root, nor for /proc or a read-only mount)."""
+    if not os.access(d, os.W_OK | os.X_OK):
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=d):
+            return True
+    except OSError:
+        return False
 
 
-def check_out_dir(out: Path, *, force: bool = False, option: str = "--out") -> None:
+def check_out_dir(out: Path, *, force: bool = False, option: str = "--out",
+                  keep: bool = False) -> None:
     """Fail now (one line) if ``out`` cannot take a run's results: it is a file, a part of
     its path is a file, it cannot be created or written, or it already holds files
-    (``force``: allowed, those results are replaced)."""
+    (``force``: allowed, those results are replaced; ``keep``: allowed, the command adds
+    to them, as a resumed sweep does)."""
     out = Path(out)
     if out.exists() or out.is_symlink():
         if not out.is_dir():
@@ -210,7 +220,7 @@ def check_out_dir(out: Path, *, force: bool = False, option: str = "--out") -> N
         except OSError as e:
             raise LatsimError(f"cannot read the folder: {e.strerror}", source=option,
                               value=str(out), has_value=True) from None
-        if entries and not force:
+        if entries and not (force or keep):
             raise LatsimError(f"folder exists and is not empty ({entries} entries): pass "
                               "--force to replace its results, or choose another",
                               source=option, value=str(out), has_value=True)
@@ -228,6 +238,35 @@ def check_out_dir(out: Path, *, force: bool = False, option: str = "--out") -> N
     if not _writable_dir(anc):
         raise LatsimError(f"cannot create the folder: {anc} is not writable", source=option,
                           value=str(out), has_value=True)
+
+
+def check_out_file(out: Path, *, force: bool = False, option: str = "--out",
+                   reading: tuple = ()) -> None:
+    """Fail now (one line) if ``out`` cannot be written as a result file: it is a folder,
+    its folder does not exist or cannot be written, it is one of the files the command
+    reads (``reading``), or it exists (``force``: it is replaced)."""
+    out = Path(out)
+    if out.is_dir():
+        raise LatsimError("is a folder; give a file name", source=option, value=str(out),
+                          has_value=True)
+    for src in reading:
+        try:
+            same = out.exists() and os.path.samefile(out, src)
+        except OSError:
+            same = False
+        if same:
+            raise LatsimError("is the file being read: write to another file", source=option,
+                              value=str(out), has_value=True)
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise LatsimError(f"its folder {parent} does not exist" if not parent.exists() else
+                          f"{parent} is a file, not a folder", source=option, value=str(out),
+                          has_value=True)
+    if out.exists() and not force:
+        raise LatsimError("exists (--force to replace it)", source=option, value=str(out),
+                          has_value=True)
+    if not _writable_dir(parent) or (out.exists() and not os.access(out, os.W_OK)):
+        raise LatsimError("not writable", source=option, value=str(out), has_value=True)
 
 
 class StagedDir:
