@@ -618,3 +618,14 @@ def test_earlier_results_are_replaced_only_with_force(tmp_path, capsys):
     assert code == 2 and "--force" in error_line(err)
     assert cli(["trace", "convert", src, "--out", dst, "--limit", "3", "--force"], capsys)[0] == 0
     assert len(pd.read_csv(dst)) == 3
+
+
+def test_a_workload_that_draws_no_request_is_refused(tmp_path, capsys, no_simulation):
+    """``duration_s`` too short for a single arrival is bad input naming the field (a run
+    of nothing reported 'no requests completed' and exited 0)."""
+    d = small()
+    d["workload"].pop("num_requests")
+    d["workload"]["duration_s"] = 0.001
+    code, _, err = cli(["run", write(tmp_path, d)], capsys)
+    line = error_line(err)
+    assert code == 2 and "s.yaml" in line and "workload.duration_s" in line and "0.001" in line

@@ -221,7 +221,8 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
         capacity = kv_capacity_blocks(sc)
     # Same traffic for every policy: build the workload once from the seed.
     wl_rng = np.random.default_rng(np.random.SeedSequence(s).spawn(4)[0])
-    wl = build_workload(sc.workload, wl_rng, base)
+    with about(str(scenario)):
+        wl = build_workload(sc.workload, wl_rng, base)
     n = len(wl)
     if not sized:
         _check_size(n, len(runs), loop, yes, str(scenario))

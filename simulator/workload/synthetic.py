@@ -135,6 +135,12 @@ def build_synthetic(cfg: SyntheticWorkload, rng: np.random.Generator, base_dir: 
         arr = np.concatenate(parts)
         arr = arr[arr <= cfg.duration_s]
     n = len(arr)
+    if n == 0:
+        # Nothing to simulate is not a result (a run of it would report 'no requests
+        # completed' and exit 0).
+        raise LatsimError(f"no request arrives within it at {cfg.arrival.rate:g} req/s: "
+                          "lengthen it or raise the rate", field="workload.duration_s",
+                          value=cfg.duration_s, has_value=True)
     if cfg.lengths_file is not None:
         p_all, o_all = _load_lengths(cfg.lengths_file, base_dir)
         idx = rng.integers(0, len(p_all), size=n)
