@@ -84,7 +84,10 @@ def test_slo_syntax():
     assert g.column == "request_goodput" and g.ok(4) and g.ratio(7) == 0.5
     assert parse_slo("default:p99_tpot_ms<50ms", ["default"]).column == "p99_tpot_ms"
     for bad, msg in (("p9:p99_ttft_ms<=5", "unknown class"), ("p99_ttfx_ms<=5", "unknown metric"),
-                     ("p0:p99_itl_ms<=5", "without a class"), ("p99_ttft_ms=5", "looks like")):
+                     ("p0:p99_itl_ms<=5", "without a class"), ("p99_ttft_ms=5", "looks like"),
+                     ("p99_ttft_ms<=-5", "positive number"), ("p99_ttft_ms<0", "positive"),
+                     ("p99_ttft_ms<=1e999", "positive number"),
+                     ("request_goodput>=-1", ">= 0")):
         with pytest.raises(LatsimError, match=msg):
             parse_slo(bad, ["P0"])
 

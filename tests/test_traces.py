@@ -167,6 +167,8 @@ def _write(tmp_path, name, text):
 @pytest.mark.parametrize("name,text,kw,pattern", [
     ("a.csv", "TIMESTAMP,ContextTokens,GenTokens\n2023-11-16 18:00:00.0,5,5\n", {"format": "azure"},
      r"a\.csv:1: column 'GeneratedTokens': missing from the header.*did you mean 'GenTokens'"),
+    ("c.csv", "arrival_s,prompt_tokens,output_tokens,arrival_s\n0,5,5,9\n", {},
+     r"c\.csv:1: column 'arrival_s': named 2 times in the header"),
     ("v.csv", "arrived,num_prefill_tokens,num_decode_tokens\n0,5,5\n", {},
      r"v\.csv:1: column 'arrived_at': missing from the header.*did you mean 'arrived'"),
     ("v.csv", "time,prompt,output\n0,5,5\n", {},
@@ -268,8 +270,8 @@ def test_cli_summarize_and_convert_round_trip(tmp_path):
     assert back.arrival_s.tolist() == orig.arrival_s.tolist()  # full precision
     assert back.prompt_tokens.tolist() == orig.prompt_tokens.tolist()
     assert [h.tolist() for h in back.hash_ids] == [h.tolist() for h in orig.hash_ids]
-    res = runner.invoke(trace_app, ["convert", str(FIX / "azure_conv_head40.csv"), "--out", str(out),
-                                    "--window", "5,x"])
+    res = runner.invoke(trace_app, ["convert", str(FIX / "azure_conv_head40.csv"),
+                                    "--out", str(tmp_path / "o2.csv"), "--window", "5,x"])
     assert isinstance(res.exception, LatsimError) and "--window" in str(res.exception)
     res = runner.invoke(trace_app, ["summarize", str(tmp_path / "none.csv")])
     assert isinstance(res.exception, LatsimError) and "file not found" in str(res.exception)

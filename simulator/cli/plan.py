@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import List, Optional
 
@@ -43,7 +44,7 @@ def sweep(
                                           "running Ray cluster (host:port; default: "
                                           "RAY_ADDRESS, else a local Ray started here)"),
     workers: Optional[int] = typer.Option(None, "--workers", min=1,
-                                          help="processes (default: cores)"),
+                                          help="processes (default and at most: the cores)"),
     resume: bool = typer.Option(False, "--resume", help="skip points already in results.csv"),
     force: bool = typer.Option(False, "--force", help="discard existing results and start again"),
     limit: Optional[int] = typer.Option(None, "--limit", min=1,
@@ -138,7 +139,7 @@ def plan(
     seeds: int = typer.Option(1, "--seeds", help="every seed must meet the SLOs"),
     executor: str = typer.Option("local", "--executor", help="local | ray (honours RAY_ADDRESS)"),
     workers: Optional[int] = typer.Option(None, "--workers", min=1,
-                                          help="processes (default: cores)"),
+                                          help="processes (default and at most: the cores)"),
     out: Optional[Path] = typer.Option(None, "--out", help="folder for plan.json, evaluations.csv"
                                        " and load_curve.png (default: results/plan-<name>)"),
     force: bool = typer.Option(False, "--force", help="--out may hold an earlier plan: it is "
@@ -172,7 +173,9 @@ def plan(
         raise LatsimError("name at least one GPU type", source="--gpus", value=gpus, has_value=True)
     base, base_dir = _base(scenario, set_)
     sc = validate_scenario(base, source=str(scenario), base_dir=base_dir)
-    out = out or Path("results") / f"plan-{sc.name}"
+    # The default folder is named after the scenario, as a file name: a name with path
+    # separators ('../x') must not write elsewhere.
+    out = out or Path("results") / ("plan-" + re.sub(r"[^\w.-]+", "_", sc.name).strip("."))
     check_out_dir(out, force=force)
     slos = ([parse_slo(s, class_names_of(sc)) for s in slo] if slo else default_slos(sc))
     if not slos:

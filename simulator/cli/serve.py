@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -268,6 +269,9 @@ def bench(
     if not url.startswith(("http://", "https://")):
         raise LatsimError("must be an http:// or https:// URL", source="--url",
                           value=_short(url), has_value=True)
+    for opt, v in (("--rate", rate), ("--speedup", speedup)):
+        if v is not None and not math.isfinite(v):
+            raise LatsimError("must be a finite number", source=opt, value=v, has_value=True)
     if http2:
         need_h2()
     api_key = _api_key(api_key)

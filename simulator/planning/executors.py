@@ -79,13 +79,16 @@ def run_point(task: tuple) -> dict:
 
 
 class LocalExecutor:
-    """A process pool over the machine's cores (``workers=1``: in this process).
+    """A process pool over the machine's cores (``workers=1``: in this process; never
+    more processes than cores: the points are CPU-bound, and more only cost memory and
+    start-up, ``--workers 2000`` forked a thousand processes).
 
     The pool's processes are forked when it is made, before any progress display or
     spinner thread exists, and serve every batch until ``close``."""
 
     def __init__(self, workers: Optional[int] = None) -> None:
-        self.workers = max(1, workers or os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+        self.workers = max(1, min(workers or cores, cores))
         self._pool = None
         self._pending: set = set()
         if self.workers > 1:

@@ -70,6 +70,12 @@ def parse_slo(text: str, classes: list[str]) -> SLOSpec:
     except ValueError:
         raise LatsimError("bound is not a number", source="--slo", value=text,
                           has_value=True) from None
+    # Every metric is a latency or a rate, never negative: a bound below zero (or an
+    # upper bound of zero) no configuration can meet is a typo, not a search.
+    if not math.isfinite(b) or b < 0 or (b == 0 and op in ("<", "<=")):
+        raise LatsimError("the bound must be a positive number" if op in ("<", "<=") else
+                          "the bound must be a number >= 0", source="--slo", value=text,
+                          has_value=True)
     if cls is not None:
         found = [c for c in classes if c.lower() == cls.lower()]
         if not found:

@@ -147,6 +147,7 @@ def _read_csv_frame(path: Path, max_bytes: int) -> pd.DataFrame:
         raise LatsimError(f"cannot read CSV: {str(e).strip().splitlines()[-1]}",
                           source=str(path)) from None
     df.columns = [str(c).strip() for c in df.columns]
+    _unique_header(path)
     # Trailing blank lines are harmless; drop them (blank lines in the middle are errors).
     blank = df.isna().all(axis=1).to_numpy()
     last = len(df) - np.argmax(~blank[::-1]) if (~blank).any() else 0
@@ -154,6 +155,17 @@ def _read_csv_frame(path: Path, max_bytes: int) -> pd.DataFrame:
     if len(df) == 0:
         raise LatsimError("no requests (the file has only a header)", source=str(path))
     return df
+
+
+def _unique_header(path: Path) -> None:
+    """A column named twice in the header is an error (pandas would rename the second
+    and the reader silently use the first)."""
+    import csv
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        names = [h.strip() for h in next(csv.reader(f), [])]
+    for n in names:
+        if n and names.count(n) > 1:
+            raise cell_error(path, 1, n, f"named {names.count(n)} times in the header: keep one")
 
 
 def _ragged(path: Path) -> LatsimError:
