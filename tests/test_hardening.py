@@ -629,3 +629,17 @@ def test_a_workload_that_draws_no_request_is_refused(tmp_path, capsys, no_simula
     code, _, err = cli(["run", write(tmp_path, d)], capsys)
     line = error_line(err)
     assert code == 2 and "s.yaml" in line and "workload.duration_s" in line and "0.001" in line
+
+
+def test_error_lines_name_fields_as_written_and_quote_once(tmp_path, capsys, no_simulation):
+    """A bad entry under ``policies`` is named by its path in the file (not pydantic's
+    validator tag), and a bad draft model quotes the value once."""
+    d = small()
+    d["policies"] = [{"policy": "nope"}]
+    line = error_line(cli(["run", write(tmp_path, d)], capsys)[2])
+    assert "field 'policies.0.policy'" in line and "function-" not in line
+    d = small()
+    d["engine"]["speculative"] = {"method": "draft", "k": 4, "acceptance": 0.7,
+                                  "draft_model": "nope"}
+    line = error_line(cli(["run", write(tmp_path, d)], capsys)[2])
+    assert "draft_model" in line and line.count("(got 'nope')") == 1

@@ -90,7 +90,9 @@ class SpeculativeConfig(StrictModel):
             try:
                 catalog.model(v)
             except LatsimError as e:
-                raise ValueError(str(e).removeprefix("field 'model': ")) from None
+                # The scenario's error quotes the value itself: drop the catalog's quote.
+                msg = str(e).removeprefix("field 'model': ").rsplit(" (got ", 1)[0]
+                raise ValueError(msg) from None
         return v
 
     @model_validator(mode="after")

@@ -13,6 +13,8 @@ checks that span sections, and loading.
 """
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -257,12 +259,19 @@ Scenario.model_rebuild()
 _UNION_TAGS = {"str", "PolicyRun"}
 
 
+def _is_tag(part) -> bool:
+    """A part of pydantic's error location that names a union branch or a validator
+    (``str``, ``PolicyRun``, ``function-after[_params(), PolicyRun]``), not a field."""
+    return part in _UNION_TAGS or bool(re.match(r"function-(after|before|wrap|plain)\[",
+                                                  str(part)))
+
+
 def _format_validation(e: ValidationError, source: str, data: dict) -> LatsimError:
     errs = e.errors()
     # A union (``policies``: a name or a mapping) reports one error per branch; the
     # deepest one is about what the user wrote, not about the branch not taken.
     err = max(errs, key=lambda x: len(x["loc"])) if len(errs) > 1 else errs[0]
-    loc = ".".join(str(p) for p in err["loc"] if p not in _UNION_TAGS)
+    loc = ".".join(str(p) for p in err["loc"] if not _is_tag(p))
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] in ("plugin_field",):
         # The plug-in already folded its inner location and value into the message.

@@ -396,8 +396,8 @@ def ordered(raw: RawTrace, sort: bool) -> RawTrace:
     if not sort:
         raise cell_error(raw.path, int(raw.lines[i]), raw.time_column,
                          f"timestamps go backwards ({_fmt_time(raw, i)} after {_fmt_time(raw, i - 1)}"
-                         f" on line {raw.lines[i - 1]}; {len(back)} such rows); set sort: true to "
-                         f"sort them")
+                         f" on line {raw.lines[i - 1]}; {len(back)} such rows); set sort: true (on the "
+                         f"command line: --sort) to sort them")
     warnings.warn(f"{raw.path}: {len(back)} rows out of time order (first on line {raw.lines[i]});"
                   f" sorted as asked (sort: true)", UserWarning, stacklevel=3)
     return raw.take(np.argsort(t, kind="stable"))  # stable: ties keep file order
