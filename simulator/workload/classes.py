@@ -25,7 +25,9 @@ class PriorityClass(StrictModel):
     """One class: its name, its share of requests, its priority (lower = more urgent)."""
 
     name: str
-    share: float = Field(1.0, gt=0)
+    share: float = Field(1.0, gt=0, description="relative weight of the class's requests: "
+                         "shares are normalised by their sum (0.5 and 1.5: a quarter and "
+                         "three quarters)")
     priority: Optional[int] = Field(None, ge=0, le=MAX_PRIORITY,
                                     description="defaults to the list position")
     slo: Optional[SLO] = None
