@@ -298,7 +298,7 @@ class EngineCore(EngineMemory):
                               swapped_in=tuple(swapped_in))
         seqs = self.seqs
         ctx = [seqs[r].prompt_tokens + seqs[r].generated for r in plan.decode]
-        chunks = tuple((n, seqs[r].prefilled, seqs[r].prefilled + n >= seqs[r].prefill_len)
+        chunks = tuple((n, seqs[r].prefilled, seqs[r].completes_with(n))
                        for r, n in plan.prefill)
         sampled, graphed = self.execute(plan, timings)
         t2 = self.clock()

@@ -36,7 +36,7 @@ class ReplayError(LatsimError):
 def _price_plan(plan, seqs, step_ms) -> tuple:
     """``step_ms`` of a planned step (before it is applied)."""
     ctxs = [seqs[r].prompt_tokens + seqs[r].generated for r in plan.decode]
-    chunks = [(int(k), int(seqs[r].prefilled), seqs[r].prefilled + k >= seqs[r].prefill_len)
+    chunks = [(int(k), int(seqs[r].prefilled), seqs[r].completes_with(k))
               for r, k in plan.prefill]
     return step_ms(len(ctxs), max(ctxs) if ctxs else 0, sum(ctxs), chunks)
 
@@ -285,7 +285,7 @@ def replay(run: RecordedRun, scenario, step_ms: Callable, *,
         chunks = []
         for r, k in plan.prefill:
             s = seqs[r]
-            chunks.append((int(k), int(s.prefilled), s.prefilled + k >= s.prefill_len, int(r)))
+            chunks.append((int(k), int(s.prefilled), s.completes_with(k), int(r)))
         emitted = [(s.rid, s.generated) for s in dseqs] + [(c[3], 0) for c in chunks if c[2]]
         nd = len(dseqs)
         cmax = max(ctxs) if ctxs else 0

@@ -14,7 +14,7 @@ from simulator.loops.compiled.replica import adm_blocks, push
 from simulator.model.kv.rules import policy_blocks
 from simulator.model.scheduling.epoch import epoch_length, may_start
 from simulator.model.scheduling.policy import next_offer
-from simulator.model.scheduling.progress import admission_times
+from simulator.model.scheduling.progress import admission_times, prefill_progress
 
 
 @jit
@@ -143,7 +143,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
     for i in range(nch):
         rid = CHR[r, i]
         CHP[i] = RQ[rid, S.Q_PREFILLED]
-        CHF[i] = RQ[rid, S.Q_PREFILLED] + CHN[r, i] >= RQ[rid, S.Q_PLEN]
+        CHF[i] = prefill_progress(RQ[rid, S.Q_PREFILLED], CHN[r, i], RQ[rid, S.Q_PLEN])[1]
     dt = step_time(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL[r], nd, ctx_max, ctx_sum,
                    CHN[r], CHP, CHF, nch) + copy_s
     GI[S.G_STEPS] += 1

@@ -325,7 +325,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 chunks = []
                 for rid, n in plan.prefill:
                     s = by_id[rid]
-                    chunks.append((n, s.prefilled, s.prefilled + n >= s.prefill_len))
+                    chunks.append((n, s.prefilled, s.completes_with(n)))
                 if self.spec is not None and nd:
                     # Speculative: the target verifies k + 1 tokens per sequence (and
                     # the draft proposes them) in this step.

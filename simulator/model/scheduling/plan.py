@@ -64,6 +64,11 @@ class Seq:
         self.prefilled, done = _prefill_progress(self.prefilled, n, self.prefill_len)
         return done
 
+    def completes_with(self, n: int) -> bool:
+        """Whether a chunk of ``n`` tokens would complete the prefill (a step's cost
+        depends on it: the completing chunk runs the LM head); changes nothing."""
+        return _prefill_progress(self.prefilled, n, self.prefill_len)[1]
+
     def emit(self, n: int = 1) -> bool:
         """``n`` more output tokens (a decode's; a speculative verify's accepted ones);
         True when the request has all its tokens."""
