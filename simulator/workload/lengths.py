@@ -32,9 +32,25 @@ class _Len(StrictModel):
         return self
 
 
+def _inside(cfg: _Len, what: str, lo: float, hi: float) -> None:
+    """A distribution whose ``what`` (its value, range or mean) lies outside
+    ``[min, max]`` would be clipped into nearly constant counts at a bound: an error,
+    not a workload (a lognormal of mean 5000 with max 100 drew 100 for every request)."""
+    if lo < cfg.min or (cfg.max is not None and hi > cfg.max):
+        bounds = f"[{cfg.min}, {cfg.max if cfg.max is not None else MAX_TOKENS}]"
+        raise ValueError(f"its {what} lies outside min..max {bounds}: nearly every request "
+                         "would be clipped to a bound; widen min/max or move the "
+                         f"{what}")
+
+
 class ConstantLen(_Len):
     kind: Literal["constant"] = "constant"
     value: int = Field(ge=1, le=MAX_TOKENS)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        _inside(self, "value", self.value, self.value)
+        return self
 
 
 class UniformLen(_Len):
@@ -46,6 +62,7 @@ class UniformLen(_Len):
     def _order(self):
         if self.high < self.low:
             raise ValueError(f"high ({self.high}) < low ({self.low})")
+        _inside(self, "range low..high", self.low, self.high)
         return self
 
 
@@ -54,10 +71,20 @@ class LognormalLen(_Len):
     mean: float = Field(gt=0, le=MAX_TOKENS)
     cv: float = Field(1.0, gt=0, le=100)
 
+    @model_validator(mode="after")
+    def _bounds(self):
+        _inside(self, "mean", self.mean, self.mean)
+        return self
+
 
 class ExponentialLen(_Len):
     kind: Literal["exponential"] = "exponential"
     mean: float = Field(gt=0, le=MAX_TOKENS)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        _inside(self, "mean", self.mean, self.mean)
+        return self
 
 
 def _clip(cfg: _Len, x: np.ndarray) -> np.ndarray:
