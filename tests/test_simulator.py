@@ -184,12 +184,12 @@ def test_epoch_rules():
     assert list(ends) == [1.5, 1.75, 2.0]
     assert [E.steps_run(ends, 3, t) for t in (1.2, 1.5, 1.6, 1.99, 5.0)] == [1, 1, 2, 3, 3]
     assert [E.steps_ended(ends, 3, t) for t in (1.2, 1.5, 1.6, 2.0)] == [0, 1, 1, 3]
-    # (aging, queue was empty, running, max seqs, blocks it needs, blocks free)
-    assert E.arrival_interrupts(False, True, 3, 4, 5, 5)
-    assert not E.arrival_interrupts(False, False, 3, 4, 5, 5)   # others wait before it
-    assert not E.arrival_interrupts(False, True, 4, 4, 5, 5)    # no sequence slot
-    assert not E.arrival_interrupts(False, True, 3, 4, 6, 5)    # no blocks
-    assert E.arrival_interrupts(True, False, 4, 4, 6, 5)        # aging: any arrival
+    # (aging, queue was empty, running, max seqs); then its blocks against the free ones
+    assert E.arrival_interrupts(False, True, 3, 4) == E.IF_FITS
+    assert E.fits_now(5, 5) and not E.fits_now(6, 5)            # no blocks: no interrupt
+    assert E.arrival_interrupts(False, False, 3, 4) == E.NO     # others wait before it
+    assert E.arrival_interrupts(False, True, 4, 4) == E.NO      # no sequence slot
+    assert E.arrival_interrupts(True, False, 4, 4) == E.YES     # aging: any arrival
     # (decodes, chunks, held back, copy seconds, aging, waiting)
     assert E.may_start(2, 0, False, 0.0, True, 0)
     assert not any([E.may_start(0, 0, False, 0.0, False, 0), E.may_start(2, 1, False, 0.0, False, 0),

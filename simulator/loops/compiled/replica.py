@@ -14,7 +14,8 @@ import heapq
 
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
-from simulator.model.scheduling.epoch import arrival_interrupts, steps_ended, steps_run
+from simulator.model.scheduling.epoch import (IF_FITS, YES, arrival_interrupts, fits_now,
+                                              steps_ended, steps_run)
 from simulator.loops.compiled.queue import waiting_append
 from simulator.model.kv.rules import (FITS, admission_tokens, ceil_blocks, never_fits,
                                       policy_blocks)
@@ -74,12 +75,14 @@ def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
         if not RS[r, S.R_WAKE]:
             RS[r, S.R_WAKE] = 1
             push(heap, GI, now, S.NORMAL, S.EV_WAKE, r, 0)
-    elif RS[r, S.R_INEP] and arrival_interrupts(
-            IP[S.P_TIMEDEP] != 0, was_empty, RS[r, S.R_ND] + RS[r, S.R_NP], IP[S.P_MAXSEQS],
-            adm_blocks(rid, IP, RQ, prompt, output)[1],
-            policy_blocks(False, RS[r, S.R_FREE], IP[S.P_WATERMARK])):
-        RS[r, S.R_INEP] = 0
-        push(heap, GI, now, S.URGENT, S.EV_INTERRUPT, r, 0)
+    elif RS[r, S.R_INEP]:
+        c = arrival_interrupts(IP[S.P_TIMEDEP] != 0, was_empty, RS[r, S.R_ND] + RS[r, S.R_NP],
+                               IP[S.P_MAXSEQS])
+        if c == YES or (c == IF_FITS and fits_now(
+                adm_blocks(rid, IP, RQ, prompt, output)[1],
+                policy_blocks(False, RS[r, S.R_FREE], IP[S.P_WATERMARK]))):
+            RS[r, S.R_INEP] = 0
+            push(heap, GI, now, S.URGENT, S.EV_INTERRUPT, r, 0)
 
 
 @jit

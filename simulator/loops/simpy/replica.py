@@ -55,9 +55,9 @@ from simulator.model.scheduling.progress import admission_times
 
 # The rules this loop asks on every step and arrival, as plain functions (a compiled
 # call's dispatch costs more than their few comparisons).
-_may_start, _epoch_length, _arrival_interrupts, _tick_contexts, _admission_times = (
-    python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts, tick_contexts,
-                           admission_times))
+_may_start, _epoch_length, _arrival_interrupts, _fits_now, _tick_contexts, _admission_times = (
+    python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts, E.fits_now,
+                           tick_contexts, admission_times))
 
 
 class SimSeq(Seq):
@@ -203,12 +203,14 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self._outstanding += seq.prompt_tokens + seq.output_tokens
         if self._wakeup is not None and not self._wakeup.triggered:
             self._wakeup.succeed()
-        elif self._in_epoch and _arrival_interrupts(
-                self._aging, was_empty, len(self.decoding) + len(self.prefilling),
-                self.max_num_seqs, self.kv.admission(seq)[1], self.kv.policy_free()):
-            # Admissible now: the engine must look at it at the next step boundary.
-            self._in_epoch = False
-            self.process.interrupt()
+        elif self._in_epoch:
+            c = _arrival_interrupts(self._aging, was_empty,
+                                    len(self.decoding) + len(self.prefilling), self.max_num_seqs)
+            if c == E.YES or (c == E.IF_FITS and _fits_now(self.kv.admission(seq)[1],
+                                                            self.kv.policy_free())):
+                # Admissible now: the engine must look at it at the next step boundary.
+                self._in_epoch = False
+                self.process.interrupt()
 
     # -- the engine loop -------------------------------------------------------------
     def _run(self):

@@ -12,9 +12,9 @@ loop (the SimPy replica, the compiled loop) calls:
 - when its steps end (``step_ends``, summed in order);
 - how many of its steps have ended at a time (``steps_ended``: what the router's
   outstanding-token count sees mid-epoch);
-- which arrival must end it (``arrival_interrupts``: one the step-by-step loop would
-  admit at the next step boundary), and where it then stops (``steps_run``: the step
-  in progress completes).
+- which arrival must end it (``arrival_interrupts``, ``fits_now``: one the step-by-step
+  loop would admit at the next step boundary), and where it then stops (``steps_run``:
+  the step in progress completes).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from simulator.kernel import kernel
 from simulator.model.kv.rules import epoch_room
 
 MAX_EPOCH_STEPS = 4096      # the longest epoch (the loops' step-end buffers hold this many)
+NO, YES, IF_FITS = 0, 1, 2  # ``arrival_interrupts``
 
 
 def fast_reason(frame_time: float, min_step_s: float, max_num_seqs: int,
@@ -82,11 +83,22 @@ def steps_run(ends, k, now):
     return (j if j < k - 1 else k - 1) + 1
 
 
-@kernel
-def arrival_interrupts(aging, was_empty, n_running, max_seqs, blocks, free_blocks):
-    """Whether an arrival ends an epoch in progress: it joined an empty queue with a
-    sequence slot free and its admission blocks free (``free_blocks``: what the policy
-    may use, the watermark kept), so the step-by-step loop would admit it at the next
-    step boundary. With aging any arrival does: the queue's order changes with time
-    alone, so whether someone waiting becomes admissible is not decided at arrivals."""
-    return aging or (was_empty and n_running < max_seqs and blocks <= free_blocks)
+@kernel(inline=True)
+def arrival_interrupts(aging, was_empty, n_running, max_seqs):
+    """Whether an arrival ends an epoch in progress: ``YES`` with aging (the queue's
+    order changes with time alone, so whether someone waiting becomes admissible is not
+    decided at arrivals); ``IF_FITS`` when it joined an empty queue with a sequence slot
+    free: the step-by-step loop would admit it at the next step boundary if its
+    admission blocks fit what the policy may use (``fits_now``), which the caller then
+    prices (only then: with a prefix cache that is a lookup); else ``NO``."""
+    if aging:
+        return YES
+    if was_empty and n_running < max_seqs:
+        return IF_FITS
+    return NO
+
+
+@kernel(inline=True)
+def fits_now(blocks, free_blocks):
+    """An arrival's admission blocks fit the blocks a policy may use now."""
+    return blocks <= free_blocks
