@@ -130,6 +130,14 @@ def test_missing_profile(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_profile_path_naming_a_folder(tmp_path):
+    d = make_scenario_dict()
+    d["model"]["cost"]["path"] = str(tmp_path)
+    r = latsim("run", _write(tmp_path, d))
+    assert r.returncode == 2 and "model.cost.path" in r.stderr and "is a folder" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_missing_file_and_bad_override(tmp_path):
     r = latsim("run", tmp_path / "none.yaml")
     assert r.returncode == 2 and "none.yaml" in r.stderr and "not found" in r.stderr

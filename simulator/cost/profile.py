@@ -56,15 +56,16 @@ class ProfileCostConfig(StrictModel):
 def resolve_profile_path(path: str, base_dirs: Sequence[Path]) -> Path:
     """Find a profile: absolute, or relative to each base dir (scenario dir, cwd, repo)."""
     p = Path(path)
+    found = None
     if p.is_absolute():
-        if p.exists():
-            return p
+        found = p if p.exists() else None
     else:
-        for d in base_dirs:
-            cand = (Path(d) / p)
-            if cand.exists():
-                return cand.resolve()
-    raise LatsimError("profile file not found", source=str(path), field="model.cost.path")
+        found = next(((Path(d) / p).resolve() for d in base_dirs if (Path(d) / p).exists()), None)
+    if found is None:
+        raise LatsimError("profile file not found", source=str(path), field="model.cost.path")
+    if found.is_dir():
+        raise LatsimError("is a folder, not a profile", source=str(path), field="model.cost.path")
+    return found
 
 
 MAX_PROFILE_BYTES = 64 * 2**20   # measured profiles are KBs
