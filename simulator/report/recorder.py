@@ -91,12 +91,26 @@ class ItlHistogram:
         self._n += other.n
 
     def quantile(self, q: float) -> float:
-        """The q-quantile (0..1) of the pooled gaps; NaN when empty."""
+        """The q-quantile (0..1) of the pooled gaps, as ``np.percentile`` defines it
+        (linear between the two order statistics around ``q * (n - 1)``: what ``vllm
+        bench serve`` and a recorded run's ITL use), each order statistic read as its
+        bin's geometric middle; NaN when empty."""
         if self.n == 0:
             return float("nan")
         cum = np.cumsum(self._counts)
-        i = int(np.searchsorted(cum, q * (self._n - 1) + 1e-9 if q > 0 else 1, side="left"))
-        # Geometric middle of the bin.
+        h = q * (self._n - 1)
+        k = math.floor(h)
+        frac = h - k
+        # Order statistic k (0-based) lies in the first bin holding k + 1 gaps.
+        lo = self._bin_middle(int(np.searchsorted(cum, k + 1, side="left")))
+        if frac <= 0.0 or k + 1 >= self._n:
+            return lo
+        hi = self._bin_middle(int(np.searchsorted(cum, k + 2, side="left")))
+        return lo + frac * (hi - lo)
+
+    @staticmethod
+    def _bin_middle(i: int) -> float:
+        """A bin's geometric middle (s)."""
         return _ITL_LO * math.exp((i + 0.5) * _ITL_STEP)
 
     @property
