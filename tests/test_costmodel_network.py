@@ -25,14 +25,37 @@ def test_measured_rows_are_reproduced_exactly(refbench):
     """Every measured row comes back as measured, plus the host's bookkeeping between
     steps (``engine.bookkeeping_ms``), which the timed rows do not include."""
     m = ProfileCostModel(refbench)
-    bk = m.bookkeeping_ms
+
+    def bk(n):
+        return m.bookkeeping_ms + m.bookkeeping_seq_ms * n
     for r in refbench["prefill"]:
         assert m.step_time(0, 0, 0, [(r["chunk"], r["prior"])]) == \
-            pytest.approx((r["ms"] + bk) / 1e3)
+            pytest.approx((r["ms"] + bk(1)) / 1e3)
     for r in refbench["decode"]:
         b, c = r["batch"], r["context"]
-        assert m.step_time(b, c, b * c, []) == pytest.approx((r["ms"] + bk) / 1e3)
+        assert m.step_time(b, c, b * c, []) == pytest.approx((r["ms"] + bk(b)) / 1e3)
     assert m.extrapolations == 0
+
+
+def test_bookkeeping_per_sequence_is_charged_by_the_profile_model_too(refbench):
+    """``engine.bookkeeping_seq_ms`` (what ``latsim calibrate`` writes) is host time per
+    sequence a step held, in the profile model as in the physics models (one
+    ``physics.book_ms``): 8 decodes at 0.1 ms + 0.01 ms each add 0.18 ms, a step with
+    8 decodes and a chunk 0.19 ms; the replay's pricing splits the same amount off."""
+    from simulator.cost.calibration.pricing import model_pricer
+    prof = json.loads(json.dumps(refbench))
+    prof["engine"].update(bookkeeping_ms=0.0, bookkeeping_seq_ms=0.0)
+    bare = ProfileCostModel(prof)
+    prof["engine"].update(bookkeeping_ms=0.1, bookkeeping_seq_ms=0.01)
+    m = ProfileCostModel(prof)
+    assert (m.step_time(8, 1024, 8 * 1024, []) - bare.step_time(8, 1024, 8 * 1024, [])) * 1e3 \
+        == pytest.approx(0.18)
+    mixed = [(128, 0)]
+    assert (m.step_time(8, 1024, 8192, mixed) - bare.step_time(8, 1024, 8192, mixed)) * 1e3 \
+        == pytest.approx(0.19)
+    core, book = model_pricer(m)(8, 1024, 8192, [(128, 0, True)])
+    assert book == pytest.approx(0.19)
+    assert core == pytest.approx(bare.step_time(8, 1024, 8192, mixed) * 1e3)
 
 
 def test_interpolates_between_rows_and_counts_extrapolation(refbench):

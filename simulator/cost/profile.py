@@ -259,6 +259,7 @@ class ProfileCostModel(LookupCounts):
         self.lm_head_ms = self._fit_lm_head(pre, profile.get("prefill_partial") or [])
         # Scheduling and applying a step's results on the host, not inside the timed rows.
         self.bookkeeping_ms = float(eng.get("bookkeeping_ms") or 0.0)
+        self.bookkeeping_seq_ms = float(eng.get("bookkeeping_seq_ms") or 0.0)
         all_ms = [r["ms"] for r in pre] + [r["ms"] for r in dec] + [r["ms"] for r in eager]
         self._min_ms = float(min(all_ms))
         host = eng.get("host_overhead_ms")
@@ -266,6 +267,7 @@ class ProfileCostModel(LookupCounts):
         self.scale = scale
         self.CF = np.zeros(T.C_NCONST)
         self.CF[T.C_BK] = self.bookkeeping_ms
+        self.CF[T.C_BK_SEQ] = self.bookkeeping_seq_ms
         self.CF[T.C_LMHEAD] = self.lm_head_ms
         self.CF[T.C_FLOOR] = self.floor_ms
         self.CF[T.C_MIN] = self._min_ms
@@ -374,4 +376,6 @@ class ProfileCostModel(LookupCounts):
             "mixed_rel_errors": [round(e, 4) for e in self.mixed_residuals],
             "noise_sigma": round(self.noise_sigma, 4),
             "lm_head_ms": round(self.lm_head_ms, 4),
+            "bookkeeping_ms": round(self.bookkeeping_ms, 5),
+            "bookkeeping_seq_ms": round(self.bookkeeping_seq_ms, 5),
         }

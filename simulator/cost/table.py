@@ -13,7 +13,8 @@ then a few arrays, which numba passes far more cheaply than tuples of them.
 ``step_ms`` is the profile model's step time (see ``profile``): the parts' times summed
 (the decode part from the eager-decode table when the step also prefills), less
 ``alpha * floor`` for every part after the first, floored at the cheapest measured
-step, plus host bookkeeping, times the scale. ``ProfileCostModel`` and the compiled
+step, plus host bookkeeping (``physics.book_ms``: per step and per sequence), times the
+scale. ``ProfileCostModel`` and the compiled
 event loop both call it; ``CF`` holds the constants (indices ``C_*``) and ``CL`` counts
 lookups and extrapolations.
 """
@@ -22,10 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 from simulator.cost.decodectx import decode_context
+from simulator.cost.physics import book_ms
 from simulator.kernel import kernel
 
 # CF: the profile model's constants.
-C_BK, C_LMHEAD, C_ALPHA, C_FLOOR, C_MIN, C_SCALE, C_PADDED, C_NCONST = range(8)
+C_BK, C_LMHEAD, C_ALPHA, C_FLOOR, C_MIN, C_SCALE, C_PADDED, C_BK_SEQ, C_NCONST = range(9)
 
 
 @kernel
@@ -153,7 +155,7 @@ def step_ms(CF, A, X, Y, N, TO, G, YB, BEY, CL, nd, ctx_max, ctx_sum, chn, chp, 
     lookups and extrapolations into ``CL`` (``A, X, Y, N, TO``: the stacked prefill,
     decode and eager-decode tables; ``G, YB, BEY``: the decode table blended, ``blend``)."""
     parts = 0
-    ms = CF[C_BK]
+    ms = book_ms(CF[C_BK], CF[C_BK_SEQ], nd + nch)
     if nd:
         # An engine that graphs pure-decode steps runs a step holding a chunk eagerly.
         y, out = decode_lookup(A, X, Y, N, TO, G, YB, BEY, T_EAGER if nch else T_DECODE, nd,
@@ -185,11 +187,12 @@ def decode_run_ms(CF, A, X, Y, N, TO, G, YB, BEY, CL, nd, ctx_max0, ctx_sum0, k,
         row = YB[nd]
         beyond = BEY[nd]
         ng = G.shape[0]
+        bk = book_ms(CF[C_BK], CF[C_BK_SEQ], nd)
         for j in range(k):
             y, o = curve(G, row, ng, decode_ctx(CF, nd, ctx_max0 + j, ctx_sum0 + nd * j))
             CL[0] += 1
             CL[1] += o or beyond
-            out[j] = settle(CF, CF[C_BK] + y, 1)
+            out[j] = settle(CF, bk + y, 1)
         return
     for j in range(k):
         out[j] = step_ms(CF, A, X, Y, N, TO, G, YB, BEY, CL, nd, ctx_max0 + j,

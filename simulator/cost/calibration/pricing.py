@@ -75,7 +75,9 @@ def price_steps(cost, log: StepLog) -> tuple[np.ndarray, np.ndarray]:
         return core + book, book
     total = np.array([cost.step_time(int(nd), int(a), int(b), [(x[0], x[1], x[2]) for x in ch])
                       for nd, a, b, ch in zip(log.nd, log.ctx_max, log.ctx_sum, log.chunks)])
-    return total * 1e3, np.full(len(total), _bookkeeping_ms(cost))
+    book = np.array([_bookkeeping_ms(cost, int(nd) + len(ch))
+                     for nd, ch in zip(log.nd, log.chunks)], float)
+    return total * 1e3, book
 
 
 def interval_ms(log: StepLog, total: np.ndarray, book: np.ndarray) -> np.ndarray:
@@ -153,10 +155,9 @@ def model_pricer(cost) -> Callable:
     c = _physics(cost)
     if c is not None:
         return step_pricer(c)
-    bk = _bookkeeping_ms(cost)
-
     def price(nd, cmax, csum, chunks):
         t = cost.step_time(nd, cmax, csum, [(x[0], x[1], x[2]) for x in chunks]) * 1e3
+        bk = _bookkeeping_ms(cost, nd + len(chunks))
         return t - bk, bk
 
     return price
@@ -168,6 +169,9 @@ def _physics(cost) -> np.ndarray | None:
     return c if isinstance(c, np.ndarray) and c.shape == (ph.N_CONST,) else None
 
 
-def _bookkeeping_ms(cost) -> float:
-    """The host bookkeeping a cost model's ``step_time`` holds after each step (ms)."""
-    return float(getattr(cost, "bookkeeping_ms", 0.0) or 0.0) * float(getattr(cost, "scale", 1.0))
+def _bookkeeping_ms(cost, n_seqs: int) -> float:
+    """The host bookkeeping a cost model's ``step_time`` holds after a step of
+    ``n_seqs`` sequences (ms; ``physics.book_ms``)."""
+    return ph.book_ms(float(getattr(cost, "bookkeeping_ms", 0.0) or 0.0),
+                      float(getattr(cost, "bookkeeping_seq_ms", 0.0) or 0.0),
+                      n_seqs) * float(getattr(cost, "scale", 1.0))
