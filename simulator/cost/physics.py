@@ -76,8 +76,12 @@ by them), used by the roofline model of a replica on ``tp x pp`` GPUs:
 - kernel floors per layer and per step in absolute units (``dev_layer_us`` per
   layer, ``dev_step_ms`` per step: input preparation, sampling, the last sync),
   added to the device side like ``dev_per_host``'s share;
-- ``params_read``: the linear weights a step reads when they differ from the ones a
-  token multiplies through (a mixture of experts: a batch touches every expert);
+- ``params_read``: the linear weights a step may read when they differ from the ones a
+  token multiplies through (a mixture of experts: every expert); of a mixture's
+  ``experts`` (``expert_params`` weights each), a step of ``T`` tokens routed to
+  ``experts_per_token`` each reads only the experts some token chose: ``E (1 - (1 -
+  k/E)^T)`` of them on average (routing spread evenly; ``routed_experts``), about
+  ``k`` at batch 1 and nearly all of them at a few dozen tokens;
 - separate storage widths for weights (``weight_bytes``: fp8, int8, int4) and the KV
   cache (``kv_bytes``), and a separate peak for attention (``attn_tflops``: fp8
   GEMMs run on fp8 tensor cores, attention in 16 bits); 0 means ``dtype_bytes`` /
@@ -169,8 +173,11 @@ C_DEV_STEP_MS = C_TP + 11        # device floor per step, ms
 C_WEIGHT_BYTES = C_TP + 12       # bytes per linear weight (0: dtype_bytes)
 C_KV_BYTES = C_TP + 13           # bytes per K or V element (0: dtype_bytes)
 C_ATTN_TFLOPS = C_TP + 14        # attention peak TFLOP/s (0: peak_tflops)
-C_PARAMS_READ = C_TP + 15        # linear weights a step reads (MoE: every expert; 0: params_linear)
-N_CONST = C_TP + 16
+C_PARAMS_READ = C_TP + 15        # linear weights a step may read (MoE: every expert; 0: params_linear)
+C_EXPERTS = C_TP + 16            # MoE: experts per layer (0 or 1: dense)
+C_TOPK = C_TP + 17               # MoE: experts each token is routed to
+C_EXPERT_PARAMS = C_TP + 18      # MoE: linear weights of one expert, all layers
+N_CONST = C_TP + 19
 # -- optional, after the constants: a decode table (``with_decode_table``) ---------------
 # Row ``nd`` holds ``step_terms`` of a decode-only step of ``nd`` sequences (7 numbers)
 # and the decode-attention unit of an eager step of that batch: an event loop's decode
@@ -198,7 +205,8 @@ NAMES = {
     C_P2P_GBS: "p2p_gbs", C_PARAMS_REPL: "params_repl", C_GEMM_HALF: "gemm_half_gflop",
     C_ACT_D_REPL: "act_passes_repl", C_DEV_LAYER_US: "dev_layer_us",
     C_DEV_STEP_MS: "dev_step_ms", C_WEIGHT_BYTES: "weight_bytes", C_KV_BYTES: "kv_bytes",
-    C_ATTN_TFLOPS: "attn_tflops", C_PARAMS_READ: "params_read",
+    C_ATTN_TFLOPS: "attn_tflops", C_PARAMS_READ: "params_read", C_EXPERTS: "experts",
+    C_TOPK: "experts_per_token", C_EXPERT_PARAMS: "expert_params",
 }
 INDEX = {v: k for k, v in NAMES.items()}
 
@@ -351,6 +359,16 @@ def decode_attention_ms(c, nd, ctx_max, ctx_sum, eager_in_graph_engine):
     return decode_x(c, ctx_max, ctx_sum) * decode_attention_unit(c, nd, eager_in_graph_engine)
 
 
+@kernel(inline=True)
+def routed_experts(experts, k, T):
+    """Expected number of distinct experts (of ``experts``, a layer's) that ``T``
+    tokens routed to ``k`` experts each choose, routing spread evenly: an expert no
+    token chose is ``experts x (1 - k / experts)^T`` of them on average."""
+    if experts <= 1.0:
+        return experts
+    return experts * (1.0 - (1.0 - k / experts) ** T)
+
+
 @kernel
 def linear_times(c, T, S):
     """``(weights ms, compute ms)`` of the linear layers and the LM head on one GPU for
@@ -361,7 +379,14 @@ def linear_times(c, T, S):
     db = c[C_DTYPE_BYTES]
     wb = c[C_WEIGHT_BYTES] if c[C_WEIGHT_BYTES] > 0.0 else db
     P = c[C_PARAMS_LINEAR] / tp + c[C_PARAMS_REPL]
-    read = c[C_PARAMS_READ] / tp + c[C_PARAMS_REPL] if c[C_PARAMS_READ] > 0.0 else P
+    read = P
+    if c[C_PARAMS_READ] > 0.0:
+        every = c[C_PARAMS_READ]
+        if c[C_EXPERTS] > 1.0:
+            # The experts no token of the step was routed to stay unread.
+            every -= (c[C_EXPERTS] - routed_experts(c[C_EXPERTS], c[C_TOPK], T)) \
+                * c[C_EXPERT_PARAMS]
+        read = every / tp + c[C_PARAMS_REPL]
     lm = c[C_VOCAB] * c[C_DMODEL] / tp
     w_bytes = read * wb
     if S > 0.0:

@@ -5,8 +5,9 @@ fitted profile uses) whose constants come from the catalogues instead of a fit:
 
 - the model's shape from ``catalog.model`` (a catalogue name or a Hugging Face
   ``config.json``): layers, widths, heads, FFN, vocabulary, linear weights per token
-  (a mixture of experts: the routed experts for FLOPs, every expert for the bytes a
-  step reads);
+  (a mixture of experts: the routed experts for FLOPs; for the bytes a step reads,
+  the experts its tokens are routed to, ``physics.routed_experts``: about top-k at
+  batch 1, nearly every expert at a few dozen tokens);
 - the GPU's datasheet peaks from ``catalog.gpu``: dense TFLOP/s of the compute type
   (fp8 weights run fp8 GEMMs where the GPU has fp8, int8 weights int8 GEMMs; int4 and
   fp8-on-Ampere are weight-only: 16-bit GEMMs on narrower weights), HBM GB/s, SMs and

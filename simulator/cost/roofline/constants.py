@@ -80,9 +80,12 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
     c[ph.C_KV_BYTES] = catalog.dtype_bytes(kv_dtype)
     c[ph.C_PARAMS_LINEAR] = arch.linear_params_per_token()
     if arch.is_moe:
-        # A batch of any size routes its tokens over (nearly) every expert.
+        # Every expert may be read; a step reads those its tokens are routed to
+        # (``physics.routed_experts``: about top-k at batch 1, nearly all at a few dozen).
         c[ph.C_PARAMS_READ] = L * (arch.attn_linear_weights() + arch.router_weights()
                                    + arch.experts * arch.expert_linear_weights())
+        c[ph.C_EXPERTS], c[ph.C_TOPK] = arch.experts, arch.experts_per_token
+        c[ph.C_EXPERT_PARAMS] = L * arch.expert_linear_weights()
     # Past kv_heads GPUs, every GPU holds a whole KV head's projections, not 1/tp.
     kvh = catalog.kv_heads_per_gpu(arch, tp)
     c[ph.C_PARAMS_REPL] = L * 2 * d * hd * (kvh - arch.kv_heads / tp)
