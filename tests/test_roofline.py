@@ -327,6 +327,31 @@ def test_kv_capacity_of_llama2_70b_on_h100s(tp, tokens):
     assert sc.model.shape.n_layers == 80 and sc.model.shape.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
 
 
+def test_the_kv_capacity_line_of_a_roofline_replica_adds_up():
+    """The line printed before a run states the memory plan's own arithmetic, per GPU
+    in GiB: Llama-2-70B at TP4 on A100-80GB, 0.9 x 80 GiB - 32.1 GiB weights (a
+    quarter of 128.5 GiB) - reserve = the KV GiB it reports, which is the blocks'
+    bytes (it once mixed GB and GiB and left out the TP split: '72 GB - 138 GB')."""
+    import re
+
+    from simulator.report.kv import kv_capacity_line
+    sc = validate_scenario(_scenario(name="llama-2-70b",
+                                     cost={"kind": "roofline", "gpu": "a100-80gb", "tp": 4}))
+    blocks = kv_capacity_blocks(sc)
+    line = kv_capacity_line(sc, blocks)
+    m = re.search(r"([\d.]+) GiB on each of 4 GPU\(s\) \(0.9 x ([\d.]+) GiB a100-80gb = "
+                  r"([\d.]+) GiB - ([\d.]+) GiB weights - ([\d.]+) GiB activations - "
+                  r"([\d.]+) GiB overhead per GPU; ([\d,]+) B/token per GPU", line)
+    assert m, line
+    kv, gpu, budget, w, act, over = (float(m.group(i)) for i in range(1, 7))
+    assert budget == pytest.approx(0.9 * gpu, abs=0.06)
+    assert w == pytest.approx(128.5 / 4, abs=0.1)
+    assert kv == pytest.approx(budget - w - act - over, abs=0.2)
+    per_tok = float(m.group(7).replace(",", ""))
+    assert per_tok == 2 * 80 * (8 // 4) * 128 * 2
+    assert kv == pytest.approx(blocks * 16 * per_tok / 2**30, abs=0.06)
+
+
 def test_a_model_that_does_not_fit_is_refused_before_the_run():
     sc = validate_scenario(_scenario(name="llama-2-70b",
                                      cost={"kind": "roofline", "gpu": "h100-80gb", "tp": 1}))
