@@ -352,6 +352,18 @@ def test_the_kv_capacity_line_of_a_roofline_replica_adds_up():
     assert kv == pytest.approx(blocks * 16 * per_tok / 2**30, abs=0.06)
 
 
+def test_max_model_len_beyond_the_models_context_is_refused():
+    """Llama-2-7B was trained to 4,096 positions: ``max_model_len`` 8192 is refused (as
+    vLLM refuses to start), naming the field; 4096 runs."""
+    d = _scenario(name="llama-2-7b", cost={"kind": "roofline", "gpu": "a100-80gb"})
+    d["engine"]["kv"] = {"max_model_len": 8192}
+    with pytest.raises(LatsimError) as e:
+        kv_capacity_blocks(validate_scenario(d))
+    assert "engine.kv.max_model_len" in str(e.value) and "longest context, 4,096" in str(e.value)
+    d["engine"]["kv"] = {"max_model_len": 4096}
+    assert kv_capacity_blocks(validate_scenario(d)) > 256
+
+
 def test_a_model_that_does_not_fit_is_refused_before_the_run():
     sc = validate_scenario(_scenario(name="llama-2-70b",
                                      cost={"kind": "roofline", "gpu": "h100-80gb", "tp": 1}))
@@ -449,6 +461,13 @@ def test_cost_cli_text_and_json():
     assert doc["detail"]["pipeline_send"] > 0 and doc["cost_model"]["pp"] == 2
     r = CliRunner().invoke(app, ["cost", "--profile", str(REFBENCH), "--decode", "8@1024", "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["estimate"].startswith("measured")
+    # A step whose KV overflows the GPUs is still priced (a what-if), and says why.
+    r = CliRunner().invoke(app, ["cost", "--model", "llama-2-70b", "--gpu", "a100-80gb", "--tp",
+                                 "4", "--decode", "1024@4096", "--json"])
+    mem = json.loads(r.output)["memory"]
+    assert r.exit_code == 0 and mem["fits"] and not mem["step_fits"]
+    assert mem["reason"] == (f"this step holds {1024 * 4096:,} tokens of KV, more than the "
+                             f"{mem['kv_capacity_tokens']:,} that fit")
 
 
 def test_cost_cli_calibrates_from_exactly_two_rows(tmp_path):
@@ -481,6 +500,10 @@ def test_cost_cli_calibrates_from_exactly_two_rows(tmp_path):
     (["--model", "llama-2-70b", "--gpu", "a100", "--tp", "8", "--decode", "16x4"], "B@C"),
     (["--model", "llama-2-70b", "--gpu", "a100", "--tp", "8"], "--prefill NxL and/or --decode"),
     (["--profile", str(REFBENCH), "--model", "llama-2-70b", "--decode", "1@1"], "n_layers 80"),
+    (["--model", "llama-2-7b", "--gpu", "a100-80gb", "--decode", "1@16384"],
+     "--decode: a context of 16,384 tokens exceeds llama-2-7b's longest context, 4,096"),
+    (["--model", "llama-2-7b", "--gpu", "a100-80gb", "--prefill", "1x8192"],
+     "--prefill: a prompt of 8,192 tokens exceeds llama-2-7b's longest context"),
 ])
 def test_cost_cli_errors_are_one_line_exit_2(args, text):
     r = subprocess.run([sys.executable, "-c", "from simulator.cli.main import main; main()",

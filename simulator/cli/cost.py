@@ -207,7 +207,10 @@ def step_report(cm, prefill: Optional[tuple], decode: Optional[tuple]) -> dict:
         out["memory"] = {"weights_gib_per_gpu": plan.weight_bytes_per_gpu / 2**30,
                          "kv_capacity_tokens": plan.kv_tokens, "step_kv_tokens": need,
                          "fits": plan.fits, "step_fits": plan.fits and need <= plan.kv_tokens,
-                         "reason": plan.reason}
+                         "reason": plan.reason or (
+                             "" if need <= plan.kv_tokens else
+                             f"this step holds {need:,} tokens of KV, more than the "
+                             f"{plan.kv_tokens:,} that fit")}
     if not hasattr(cm, "breakdown"):
         out["estimate"] = f"measured: {desc.get('kind')} model of the profile"
     out["cost_model"] = desc
@@ -262,6 +265,7 @@ def cost(
             raise LatsimError("the roofline needs --model and --gpu (or give --profile)",
                               source="latsim cost")
         cm = _roofline(model, gpu, tp, pp, weight_dtype, kv_dtype, calibrate)
+        _check_context(cm.arch, pre, dec)
         mcost = SimpleNamespace(kind="roofline", gpu=cm.spec.name, tp=tp)
     rep = step_report(cm, pre, dec)
     if sp is not None:
@@ -270,6 +274,20 @@ def cost(
         print(json.dumps(rep, default=_jsonable, allow_nan=False))
         return
     print_report(rep)
+
+
+def _check_context(arch, pre: Optional[tuple], dec: Optional[tuple]) -> None:
+    """A step's prompts and decode contexts may not exceed the model's longest context
+    (``max_position_embeddings``): no server runs them (one-line error naming the option)."""
+    mc = getattr(arch, "max_context", None)
+    if not mc:
+        return
+    for opt, tokens, what in (("--prefill", pre[1] if pre else 0, "a prompt of"),
+                              ("--decode", dec[1] if dec else 0, "a context of")):
+        if tokens > mc:
+            raise LatsimError(f"{what} {tokens:,} tokens exceeds {arch.name}'s longest context, "
+                              f"{mc:,} tokens (max_position_embeddings)", source=opt,
+                              value=tokens, has_value=True)
 
 
 def _jsonable(v):
@@ -335,8 +353,7 @@ def _print_step(rep: dict) -> None:
     console.print(f"  memory: {m['weights_gib_per_gpu']:,.1f} GiB of weights per GPU, KV for "
                   f"{m['kv_capacity_tokens']:,} tokens", highlight=False)
     if not m["step_fits"]:
-        console.print(f"  [yellow]note[/]: this step holds {m['step_kv_tokens']:,} tokens of KV, "
-                      f"more than the {m['kv_capacity_tokens']:,} that fit", highlight=False)
+        console.print(f"  [yellow]note[/]: {m['reason']}", highlight=False)
     cal = d.get("calibration")
     if cal:
         console.print(f"  calibrated to {cal['source']}: " + ", ".join(

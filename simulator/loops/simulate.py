@@ -95,6 +95,7 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
     cost = scenario.model.cost
     if getattr(cost, "kind", None) == "roofline":
         _settle_gpus_per_replica(scenario)
+        _check_model_context(scenario)
         if kv.num_blocks is None:
             return roofline_memory_plan(scenario).kv_blocks
         # Given blocks must still fit on the GPU, after the weights and the reserve.
@@ -123,6 +124,22 @@ def kv_capacity_blocks(scenario: Scenario) -> int:
                           f"{kv.block_size} tokens after the weights",
                           field="engine.kv.num_blocks", value=kv.num_blocks, has_value=True)
     return kv.num_blocks
+
+
+def _check_model_context(scenario: Scenario) -> None:
+    """``engine.kv.max_model_len`` of a roofline scenario may not exceed the model's own
+    longest context (``max_position_embeddings``): a server refuses to start so (vLLM
+    does, unless told its positions are scaled), and the model was never trained past it."""
+    from simulator.cost.roofline import model_arch
+    from simulator.errors import LatsimError
+    kv = scenario.engine.kv
+    if kv.max_model_len is None:
+        return
+    arch = model_arch(scenario.model.cost.model)
+    if arch.max_context and kv.max_model_len > arch.max_context:
+        raise LatsimError(f"exceeds {arch.name}'s longest context, {arch.max_context:,} tokens "
+                          "(max_position_embeddings)", field="engine.kv.max_model_len",
+                          value=kv.max_model_len, has_value=True)
 
 
 def _settle_gpus_per_replica(scenario: Scenario) -> None:
