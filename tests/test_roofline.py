@@ -89,11 +89,15 @@ def test_tensor_parallelism_splits_flops_weights_heads_and_kv():
     assert ph.kv_heads_per_gpu(constants.build_constants(q, spec, 4)) == 1.0
     assert constants.build_constants(q, spec, 4)[ph.C_PARAMS_REPL] == 0.0
     # Past the KV heads each GPU holds one whole K and V projection: 2 x d x head_dim per
-    # layer where TP's share would be half of one (Llama-3-8B's 8 KV heads on 16 GPUs).
-    l3 = catalog.model("llama-3-8b")
-    c16 = constants.build_constants(l3, spec, 16)
-    assert ph.kv_heads_per_gpu(c16) == 1.0
-    assert c16[ph.C_PARAMS_REPL] == pytest.approx(l3.layers * 2 * l3.hidden * l3.head_dim * 0.5)
+    # layer where TP's share would be half of one (Llama-3-8B's shape with 2 KV heads on
+    # 4 GPUs; with its own 8 this takes 16 GPUs, more than one server, refused).
+    import dataclasses
+    l3 = dataclasses.replace(catalog.model("llama-3-8b"), kv_heads=2)
+    c4 = constants.build_constants(l3, spec, 4)
+    assert ph.kv_heads_per_gpu(c4) == 1.0
+    assert c4[ph.C_PARAMS_REPL] == pytest.approx(l3.layers * 2 * l3.hidden * l3.head_dim * 0.5)
+    with pytest.raises(LatsimError, match="one server's 8 GPUs"):
+        constants.build_constants(catalog.model("llama-3-8b"), spec, 16)
 
 
 def test_allreduce_is_a_ring_and_meets_vidurs_nccl_tables():

@@ -43,8 +43,17 @@ from simulator.cost.catalog.models import ModelArch, WeightFormat, dtype_bytes, 
 GIB = float(2**30)
 
 
-def check_parallelism(arch: ModelArch, tp: int, pp: int = 1) -> None:
-    """Refuse a TP/PP split the model cannot be cut into (one-line LatsimError)."""
+# GPUs one server joins by its GPU-to-GPU link (NVLink / Infinity Fabric on every HGX,
+# DGX and OAM board catalogued; PCIe servers hold up to 8 too).
+GPUS_PER_SERVER = 8
+
+
+def check_parallelism(arch: ModelArch, tp: int, pp: int = 1, *, priced: bool = True) -> None:
+    """Refuse a TP/PP split the model cannot be cut into (one-line LatsimError); with
+    ``priced`` (a step will be timed) also a TP group wider than one server: its
+    all-reduces would cross the network between servers, which the cost model does not
+    price (it would price them at the GPU-to-GPU link's speed); pipeline stages span
+    servers instead."""
     for field, v in (("tp", tp), ("pp", pp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise LatsimError("must be a positive integer", field=field, value=v, has_value=True)
@@ -57,6 +66,11 @@ def check_parallelism(arch: ModelArch, tp: int, pp: int = 1) -> None:
     if arch.layers % pp:
         raise LatsimError(f"{arch.name}: pipeline parallel size must divide the {arch.layers} "
                           f"layers", field="pp", value=pp, has_value=True)
+    if priced and tp > GPUS_PER_SERVER:
+        raise LatsimError(f"a tensor-parallel group spans at most one server's "
+                          f"{GPUS_PER_SERVER} GPUs here (beyond, its all-reduces cross the "
+                          "network, which latsim does not price); span servers with pp",
+                          field="tp", value=tp, has_value=True)
 
 
 def kv_heads_per_gpu(arch: ModelArch, tp: int) -> int:
@@ -87,7 +101,7 @@ def _layer_bytes_per_gpu(arch: ModelArch, tp: int, wf: WeightFormat) -> float:
 def weight_bytes_per_stage(arch: ModelArch, tp: int = 1, pp: int = 1,
                            fmt: str | WeightFormat = "bf16") -> list[float]:
     """Weight bytes on one GPU of each pipeline stage (first stage first)."""
-    check_parallelism(arch, tp, pp)
+    check_parallelism(arch, tp, pp, priced=False)
     wf = weight_format(fmt)
     per_stage = arch.layers // pp * _layer_bytes_per_gpu(arch, tp, wf)
     embed = 2.0 * (arch.vocab * arch.hidden / tp + arch.learned_positions * arch.hidden
@@ -111,7 +125,7 @@ def weight_bytes_per_gpu(arch: ModelArch, tp: int = 1, pp: int = 1,
 def kv_bytes_per_token_per_gpu(arch: ModelArch, tp: int = 1, pp: int = 1,
                                kv_dtype: str = "bf16") -> float:
     """K and V bytes one cached token takes on one GPU (its stage's layers, its KV heads)."""
-    check_parallelism(arch, tp, pp)
+    check_parallelism(arch, tp, pp, priced=False)
     return float(kv_bytes(arch.layers // pp, kv_heads_per_gpu(arch, tp), arch.head_dim,
                           dtype_bytes(kv_dtype)))
 
@@ -208,7 +222,7 @@ def plan_memory(model: str | ModelArch, gpu: str | GpuSpec, tp: int = 1, pp: int
     otherwise it is returned with ``fits=False`` and the reason.
     """
     arch, spec = _resolve(model, gpu)
-    check_parallelism(arch, tp, pp)
+    check_parallelism(arch, tp, pp, priced=False)
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise LatsimError("must be in (0, 1]", field="gpu_memory_utilization",
                           value=gpu_memory_utilization, has_value=True)
