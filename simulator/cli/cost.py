@@ -332,7 +332,7 @@ def _print_step(rep: dict) -> None:
         return
     det = rep["detail"]
     console.print(f"  bound by {det['bound']}; device {det['device']:,.2f} ms, host "
-                  f"{det['host']:,.2f} ms{' (CUDA-graph replay)' if det['graph_replay'] else ''}",
+                  f"{det['host']:,.2f} ms{' (graph replay)' if det['graph_replay'] else ''}",
                   highlight=False)
     rows = [("compute", rep["terms"]["compute"], f"GEMM FLOPs {det['gemm_compute']:,.2f}, "
              f"prefill attention {det['prefill_attention']:,.2f}"),
