@@ -38,6 +38,7 @@ from simulator.wire.benchclient import _WORDS, bench_outputs, run_bench
 from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
 from simulator.report.metrics import BREAKDOWN, requests_table, summarize
+from simulator.report.percentile import pct_ms
 from simulator.loops.simulate import simulate
 from simulator.workload import Workload
 
@@ -126,8 +127,8 @@ def stage_errors(real_df: pd.DataFrame, sim_df: pd.DataFrame) -> dict:
         s = sf[st].to_numpy(dtype=float)
         r, s = r[~np.isnan(r)], s[~np.isnan(s)]
         for label, q in (("median", 50), ("p99", 99)):
-            rv = float(np.percentile(r, q)) * 1e3 if len(r) else None
-            sv = float(np.percentile(s, q)) * 1e3 if len(s) else None
+            rv = pct_ms(r, q, empty=None)
+            sv = pct_ms(s, q, empty=None)
             err = (sv - rv) / rv if rv and sv is not None and rv > 0 else None
             out[f"{label}_{st}_ms"] = {"real": rv, "sim": sv, "rel_err": err}
     return out

@@ -115,3 +115,17 @@ def test_itl_quantile_interpolates_between_order_statistics_as_numpy_does():
     for q in (0.0, 0.25, 0.5, 0.9, 0.99, 1.0):
         assert h.quantile(q) == pytest.approx(np.percentile(gaps, q * 100), rel=1e-3)
     assert h.quantile(0.5) == pytest.approx(0.0505, rel=1e-3)
+
+
+def test_one_percentile_definition_for_simulated_and_real_latencies():
+    """``pct_ms`` (every summary, the recorded run's side, the autoscaler's metric) and
+    the ITL histogram are one statistic: linear between order statistics, in ms."""
+    from simulator.report.percentile import pct_ms
+    from simulator.report.recorder import ItlHistogram
+    x = np.array([0.001, 0.1, 0.001, 0.1, 0.05])
+    h = ItlHistogram()
+    h.add_many(x)
+    for q in (50, 90, 99):
+        assert pct_ms(x, q) == pytest.approx(np.percentile(x, q) * 1e3)
+        assert h.quantile(q / 100) * 1e3 == pytest.approx(pct_ms(x, q), rel=1e-3)
+    assert np.isnan(pct_ms([], 99)) and pct_ms([], 99, empty=0.0) == 0.0

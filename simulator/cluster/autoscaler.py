@@ -42,6 +42,8 @@ from collections import deque
 
 import numpy as np
 
+from simulator.report.percentile import pct_ms
+
 OFF, PROVISIONING, READY, DRAINING = "off", "provisioning", "ready", "draining"
 
 
@@ -190,7 +192,7 @@ class Autoscaler:
         """The metric over the last window (see module doc)."""
         if self.cfg.metric == "p99_ttft":
             vals = self.ttft_values(now, self.cfg.window_s)
-            return float(np.percentile(vals, 99)) * 1000.0 if len(vals) else 0.0
+            return pct_ms(vals, 99, empty=0.0)
         vals = [v for _, v in self.samples]
         return float(np.mean(vals)) if vals else 0.0
 

@@ -34,6 +34,7 @@ import math
 import numpy as np
 
 from simulator.loops.simulate import kv_bytes_per_token
+from simulator.report.percentile import pct_ms
 
 
 class Disaggregation:
@@ -131,7 +132,7 @@ class Disaggregation:
                 # No such wait: NaN, as every other empty statistic of the summary.
                 return dict.fromkeys(("mean", "median", "p99", "max"), math.nan)
             return {"mean": float(x.mean()) * 1e3, "median": float(np.median(x)) * 1e3,
-                    "p99": float(np.percentile(x, 99)) * 1e3, "max": float(x.max()) * 1e3}
+                    "p99": pct_ms(x, 99), "max": float(x.max()) * 1e3}
         return {"kv_link_gbs": self.link.gbs, "kv_link_latency_us": self.link.latency_us,
                 "prefill_replicas": len(self.prefill), "decode_replicas": len(self.decode),
                 "handed_off": int((~np.isnan(self.handed)).sum()),

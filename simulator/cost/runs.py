@@ -28,7 +28,6 @@ log is a one-line ``LatsimError`` naming the file, the column and row, and the v
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -37,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.errors import LatsimError, one_line
+from simulator.report.percentile import pct_ms
 from simulator.model.policies.chunked import fill_chunked
 from simulator.model.policies.priority_aging import aging_key
 
@@ -331,8 +331,8 @@ def latency_metrics(arrival: dict, tok: pd.DataFrame, n_tokens: Optional[dict] =
     itl = np.diff(t)[r[1:] == r[:-1]]
     out = {}
     for name, v in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
-        out[f"median_{name}_ms"] = float(np.percentile(v, 50)) * 1e3 if len(v) else math.nan
-        out[f"p99_{name}_ms"] = float(np.percentile(v, 99)) * 1e3 if len(v) else math.nan
+        out[f"median_{name}_ms"] = pct_ms(v, 50)
+        out[f"p99_{name}_ms"] = pct_ms(v, 99)
     return out
 
 

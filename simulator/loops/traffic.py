@@ -22,6 +22,7 @@ from simulator.cluster.autoscaler import Autoscaler, Fleet, has_work
 from simulator.cluster.gateway import Gateway
 from simulator.cluster.routers import make_router
 from simulator.loops.simpy.replica import Replica
+from simulator.report.percentile import pct_ms
 from simulator.report.recorder import Recorder
 from simulator.report.utilization import UtilTracker
 from simulator.wire.clients import Clients
@@ -301,8 +302,7 @@ def _pools_meta(pools, fleet, end: float, gateway, disagg=None) -> dict:
             "completed_share": int(completed[k]) / n_done,
             # A decode pool's requests had their first token on the prefill pool, which
             # set their TTFT: none of it is the decode pool's, so NaN (as with no request).
-            "p99_ttft_ms": (float(np.percentile(ttft[mine], 99)) * 1000.0
-                            if mine.any() and p.role != "decode" else math.nan),
+            "p99_ttft_ms": pct_ms(ttft[mine], 99) if p.role != "decode" else math.nan,
             "gpu_hours": hours, "gpu_cost_per_hour": p.price,
             "cost_usd": hours * p.price if p.price is not None else None,
         }

@@ -23,6 +23,8 @@ import math
 import numpy as np
 from rich.table import Table
 
+from simulator.report.percentile import pct_ms
+
 
 def kv_run_stats(stats, cost, rec, workload, chunk: int) -> dict:
     """Tallies of the replicas' block managers (their ``KVStats``) and the prefill
@@ -100,7 +102,7 @@ def kv_summary(res, df) -> dict:
         "swapped_gb": float(df["swapped_bytes"].sum()) / 1e9 if "swapped_bytes" in df else 0.0,
         "swap_copy_s": st.get("swap_copy_s", 0.0),
         "mean_preempted_ms": float(pre_s.mean()) * 1000 if len(pre_s) else float("nan"),
-        "p99_preempted_ms": float(np.percentile(pre_s, 99)) * 1000 if len(pre_s) else float("nan"),
+        "p99_preempted_ms": pct_ms(pre_s, 99),
         "prefix_caching": kv.prefix_caching,
         "block_hit_ratio": st.get("hit_blocks", 0) / qb if qb else float("nan"),
         "token_hit_ratio": st.get("cached_tokens", 0) / qt if qt and kv.prefix_caching else float("nan"),

@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.cluster.admission import REASONS
+from simulator.report.percentile import pct_ms
 from simulator.report.recorder import TIMESTAMPS, ItlHistogram
 
 PCTS = (("mean", None), ("median", 50), ("p90", 90), ("p99", 99))
@@ -143,12 +144,12 @@ def _stats(x: np.ndarray, prefix: str, out: dict) -> None:
     x = x[~np.isnan(x)]
     for label, q in PCTS:
         if len(x) == 0:
-            v = float("nan")
+            v = math.nan
         elif q is None:
-            v = float(x.mean())
+            v = float(x.mean()) * 1000.0
         else:
-            v = float(np.percentile(x, q))
-        out[f"{label}_{prefix}_ms"] = v * 1000.0
+            v = pct_ms(x, q)
+        out[f"{label}_{prefix}_ms"] = v
 
 
 def _slo_mask(df: pd.DataFrame, slos: dict) -> np.ndarray:
@@ -223,7 +224,7 @@ def summarize(df: pd.DataFrame, itl: Optional[ItlHistogram], scenario=None,
     for b in BREAKDOWN:
         x = fin(b, float)
         out[f"mean_{b}_ms"] = float(x.mean()) * 1000.0 if len(x) else float("nan")
-        out[f"p99_{b}_ms"] = float(np.percentile(x, 99)) * 1000.0 if len(x) else float("nan")
+        out[f"p99_{b}_ms"] = pct_ms(x, 99)
     if slos is None and scenario is not None:
         slos = class_slos(scenario)
     if slos:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from simulator.report.percentile import pct_ms
 from simulator.report.utilization import window_columns
 from simulator.wire import clients as C
 
@@ -94,7 +95,7 @@ def cluster_rows(res, frame: pd.DataFrame, good: np.ndarray) -> pd.DataFrame:
     done = ~np.isnan(frame["last_delivered"].to_numpy(float))
     p99 = np.full(len(edges) - 1, np.nan)
     for j in np.unique(k[done]):
-        p99[j] = np.percentile(ttft[done & (k == j)], 99) * 1000.0
+        p99[j] = pct_ms(ttft[done & (k == j)], 99)
     cols["p99_ttft_ms"] = p99
     return pd.DataFrame(cols)
 

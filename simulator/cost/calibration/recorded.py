@@ -32,6 +32,7 @@ import pandas as pd
 
 from simulator.cost.runs import latency_metrics, numeric_column, read_run, read_table
 from simulator.errors import LatsimError, one_line
+from simulator.report.percentile import pct_ms
 
 
 # The reference engine's policy names -> latsim's.
@@ -446,8 +447,8 @@ def _bench_real(folder: Path, df: pd.DataFrame, tok, arrival: dict) -> dict:
     out = {}
     for m, c in (("ttft", "ttft"), ("tpot", "tpot"), ("e2el", "e2el")):
         v = pd.to_numeric(fin[c], errors="coerce").dropna().to_numpy() if c in fin else []
-        out[f"median_{m}_ms"] = float(np.percentile(v, 50)) * 1e3 if len(v) else math.nan
-        out[f"p99_{m}_ms"] = float(np.percentile(v, 99)) * 1e3 if len(v) else math.nan
+        out[f"median_{m}_ms"] = pct_ms(v, 50)
+        out[f"p99_{m}_ms"] = pct_ms(v, 99)
     out["median_itl_ms"] = out["p99_itl_ms"] = math.nan
     return out
 
