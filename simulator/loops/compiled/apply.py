@@ -12,7 +12,7 @@ import heapq
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.wire.keepalive import pool_release
-from simulator.model.kv.rules import ceil_blocks, growth_tick
+from simulator.model.kv.rules import ceil_blocks, growth_tick, held_tokens
 from simulator.model.scheduling.progress import (emit_tokens, finish_tick, prefill_progress,
                                                  tick_key)
 
@@ -67,7 +67,7 @@ def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN):
     TS[S.T_GEN][rid] = RQ[rid, S.Q_GENERATED]
     RS[r, S.R_FREE] += RQ[rid, S.Q_HELD]
     RQ[rid, S.Q_HELD] = 0
-    RS[r, S.R_KV] -= prompt[rid] + RQ[rid, S.Q_GENERATED]
+    RS[r, S.R_KV] -= held_tokens(True, prompt[rid], RQ[rid, S.Q_GENERATED], 0)
     pool_release(IDL, ILEN, clients[rid], arrived, RQ[rid, S.Q_POOLED] != 0, IP[S.P_REUSE] != 0)
 
 

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import heapq
 
+from simulator.kernel import python_of
+from simulator.model.kv import rules as kvr
+
+_held_tokens = python_of(kvr.held_tokens)
+
 
 class ReplicaApply:
     """Mixin: a step's effects on the replica's requests (see module doc)."""
@@ -219,7 +224,7 @@ class ReplicaApply:
         rec.generated[rid] = s.generated
         self.kv.free(s)
         s.where = "x"
-        self.kv_tokens -= s.prompt_tokens + s.generated
+        self.kv_tokens -= _held_tokens(True, s.prompt_tokens, s.generated, 0)
         del self.by_id[rid]
         self.on_finish(s, arrived)
 

@@ -32,6 +32,11 @@ replicas (the configuration refuses ``client`` timeouts with roles).
 """
 from __future__ import annotations
 
+from simulator.kernel import python_of
+from simulator.model.kv import rules as kvr
+
+_held_tokens = python_of(kvr.held_tokens)
+
 
 class ReplicaHandoff:
     """Mixin: both sides of a disaggregated replica (see module doc)."""
@@ -52,7 +57,7 @@ class ReplicaHandoff:
         the loop if it waits for them: waiting requests and every block held by KV still
         to be sent)."""
         self.kv.free(s)
-        self.kv_tokens -= s.prompt_tokens + s.generated
+        self.kv_tokens -= _held_tokens(True, s.prompt_tokens, s.generated, 0)
         self._sent -= 1
         self._nudge(False)
 

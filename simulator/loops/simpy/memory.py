@@ -34,6 +34,7 @@ from simulator.model.scheduling import progress as P
 
 # Once per decoder and block, or join: the plain functions (no compiled dispatch).
 _growth_tick, _swap_copy = python_of(kvr.growth_tick), python_of(kvr.swap_copy)
+_held_tokens = python_of(kvr.held_tokens)
 _tick_key, _finish_tick, _generated_by, _last_token_at, _admission_times = (
     python_of(f) for f in (P.tick_key, P.finish_tick, P.generated_by, P.last_token_at,
                            P.admission_times))
@@ -145,12 +146,10 @@ class ReplicaMemory:
             if self.fast:
                 self._leave_fast(s)
             self.decoding.remove(s)
-            held_tokens = s.prompt_tokens + s.generated
         else:
             self.prefilling.remove(s)
-            held_tokens = s.prefilled
         kv = self.kv
-        self.kv_tokens -= held_tokens
+        self.kv_tokens -= _held_tokens(decoding, s.prompt_tokens, s.generated, s.prefilled)
         s.preempted_at = now
         swap, blocks = kv.preemption(s, decoding, self.cpu_used, self.cpu_blocks)
         lost = kv.release_preempted(s, decoding, swap)
@@ -225,10 +224,10 @@ class ReplicaMemory:
                     if self.fast:
                         self._leave_fast(s)
                     self.decoding.remove(s)
-                    self.kv_tokens -= s.prompt_tokens + s.generated
                 else:
                     self.prefilling.remove(s)
-                    self.kv_tokens -= s.prefilled
+                self.kv_tokens -= _held_tokens(where == "d", s.prompt_tokens, s.generated,
+                                               s.prefilled)
                 self._outstanding -= s.remaining_prefill + s.output_tokens - s.generated
                 self.kv.free(s)
             s.where = "x"

@@ -125,10 +125,17 @@ def swaps_out(decoding, swap_rule, cpu_used, blocks, cpu_blocks):
 
 
 @kernel
-def recompute_loss(decoding, prompt, generated, prefilled):
-    """KV tokens a preemption by recompute drops, to be prefilled again: a decoder's
-    prompt and generated tokens, a prefilling request's computed ones."""
+def held_tokens(decoding, prompt, generated, prefilled):
+    """KV tokens a running request holds (what the ``kv_tokens`` series counts): a
+    decoder its prompt and generated tokens, a prefilling request its computed ones."""
     return prompt + generated if decoding else prefilled
+
+
+@kernel
+def recompute_loss(decoding, prompt, generated, prefilled):
+    """KV tokens a preemption by recompute drops, to be prefilled again: all it held
+    (``held_tokens``)."""
+    return held_tokens(decoding, prompt, generated, prefilled)
 
 
 @kernel
