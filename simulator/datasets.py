@@ -119,8 +119,8 @@ DATASETS: tuple[Dataset, ...] = (
             readme="vidur/README.md"),
     Dataset("published-step-times", "published-step-times.csv",
             "Step times (ms) published by engine vendors and projects, one measurement a row "
-            "with its source: TensorRT-LLM docs, gpt-fast README, NVIDIA NIM docs, vLLM's "
-            "nightly benchmark",
+            "with its source: TensorRT-LLM docs, gpt-fast READMEs (Llama-2, Mixtral), NVIDIA NIM "
+            "docs, vLLM's nightly benchmark, lmdeploy's A100 benchmark",
             "compiled by this project from the public pages cited in each row", "Apache-2.0", "",
             readme="catalog-sources.md"),
 )
