@@ -627,3 +627,37 @@ def test_prefill_saved_counts_chunks_of_the_policys_own_chunk_size(data_dir):
     assert on_engine > 0
     assert saved(policy_params={"chunk_size": 256}) == pytest.approx(on_engine, rel=1e-12)
     assert saved() != pytest.approx(on_engine, rel=1e-3)     # the chunking shows
+
+
+def test_swap_in_keeps_the_watermark_free():
+    """A swapped request of 160 tokens (10 blocks of 16) comes back only if its blocks
+    leave the watermark's 2 blocks free: with 11 free it waits, with 12 it returns."""
+    from simulator.model.kv import rules as kvr
+    assert not kvr.swap_in_fits(160, 16, 2, 11)
+    assert kvr.swap_in_fits(160, 16, 2, 12)
+    assert kvr.swap_in_fits(161, 16, 0, 11) and not kvr.swap_in_fits(161, 16, 0, 10)
+
+
+def test_a_readmission_keeps_its_first_schedule_time():
+    """``admission_times``: a first admission records now; a re-admission after a
+    preemption keeps the first scheduled time (TTFT's queue part is the first wait) and
+    adds the time it spent preempted."""
+    from simulator.model.scheduling.progress import admission_times
+    assert admission_times(float("nan"), float("nan"), 4.0) == (4.0, 0.0, False)
+    assert admission_times(5.0, 8.0, 10.0) == (5.0, 2.0, True)
+
+
+def test_breakdown_parts_stay_non_negative_under_preemption():
+    """Under recompute preemption (a cache far too small for the load) every request's
+    breakdown parts are >= 0 and it was scheduled no later than its first token."""
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 150
+    d["workload"]["arrival"] = {"kind": "poisson", "rate": 40.0}
+    d["engine"]["kv"] = {"num_blocks": 60, "preemption": "recompute"}
+    res = simulate(validate_scenario(d), 0)
+    df = requests_table(res)
+    fin = df[df["finished"]]
+    assert res.rec.preemptions.sum() > 0 and len(fin) > 100
+    for part in ("t_net", "t_queue", "t_prefill", "t_decode", "t_stream"):
+        assert (fin[part] >= -1e-12).all(), part
+    assert (fin["scheduled"] <= fin["first_token"] + 1e-12).all()

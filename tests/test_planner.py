@@ -92,6 +92,26 @@ def test_slo_syntax():
             parse_slo(bad, ["P0"])
 
 
+def test_a_configuration_is_judged_on_its_worst_seed():
+    """Over seeds, an upper bound reads the largest value and a lower bound the smallest:
+    P99 TTFT 100 and 300 ms against <= 200 is infeasible at 300; goodput 4 and 6 against
+    >= 5 is infeasible at 4; a request lost on any seed makes it infeasible."""
+    from simulator.planning.planner import Eval
+    ttft = parse_slo("p99_ttft_ms<=200", ["P0"])
+    good = parse_slo("request_goodput>=5", ["P0"])
+    e = Eval({}, 1.0, 1, [{"p99_ttft_ms": 100.0, "request_goodput": 6.0},
+                          {"p99_ttft_ms": 300.0, "request_goodput": 4.0}], [ttft, good])
+    assert e.value(ttft) == 300.0 and e.value(good) == 4.0
+    assert not e.feasible and dict(e.violations) == {ttft.text: 300.0, good.text: 4.0}
+    ok = Eval({}, 1.0, 1, [{"p99_ttft_ms": 100.0, "request_goodput": 6.0},
+                           {"p99_ttft_ms": 150.0, "request_goodput": 5.5}], [ttft, good])
+    assert ok.feasible and ok.value(ttft) == 150.0 and ok.value(good) == 5.5
+    lost = Eval({}, 1.0, 1, [{"p99_ttft_ms": 100.0, "request_goodput": 6.0},
+                             {"p99_ttft_ms": 100.0, "request_goodput": 6.0, "not_finished": 2}],
+                [ttft, good])
+    assert not lost.feasible
+
+
 def test_default_slos_come_from_the_classes():
     sc = validate_scenario(yaml.safe_load((REPO / "scenarios/quickstart.yaml").read_text()))
     texts = [s.text for s in default_slos(sc)]

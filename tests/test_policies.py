@@ -218,3 +218,34 @@ def test_static_batching_admits_only_into_an_empty_engine():
                                           "kv": {"num_blocks": 4096}}))
     s2, last2 = cont.rec.scheduled, cont.rec.last_token
     assert any(np.any((s2 < t) & (last2 > t)) for t in np.unique(s2))
+
+
+def test_fifo_admits_whole_prompts_that_fill_the_budget_exactly():
+    """Prompts of 128 + 128 tokens against a 256-token budget both go in (the budget is
+    a bound that may be met); a third of 1 token does not; the first always goes in
+    alone, however long (a prompt longer than the budget would never run otherwise)."""
+    from simulator.model.policies.fifo import fill_whole_prompts
+    z = np.zeros(0, np.int64)
+
+    def fill(budget, cands):
+        rem = np.array(cands, np.int64)
+        out_c = np.zeros(len(cands), np.int64)
+        res = fill_whole_prompts(budget, 0, 64, 0, 10**6, 5, z, 0, rem, np.ones(len(cands), np.int64),
+                                 len(cands), np.zeros(0, np.int64), out_c)
+        return res, out_c.tolist()
+    (nd, npc, na, more), out = fill(256, [128, 128, 1])
+    assert (nd, npc, na) == (0, 0, 2) and out == [128, 128, 0] and not more
+    (nd, npc, na, _), out = fill(256, [1000, 1])
+    assert (nd, na) == (0, 1) and out == [1000, 0]
+
+
+def test_priority_aging_key_is_priority_less_whole_aging_periods_waited():
+    """``prio - floor(wait / aging_s)`` (aging_s 30): a class-1 request that waited 29 s
+    still ranks as class 1, behind a class-0 one that just came; at 30 s it ties it
+    (and the earlier arrival goes first), at 60 s it is ahead."""
+    from simulator.model.policies.priority_aging import aging_key
+    p = np.array([30.0])
+    assert [aging_key(1, 0.0, 0, t, p) for t in (0.0, 29.0, 29.999, 30.0, 59.9, 60.0)] == \
+        [1, 1, 1, 0, 0, -1]
+    assert aging_key(0, 29.0, 0, 29.0, p) == 0
+    assert aging_key(2, 10.0, 0, 5.0, p) == 2        # a clock before the arrival waits 0

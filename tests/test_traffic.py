@@ -802,3 +802,31 @@ def test_traffic_with_the_rich_stream_model_is_refused(tmp_path, capsys):
     p.write_text(yaml.safe_dump(d))
     code, _, err = cli(["run", p], capsys)
     assert code == 2 and "cannot be combined with the per-request stream" in err
+
+
+def test_token_bucket_holds_at_most_its_burst():
+    """Rate 1/s, burst 5, idle until t = 100: five requests pass at once (not 100: the
+    bucket is capped at its burst), the sixth waits 1 s for the next token."""
+    from simulator.cluster.admission import TokenBucket
+    tb = TokenBucket(rate=1.0, burst=5.0)
+    for _ in range(5):
+        assert tb.wait(100.0, 1.0) == 0.0
+        tb.take(100.0, 1.0)
+    assert tb.wait(100.0, 1.0) == pytest.approx(1.0)
+    assert tb.wait(100.5, 1.0) == pytest.approx(0.5)
+
+
+def test_shedding_drops_the_latest_of_the_lowest_class_that_has_not_started():
+    """For a class-0 newcomer, of waiting P1@1, P2@2, P2@3 and a started P2@4, the victim
+    is P2@3 (lowest class, then latest arrival; a started request is never shed); for a
+    class-2 newcomer there is none (no lower class)."""
+    from types import SimpleNamespace as NS
+
+    from simulator.cluster.admission import shed_victim
+    w = [NS(rid=1, priority=1, enqueued=1.0, prefilled=0, generated=0),
+         NS(rid=2, priority=2, enqueued=2.0, prefilled=0, generated=0),
+         NS(rid=3, priority=2, enqueued=3.0, prefilled=0, generated=0),
+         NS(rid=4, priority=2, enqueued=4.0, prefilled=16, generated=0)]
+    assert shed_victim(w, 0).rid == 3
+    assert shed_victim(w, 1).rid == 3
+    assert shed_victim(w, 2) is None

@@ -129,3 +129,45 @@ def test_one_percentile_definition_for_simulated_and_real_latencies():
         assert pct_ms(x, q) == pytest.approx(np.percentile(x, q) * 1e3)
         assert h.quantile(q / 100) * 1e3 == pytest.approx(pct_ms(x, q), rel=1e-3)
     assert np.isnan(pct_ms([], 99)) and pct_ms([], 99, empty=0.0) == 0.0
+
+
+def test_goodput_and_slo_attainment_by_each_class_own_slo():
+    """``good_requests`` / ``request_goodput`` / ``slo_attainment``, computed by hand from
+    the per-request table: a request is good when it finished and meets its class's own
+    SLO (else the scenario's default), every bound ``<=``, a 1-token request's TPOT (NaN)
+    passing its TPOT bound; attainment over every request, goodput per second of the run,
+    throughput over completed requests only (as ``vllm bench serve``)."""
+    from simulator.loops.simulate import simulate
+    from simulator.report.metrics import requests_table, summarize
+    from conftest import make_scenario_dict
+    from simulator.config.scenario import validate_scenario
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 300
+    d["workload"]["arrival"] = {"kind": "poisson", "rate": 30.0}
+    d["workload"]["output_tokens"] = {"kind": "uniform", "low": 1, "high": 60}
+    d["workload"]["classes"] = [{"name": "P0", "share": 0.5, "slo": {"ttft_ms": 20, "tpot_ms": 11.5}},
+                                {"name": "P1", "share": 0.5}]
+    d["slo"] = {"ttft_ms": 30}
+    # Requests over 300 tokens are refused: unfinished, never good.
+    d["engine"]["kv"] = {"num_blocks": 400, "max_model_len": 300}
+    sc = validate_scenario(d)
+    df = requests_table(simulate(sc, 0))
+    s = summarize(df, None, sc)
+    fin = df["finished"].to_numpy(bool)
+    ttft, tpot = df["ttft"].to_numpy() * 1e3, df["tpot"].to_numpy() * 1e3
+    p0 = df["class"].to_numpy() == "P0"
+    good = fin & np.where(p0, (ttft <= 20) & (np.isnan(tpot) | (tpot <= 11.5)), ttft <= 30)
+    # The case must tell the rules apart: some fail each bound, some pass, some unfinished.
+    assert 0 < good.sum() < fin.sum() and (p0 & fin & (ttft > 20) & (ttft <= 30)).any()
+    assert (p0 & fin & (ttft <= 20) & (tpot > 11.5)).any() and (~p0 & fin & (ttft > 30)).any()
+    assert (~fin).any() and (p0 & fin & (ttft <= 20) & np.isnan(tpot)).any()
+    dur = df["last_delivered"].to_numpy()[fin].max() - df["arrival"].min()
+    assert s["good_requests"] == good.sum()
+    assert s["slo_attainment"] == pytest.approx(good.sum() / len(df))
+    assert s["request_goodput"] == pytest.approx(good.sum() / dur)
+    assert s["request_throughput"] == pytest.approx(fin.sum() / dur)
+    # TPOT per request: (last - first delivered) / (output tokens - 1).
+    n = df["output_tokens"].to_numpy()
+    m = fin & (n > 1)
+    want = (df["last_delivered"] - df["first_delivered"]).to_numpy()[m] / (n[m] - 1)
+    assert s["median_tpot_ms"] == pytest.approx(np.median(want) * 1e3)
