@@ -224,6 +224,18 @@ def test_published_step_times():
         derive.DECODE_CALIBRATION_ROWS)
 
 
+def test_causal_prefill_attention_is_its_flops_over_the_flash_rate():
+    """A prompt of n tokens with no prefix: n (n + 1) / 2 causal (query, key) pairs, 4
+    FLOPs per pair per head dimension (QK^T and PV) in every layer and query head, at
+    ``attn_tflops x e_flash``: Llama-2-70B at TP4 on H100, n = 4096."""
+    arch, spec = catalog.model("llama-2-70b"), catalog.gpu("h100-80gb")
+    c = constants.build_constants(arch, spec, 4)
+    n = 4096
+    flops = 4.0 * 80 * (64 / 4) * 128 * n * (n + 1) / 2
+    rate = c[ph.C_ATTN_TFLOPS] * 1e12 * c[ph.C_E_FLASH]
+    assert ph.chunk_attention_ms(c, n, 0) == pytest.approx(flops / rate * 1e3, rel=1e-12)
+
+
 def test_a_moe_step_reads_only_the_experts_its_tokens_are_routed_to():
     """Mixtral-8x7B (top-2 of 8): one token reads attention, router and 2 experts a
     layer; ``T`` tokens read ``8 (1 - (3/4)^T)`` experts on average (routing spread
