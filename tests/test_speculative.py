@@ -221,3 +221,22 @@ def test_latsim_cost_spec(capsys):
     code, _, err = _cli(["cost", "--model", "llama-3-8b", "--gpu", "h200", "--decode", "8@1024",
                          "--spec", "k=4"], capsys)
     assert code == 2 and "--spec" in err
+
+
+def test_a_verify_step_is_a_q_token_decode_at_contexts_q_minus_1_longer():
+    """Eight sequences at context 800 verifying 3 drafts (q = 4): each one's last query
+    sees 803 keys, so the step costs a 4-query decode of eight sequences at 803 each
+    (their contexts' sum 6,424, not 6,403), under paged and padded attention alike."""
+    import json
+
+    from simulator.cost import physics as ph
+    from simulator.cost.fitted import fitted_constants
+    c = fitted_constants(json.loads((REPO / "profiles" / "h200-llama3-8b.json").read_text())).c
+    z, f = np.zeros(1, np.int64), np.zeros(1, np.bool_)
+    for padded in (0.0, 1.0):
+        c[ph.C_PADDED] = padded
+        got = ph.verify_ms(c, 8, 4, 800, 8 * 800, z, z, f, 0)
+        assert got == ph.step_q_ms(c, 8, 4, 803, 8 * 803, z, z, f, 0)
+        assert ph.verify_ms(c, 1, 1, 800, 800, z, z, f, 0) == ph.step_q_ms(c, 1, 1, 800, 800, z, z, f, 0)
+    c[ph.C_PADDED] = 0.0
+    assert ph.verify_ms(c, 8, 4, 800, 6400, z, z, f, 0) > ph.step_q_ms(c, 8, 4, 803, 6403, z, z, f, 0)
