@@ -279,15 +279,10 @@ def cost(
 def _check_context(arch, pre: Optional[tuple], dec: Optional[tuple]) -> None:
     """A step's prompts and decode contexts may not exceed the model's longest context
     (``max_position_embeddings``): no server runs them (one-line error naming the option)."""
-    mc = getattr(arch, "max_context", None)
-    if not mc:
-        return
+    from simulator.cost import catalog
     for opt, tokens, what in (("--prefill", pre[1] if pre else 0, "a prompt of"),
                               ("--decode", dec[1] if dec else 0, "a context of")):
-        if tokens > mc:
-            raise LatsimError(f"{what} {tokens:,} tokens exceeds {arch.name}'s longest context, "
-                              f"{mc:,} tokens (max_position_embeddings)", source=opt,
-                              value=tokens, has_value=True)
+        catalog.check_context(arch, tokens, what, source=opt)
 
 
 def _jsonable(v):

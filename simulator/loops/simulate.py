@@ -130,16 +130,12 @@ def _check_model_context(scenario: Scenario) -> None:
     """``engine.kv.max_model_len`` of a roofline scenario may not exceed the model's own
     longest context (``max_position_embeddings``): a server refuses to start so (vLLM
     does, unless told its positions are scaled), and the model was never trained past it."""
+    from simulator.cost import catalog
     from simulator.cost.roofline import model_arch
-    from simulator.errors import LatsimError
     kv = scenario.engine.kv
-    if kv.max_model_len is None:
-        return
-    arch = model_arch(scenario.model.cost.model)
-    if arch.max_context and kv.max_model_len > arch.max_context:
-        raise LatsimError(f"exceeds {arch.name}'s longest context, {arch.max_context:,} tokens "
-                          "(max_position_embeddings)", field="engine.kv.max_model_len",
-                          value=kv.max_model_len, has_value=True)
+    if kv.max_model_len is not None:
+        catalog.check_context(model_arch(scenario.model.cost.model), kv.max_model_len,
+                              "max_model_len of", field="engine.kv.max_model_len")
 
 
 def _settle_gpus_per_replica(scenario: Scenario) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 from simulator.errors import LatsimError
 from simulator.cost.catalog.gpus import GPUS, GpuSpec
 from simulator.cost.catalog.hf import arch_from_config, load_config
-from simulator.cost.catalog.memory import (MemoryPlan, activation_bytes_per_gpu, check_parallelism,
+from simulator.cost.catalog.memory import (MemoryPlan, activation_bytes_per_gpu, check_context,
+                                           check_parallelism,
                                            kv_bytes_per_token_per_gpu, kv_heads_per_gpu,
                                            kv_replication, plan_memory, weight_bytes_per_gpu,
                                            weight_bytes_per_stage)
@@ -30,7 +31,7 @@ from simulator.cost.catalog.models import (DTYPE_BYTES, MODELS, WEIGHT_FORMATS, 
 __all__ = [
     "GpuSpec", "ModelArch", "WeightFormat", "MemoryPlan", "GPUS", "MODELS", "WEIGHT_FORMATS",
     "DTYPE_BYTES", "gpu", "gpu_in_text", "model", "gpu_names", "model_names", "dtype_bytes", "weight_format",
-    "load_config", "arch_from_config", "plan_memory", "check_parallelism", "kv_heads_per_gpu",
+    "load_config", "arch_from_config", "plan_memory", "check_context", "check_parallelism", "kv_heads_per_gpu",
     "kv_replication", "weight_bytes_per_gpu", "weight_bytes_per_stage",
     "kv_bytes_per_token_per_gpu", "activation_bytes_per_gpu",
 ]

@@ -73,6 +73,19 @@ def check_parallelism(arch: ModelArch, tp: int, pp: int = 1, *, priced: bool = T
                           field="tp", value=tp, has_value=True)
 
 
+def check_context(arch: ModelArch, tokens: int, what: str, **where) -> None:
+    """Refuse ``tokens`` of context beyond the model's longest one
+    (``max_position_embeddings``; no bound when unknown): no server runs them (vLLM
+    refuses to start so unless told its positions are scaled), and the model was never
+    trained past it. ``what`` names the quantity, ``where`` the ``LatsimError``'s
+    ``source`` / ``field``."""
+    mc = arch.max_context
+    if mc and tokens > mc:
+        raise LatsimError(f"{what} {tokens:,} tokens exceeds {arch.name}'s longest context, "
+                          f"{mc:,} tokens (max_position_embeddings)", value=tokens,
+                          has_value=True, **where)
+
+
 def kv_heads_per_gpu(arch: ModelArch, tp: int) -> int:
     """KV heads each GPU of a TP group stores (at least 1: replicated past kv_heads)."""
     return max(1, arch.kv_heads // tp)
