@@ -123,6 +123,18 @@ DATASETS: tuple[Dataset, ...] = (
             "docs, vLLM's nightly benchmark, lmdeploy's A100 benchmark",
             "compiled by this project from the public pages cited in each row", "Apache-2.0", "",
             readme="catalog-sources.md"),
+    Dataset("vllm-h100-runs", "vllm-h100-runs/",
+            "16 recorded runs of a real vLLM v0.15 server on H100-SXM (Llama-2-7B TP1, "
+            "Llama-2-70B TP4, Mixtral-8x7B TP2, CodeLlama-34B TP2; four workloads) driven by "
+            "inference-perf: launch arguments, workload config, per-stage and summary "
+            "latency aggregates",
+            "https://github.com/inference-sim/training/tree/ed5c1d26900e6909758d5e1641a18edaf56a1caf/"
+            "default_args", "no licence stated (measurements used as facts, with attribution)",
+            "inference-sim/training, the measurements behind the BLIS simulator's trained "
+            "coefficients",
+            "slice: the 16 runs' exp-config.yaml, profile.yaml and results/ (config, per-stage "
+            "and summary lifecycle metrics), server addresses and storage paths replaced",
+            readme="vllm-h100-runs/README.md"),
 )
 
 
