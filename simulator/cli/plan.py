@@ -28,8 +28,9 @@ def _base(scenario: Path, set_: Optional[List[str]]) -> tuple[dict, Path]:
     if not isinstance(data, dict):
         raise LatsimError("a scenario must be a YAML mapping", source=str(scenario))
     data = apply_overrides(data, set_, source=str(scenario))
-    validate_scenario(data, source=str(scenario))
-    return data, Path(scenario).resolve().parent
+    base_dir = Path(scenario).resolve().parent
+    validate_scenario(data, source=str(scenario), base_dir=base_dir)
+    return data, base_dir
 
 
 def sweep(

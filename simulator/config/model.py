@@ -43,7 +43,6 @@ class ModelShape(StrictModel):
 
 # The shape fields that say which model it is (a hand-typed shape must agree on them).
 _SHAPE_DIMS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim")
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _field_error(loc: str, msg: str, value: Any):
@@ -65,9 +64,10 @@ def _bare(e: Exception) -> str:
 def _search_dirs(info) -> list[Path]:
     """Where a relative model or profile path is looked up: the scenario's folder (when
     the loader passes it as context ``base_dir``), the working directory, the checkout."""
+    from simulator.cost import profile_search_dirs
     ctx = getattr(info, "context", None) or {}
     base = ctx.get("base_dir") if isinstance(ctx, dict) else None
-    return ([Path(base)] if base is not None else []) + [Path.cwd(), _REPO_ROOT]
+    return profile_search_dirs(base)
 
 
 def _shape_of(arch, kv_bytes: float, weight_bytes: Optional[float]) -> "ModelShape":
@@ -82,12 +82,13 @@ def _profile_model_check(name: Optional[str], shape: "ModelShape", path: str, di
     (or, lacking them, its catalogued name) must match (one-line error otherwise)."""
     import json
 
-    from simulator.cost import catalog
-    p = Path(path)
-    cands = [p] if p.is_absolute() else [Path(d) / p for d in dirs]
-    found = next((q for q in cands if q.is_file()), None)
-    if found is None:
-        return      # the cost model reports a missing profile when it is built
+    from simulator.cost import catalog, resolve_profile_path
+    # Found as the cost model will find it (scenario folder, cwd, checkout); a profile that
+    # is not there is refused here: checking nothing would let another model's pass.
+    try:
+        found = resolve_profile_path(path, dirs)
+    except LatsimError as e:
+        raise _field_error("cost.path", _bare(e), path) from None
     try:
         meta = json.loads(found.read_text()).get("meta") or {}
     except (ValueError, OSError, AttributeError):

@@ -307,7 +307,10 @@ def validate_scenario(data: Any, source: str = "<scenario>",
     check_numbers(data, source)
     load_plugins(data.get("plugins"), base_dir, source)
     try:
-        return Scenario.model_validate(data)
+        # ``base_dir`` is how a relative path (profile, config.json) is found as the
+        # loader finds it: relative to the scenario file first.
+        return Scenario.model_validate(
+            data, context={"base_dir": base_dir} if base_dir is not None else None)
     except ValidationError as e:
         raise _format_validation(e, source, data) from None
     except RecursionError:

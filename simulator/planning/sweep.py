@@ -334,7 +334,8 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     for i, params in enumerate(points):
         data = point_scenario(base, params, runs)
         try:
-            sc = validate_scenario(data, source=f"grid point {describe(params)}")
+            sc = validate_scenario(data, source=f"grid point {describe(params)}",
+                                   base_dir=base_dir)
         except LatsimError as e:
             raise LatsimError(str(e)) from None
         profile = load_profile_for(sc, base_dir, cache)
@@ -410,9 +411,9 @@ def _check_sweep_memory(tasks: list, rows: list, executor: str, workers: Optiona
     if not tasks:
         return
     sizes = []
-    for (data, *_), row in zip(tasks, rows):
+    for (data, _, bdir, _), row in zip(tasks, rows):
         try:
-            sc = validate_scenario(data)
+            sc = validate_scenario(data, base_dir=Path(bdir))
         except LatsimError:
             continue
         expected = getattr(sc.workload, "expected_requests", None)
