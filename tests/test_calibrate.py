@@ -376,11 +376,115 @@ def test_published_runs_calibrate_and_validate(name, tmp_path):
     assert abs(res["step_errors"]["busy_bias"]) < 0.01
 
 
+# Tolerances of the floats the fits compute; everything else in the file (structure, rows,
+# digests, strings, counts, the measured wave facts) is compared exactly.
+#
+# ``solve`` stops at a step that lowers the loss f by less than ``tol * f``, not at the
+# exact minimum, and its path there depends on the BLAS build and the CPU's rounding
+# (sums in another order): another machine stops elsewhere in {loss - min < tol * f}.
+# With H the loss's Gauss-Newton Hessian, a log coefficient j is then within
+# sqrt(2 tol f (H^-1)_jj) of the minimum (the largest |dx_j| with dx' H dx / 2 <= tol f):
+# - the refit to the runs (refit.SOLVER: tol 1e-9; loss 1.13e4; sqrt((H^-1)_jj) up to
+#   0.037, cta_prefix_gbs): 1.8e-4 (h_step_ms 1.1e-4). Measured between two machines:
+#   h_step_ms 4.7026362 vs 4.7026413, 1.1e-6;
+# - the profile rows' fit and its leave-one-out refits (solve's default tol 1e-10; loss
+#   0.0089-0.0108): 3.5e-5 at most. Measured: 7e-9.
+# A step time is a sum of parts each scaling with one coefficient (shares summing to
+# at most 1), so a priced time moves by at most the largest log change: the step errors
+# (ratios near 1, biases near 0) and the step tail get the same bound, absolute below 1.
+REFIT_TOL = 2e-4
+ROWS_TOL = 4e-5
+# Host bookkeeping: a two-column linear least squares (np.linalg.lstsq, condition number
+# ~1e2): rounding moves it by ~1e-14.
+LSTSQ_TOL = 1e-9
+# information is rounded to 3 decimals: a value at a rounding edge moves by one unit.
+_FLOAT_TOL = (
+    (r"meta/fit/coefficients/", REFIT_TOL, 0.0),
+    (r"meta/calibration/coefficients/\w+/after$", REFIT_TOL, 0.0),
+    (r"meta/calibration/runs\[\d+\]/step_errors_after/.*(?<!from_s)(?<!to_s)$", REFIT_TOL, 0.0),
+    (r"(engine|meta/calibration/engine_facts)/step_tail$", REFIT_TOL, 0.0),
+    (r"meta/calibration/coefficients/\w+/before$", ROWS_TOL, 0.0),
+    (r"meta/calibration/runs\[\d+\]/step_errors_before/.*(?<!from_s)(?<!to_s)$", ROWS_TOL, 0.0),
+    (r"meta/fit/(errors/|cv_residuals|cv_capped)", ROWS_TOL, 0.0),
+    (r"meta/calibration/information/", ROWS_TOL, 1e-3),
+    (r"(engine|meta/calibration/engine_facts)/bookkeeping(_seq)?_ms$", LSTSQ_TOL, 0.0),
+)
+
+
+def _float_tol(path: str):
+    """``(tolerance, rounding)`` of a float at ``path``, ``None`` if it must be exact: a
+    tolerance scaled by ``max(1, |value|)`` (log units for a coefficient or a count,
+    absolute for an error ratio), plus the rounding of the stored value."""
+    import re
+    for pat, tol, rnd in _FLOAT_TOL:
+        if re.search(pat, path):
+            return tol, rnd
+    return None
+
+
+def _assert_same(got, want, path=""):
+    """``got`` is ``want`` (a JSON document): the same keys, lengths, types and values,
+    floats within ``_float_tol`` where the fits computed them, exact everywhere else."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (path, set(got) ^ set(want))
+        for k in want:
+            _assert_same(got[k], want[k], f"{path}/{k}" if path else k)
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want)):
+            _assert_same(a, b, f"{path}[{i}]")
+    elif isinstance(want, float) and not isinstance(got, bool) and isinstance(got, (int, float)):
+        tol = _float_tol(path)
+        if tol is None:
+            assert got == want, (path, got, want)
+        else:
+            assert abs(got - want) <= tol[0] * max(1.0, abs(want)) + tol[1], (path, got, want)
+    else:
+        assert type(got) is type(want) and got == want, (path, got, want)
+
+
+def test_tolerances_let_through_what_a_solver_stop_moves_and_nothing_else():
+    """The comparison of the shipped profile: a coefficient moved by less than the
+    refit's stopping bound passes, by more fails; a row's time, a digest or a count
+    moved by anything fails."""
+    doc = {"meta": {"fit": {"digest": "ab", "coefficients": {"h_step_ms": 4.7026413}},
+                    "calibration": {"information": {"e_flash": 285.098},
+                                    "runs": [{"steps": 3158, "step_errors_after": {
+                                        "busy_bias_by_quarter": [{"from_s": 10.021876,
+                                                                  "bias": 0.0047}]}}]}},
+           "decode": [{"batch": 8, "ms": 12.5}]}
+    _assert_same(json.loads(json.dumps(doc)), doc)
+
+    def moved(path, value):
+        d = json.loads(json.dumps(doc))
+        node = d
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        return d
+
+    fc = ("meta", "fit", "coefficients", "h_step_ms")
+    _assert_same(moved(fc, 4.7026362), doc)                 # two machines' refits
+    _assert_same(moved(fc, 4.7026413 * (1 + 1.5e-4)), doc)
+    q = ("meta", "calibration", "runs", 0, "step_errors_after", "busy_bias_by_quarter", 0)
+    _assert_same(moved(q + ("bias",), 0.0047 + 1.5e-4), doc)
+    _assert_same(moved(("meta", "calibration", "information", "e_flash"), 285.097), doc)
+    for path, value in ((fc, 4.7026413 * (1 + 3e-4)), (q + ("bias",), 0.0047 + 3e-4),
+                        (q + ("from_s",), 10.021877), (("decode", 0, "ms"), 12.5 + 1e-12),
+                        (("meta", "fit", "digest"), "ac"),
+                        (("meta", "calibration", "runs", 0, "steps"), 3157),
+                        (("meta", "calibration", "information", "e_flash"), 285.2)):
+        with pytest.raises(AssertionError):
+            _assert_same(moved(path, value), doc)
+
+
 def test_shipped_refbench_is_what_calibrate_writes_from_the_two_runs(tmp_path):
     """The shipped profile is what ``latsim calibrate`` writes from the plain conversion
     of ``profile.csv`` and the two published runs (the documented step in
     profiles/README.md): the engine facts it measures, and the engine-specific
-    coefficients refitted to the runs' step times; the file is reproduced exactly."""
+    coefficients refitted to the runs' step times; the file is reproduced, its fitted
+    floats to what the solvers' stopping rule pins them to (``_FLOAT_TOL``), the rest
+    exactly."""
     conv = refbench_to_profile(REPO / "data" / "h200-refbench" / "profile.csv")
     sc = load_scenario(REPO / "scenarios" / "refbench-h200.yaml",
                        ["model.cost.kind=fitted"])[0]
@@ -394,13 +498,9 @@ def test_shipped_refbench_is_what_calibrate_writes_from_the_two_runs(tmp_path):
     facts = cal.report["engine_facts"]
     assert facts["decode_blocks_per_sm"] == committed["engine"]["decode_blocks_per_sm"]
     assert facts["decode_wave_cost"] == committed["engine"]["decode_wave_cost"]
-    for k in ("bookkeeping_ms", "bookkeeping_seq_ms", "step_tail"):
-        assert facts[k] == pytest.approx(committed["engine"][k], rel=1e-6), k
     assert 1.0 < facts["step_tail"] < 1.05
     fit = committed["meta"]["fit"]
     assert fit["source"] == "calibrated on load50-fifo, load90-chunked"
-    for k, v in fit["coefficients"].items():
-        assert cal.profile["meta"]["fit"]["coefficients"][k] == pytest.approx(v, rel=1e-9), k
     # Only host times and achieved rates moved, each within the pull of the rows' fit.
     assert set(cal.report["refitted"]) <= {ph.NAMES[i] for i in CALIBRATED}
     for k in cal.report["refitted"]:
@@ -411,7 +511,7 @@ def test_shipped_refbench_is_what_calibrate_writes_from_the_two_runs(tmp_path):
         assert set(r.pop("latency")) == {"real", "before", "after"}
     for r in cal.profile["meta"]["calibration"]["runs"]:
         r["run"] = str(Path(r["run"]).relative_to(REPO))
-    assert json.loads(json.dumps(cal.profile)) == committed
+    _assert_same(json.loads(json.dumps(cal.profile)), committed)
 
 
 # -- latsim fit and the stored fit ----------------------------------------------------------
