@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Iterator, Optional
@@ -78,13 +81,47 @@ def run_point(task: tuple) -> dict:
     return flatten(summary, (len(arr) - 1) / span if span > 0 else float("nan"))
 
 
+PR_SET_PDEATHSIG = 1   # linux/prctl.h: the signal a process gets when its parent dies
+
+
+def _die_with(parent: int, by_main_thread: bool) -> None:
+    """A pool worker's initializer: the worker dies with the process that made the pool.
+
+    A ``kill -9`` of the sweep or plan cannot shut the pool down, and its workers would
+    otherwise run on (parent 1), each holding a point's memory. On Linux the kernel
+    sends SIGKILL when the parent dies (``prctl(PR_SET_PDEATHSIG)``; it fires when the
+    thread that made the worker ends, so only for workers made by the main thread, whose
+    end is the process's); elsewhere a thread polls the parent id. Either way a parent
+    already gone is noticed at once. Ctrl-C is the parent's to handle (it stops the
+    pool): the worker ignores SIGINT, so that no worker prints its own traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    armed = False
+    if by_main_thread and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:      # died before the signal was armed
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            """Exit the worker once its parent is gone (it is re-parented)."""
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+        threading.Thread(target=watch, name="latsim-parent-watch", daemon=True).start()
+
+
 class LocalExecutor:
     """A process pool over the machine's cores (``workers=1``: in this process; never
     more processes than cores: the points are CPU-bound, and more only cost memory and
     start-up, ``--workers 2000`` forked a thousand processes).
 
     The pool's processes are forked when it is made, before any progress display or
-    spinner thread exists, and serve every batch until ``close``."""
+    spinner thread exists, and serve every batch until ``close``; they die with this
+    process however it ends (``_die_with``)."""
 
     def __init__(self, workers: Optional[int] = None) -> None:
         cores = os.cpu_count() or 1
@@ -93,7 +130,9 @@ class LocalExecutor:
         self._pending: set = set()
         if self.workers > 1:
             ctx = mp.get_context("fork") if sys.platform.startswith("linux") else None
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx)
+            main = threading.current_thread() is threading.main_thread()
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx,
+                                             initializer=_die_with, initargs=(os.getpid(), main))
             self._pool.submit(os.getpid).result()  # start the workers now
 
     def imap_unordered(self, tasks: list) -> Iterator[tuple[int, dict]]:
