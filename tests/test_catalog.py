@@ -58,6 +58,73 @@ PUBLISHED = [
     ("opt-13b", 13e9, 0.015), ("opt-66b", 66e9, 0.01), ("bloom-176b", 176_247_271_424, 0.0),
     ("falcon-180b", 180e9, 0.01),
 ]
+# Models added for the vLLM runs (issue 30): (model, published total, digits after the
+# point of the published figure in billions). The tolerance is what prints as the
+# published figure (half a unit of its last digit, or truncated to it): anything that
+# prints as it is right (a config shape off by one matrix misses it: Qwen3-14B
+# without its LM head is 14.0B, Llama-3.1-405B with 16 KV heads 410.1B).
+# Sources: the Qwen3 model cards ("Number of Parameters"), the codellama/CodeLlama-34b-hf
+# and meta-llama/Llama-3.1-405B / Llama-3.3-70B-Instruct model pages (safetensors
+# counts), Mistral AI's Mixtral 8x22B announcement (141B total, 39B active).
+PUBLISHED_ROUNDED = [
+    ("qwen3-0.6b", 0.6e9, 1), ("qwen3-1.7b", 1.7e9, 1), ("qwen3-4b", 4.0e9, 1),
+    ("qwen3-8b", 8.2e9, 1), ("qwen3-14b", 14.8e9, 1), ("qwen3-32b", 32.8e9, 1),
+    ("qwen3-30b-a3b", 30.5e9, 1), ("qwen3-235b-a22b", 235e9, 0),
+    ("codellama-34b", 33.7e9, 1), ("mixtral-8x22b", 141e9, 0), ("llama-3.1-405b", 406e9, 0),
+    ("llama-3.3-70b", 70.6e9, 1),
+]
+# Non-embedding counts the Qwen3 cards print beside the totals, and the MoE models'
+# active (per-token) counts: (model, non-embedding, active, digits).
+QWEN3_NON_EMBEDDING = [
+    ("qwen3-0.6b", 0.44e9, 2), ("qwen3-1.7b", 1.4e9, 1), ("qwen3-4b", 3.6e9, 1),
+    ("qwen3-8b", 6.95e9, 2), ("qwen3-14b", 13.2e9, 1), ("qwen3-32b", 31.2e9, 1),
+    ("qwen3-30b-a3b", 29.9e9, 1), ("qwen3-235b-a22b", 234e9, 0),
+]
+MOE_ACTIVE = [("qwen3-30b-a3b", 3.3e9, 1), ("qwen3-235b-a22b", 22e9, 0), ("mixtral-8x22b", 39e9, 0)]
+
+
+def _rounds_to(count: float, published: float, digits: int) -> bool:
+    """Whether ``count`` prints as ``published`` (billions, ``digits`` after the point),
+    rounded or truncated: Qwen3-30B-A3B's card prints 3.3B activated for 3.353B."""
+    x, p, unit = count / 1e9, published / 1e9, 10.0 ** -digits
+    return abs(x - p) <= 0.5 * unit + 1e-12 or p <= x < p + unit
+
+
+@pytest.mark.parametrize("name,published,digits", PUBLISHED_ROUNDED)
+def test_new_models_param_counts_round_to_the_published_figure(name, published, digits):
+    arch = catalog.model(name)
+    assert arch.published_params == pytest.approx(published)
+    assert arch.source.startswith("https://huggingface.co/") and arch.published_source
+    assert _rounds_to(arch.param_count(), published, digits), arch.param_count()
+
+
+@pytest.mark.parametrize("name,non_embedding,digits", QWEN3_NON_EMBEDDING)
+def test_qwen3_non_embedding_counts(name, non_embedding, digits):
+    a = catalog.model(name)
+    assert _rounds_to(a.param_count() - a.embedding_params() - a.lm_head_params(),
+                      non_embedding, digits)
+
+
+@pytest.mark.parametrize("name,active,digits", MOE_ACTIVE)
+def test_moe_active_counts(name, active, digits):
+    a = catalog.model(name)
+    assert a.published_active_params == pytest.approx(active)
+    assert _rounds_to(a.active_param_count(), active, digits), a.active_param_count()
+
+
+def test_qwen3_shape_by_hand():
+    """Qwen3-14B: head_dim 128 x 40 heads (= hidden 5120 here, but q/k norms of 128
+    each per layer), untied; Qwen3-0.6B: q is 16 x 128 = 2048 wide on a 1024 model, tied."""
+    q14 = catalog.model("Qwen/Qwen3-14B")
+    d, f, L, V = 5120, 17408, 40, 151936
+    per_layer = (d * 5120 + 2 * d * 1024 + 5120 * d) + 3 * d * f + 2 * d + 2 * 128
+    assert q14.param_count() == L * per_layer + 2 * V * d + d == 14_768_307_200
+    q06 = catalog.model("qwen3-0.6b")
+    assert q06.q_dim == 2048 and q06.tied_embeddings and q06.lm_head_params() == 0
+    per_layer = (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024) + 3 * 1024 * 3072 + 2 * 1024 + 256
+    assert q06.param_count() == 28 * per_layer + 151936 * 1024 + 1024
+    # KV cache: 8 KV heads x 128 x K and V x 2 bytes x 40 layers per token.
+    assert q14.kv_bytes_per_token() == 2 * 40 * 8 * 128 * 2
 
 
 @pytest.mark.parametrize("name,published,tol", PUBLISHED)
@@ -225,14 +292,18 @@ def test_unknown_names_suggest_the_nearest():
     ("llama-2-7b.json", "llama-2-7b"), ("mixtral-8x7b.json", "mixtral-8x7b"),
     ("qwen2.5-7b.json", "qwen2.5-7b"), ("yi-34b.json", "yi-34b"), ("opt-13b.json", "opt-13b"),
     ("bloom-176b.json", "bloom-176b"), ("bloom-176b-old-keys.json", "bloom-176b"),
-    ("falcon-180b.json", "falcon-180b"),
+    ("falcon-180b.json", "falcon-180b"), ("qwen3-8b.json", "qwen3-8b"),
+    ("qwen3-14b.json", "qwen3-14b"), ("qwen3-30b-a3b.json", "qwen3-30b-a3b"),
+    ("mixtral-8x22b.json", "mixtral-8x22b"), ("codellama-34b.json", "codellama-34b"),
+    ("llama-3.1-405b.json", "llama-3.1-405b"),
 ])
 def test_real_configs_parse_to_the_catalogue_shapes(fixture, name):
     arch = catalog.model(HF / fixture)
     ref = catalog.model(name)
     for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab",
               "tied_embeddings", "gated_mlp", "experts", "experts_per_token", "qkv_bias",
-              "linear_bias", "norm", "norms_per_layer", "embedding_norm", "learned_positions"):
+              "linear_bias", "norm", "norms_per_layer", "embedding_norm", "learned_positions",
+              "qk_norm", "dense_layers", "dense_ffn"):
         assert getattr(arch, f) == getattr(ref, f), f
     assert arch.param_count() == ref.param_count()
 
@@ -271,6 +342,72 @@ def test_bad_configs_fail_in_one_line_naming_file_and_field(tmp_path, change, fi
         catalog.load_config(p)
     msg = str(e.value)
     assert "\n" not in msg and str(p) in msg and f"field '{field}'" in msg and snippet in msg
+
+
+def _small_qwen3_moe(**change) -> dict:
+    cfg = {"model_type": "qwen3_moe", "num_hidden_layers": 6, "hidden_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+           "intermediate_size": 96, "moe_intermediate_size": 16, "num_experts": 8,
+           "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "vocab_size": 100, "tie_word_embeddings": False, "max_position_embeddings": 512}
+    cfg.update(change)
+    return cfg
+
+
+@pytest.mark.parametrize("change,dense", [
+    ({}, 0),
+    ({"mlp_only_layers": [0, 5]}, 2),
+    ({"decoder_sparse_step": 2}, 3),                          # layers 1, 3, 5 sparse
+    ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, 5),  # layer 5 sparse only
+])
+def test_qwen3_moe_config_dense_and_sparse_layers_by_hand(tmp_path, change, dense):
+    """transformers' Qwen3-MoE: layer i is sparse unless it is in mlp_only_layers or
+    (i + 1) % decoder_sparse_step != 0; dense layers get an intermediate_size MLP."""
+    a = catalog.model(_write(tmp_path, _small_qwen3_moe(**change)))
+    assert a.family == "qwen3_moe" and a.qk_norm and a.head_dim == 32 and a.q_dim == 128
+    assert (a.dense_layers, a.ffn, a.experts, a.experts_per_token) == (dense, 16, 8, 2)
+    assert a.dense_ffn == (96 if dense else 0)
+    d, sparse = 64, 6 - dense
+    attn = d * 128 + 2 * d * 64 + 128 * d
+    norms = 2 * d + 2 * 32
+    expert, router, dense_mlp = 3 * d * 16, d * 8, 3 * d * 96
+    total = 6 * (attn + norms) + sparse * (8 * expert + router) + dense * dense_mlp
+    assert a.param_count() == total + 2 * 100 * d + d
+    active = 6 * (attn + norms) + sparse * (2 * expert + router) + dense * dense_mlp
+    assert a.active_param_count() == active + 2 * 100 * d + d
+    assert a.linear_params_per_token() == 6 * attn + sparse * (2 * expert + router) + dense * dense_mlp
+    # The roofline reads every stored expert at most, and routes only the sparse layers'.
+    from simulator.cost import physics as ph
+    from simulator.cost.roofline.constants import build_constants
+    c = build_constants(a, catalog.gpu("h100"))
+    assert c[ph.C_PARAMS_READ] == 6 * attn + sparse * (8 * expert + router) + dense * dense_mlp
+    assert c[ph.C_EXPERT_PARAMS] == sparse * expert
+    assert c[ph.C_FFN] == pytest.approx((sparse * 2 * 16 + dense * 96) / 6)
+    # Weight memory on one GPU: the same stored linears in bf16, plus embeddings and norms.
+    assert catalog.weight_bytes_per_gpu(a) == pytest.approx(2.0 * a.param_count())
+
+
+def test_qwen3_config_defaults_and_refusals(tmp_path):
+    # transformers' Qwen3Config defaults head_dim to 128 (not hidden / heads = 16 here).
+    cfg = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+           "vocab_size": 100}
+    a = catalog.model(_write(tmp_path, cfg))
+    assert a.head_dim == 128 and a.qk_norm and not a.tied_embeddings and not a.qkv_bias
+    assert catalog.model(_write(tmp_path, {**cfg, "tie_word_embeddings": True})).lm_head_params() == 0
+    # A qwen3_moe config without moe_intermediate_size, MLA and shared experts: one line each.
+    for bad, field in ((_small_qwen3_moe(moe_intermediate_size=None), "moe_intermediate_size"),
+                       (_small_qwen3_moe(mlp_only_layers=[6]), "mlp_only_layers"),
+                       (_small_qwen3_moe(mlp_only_layers="0"), "mlp_only_layers"),
+                       (_small_qwen3_moe(decoder_sparse_step=0), "decoder_sparse_step"),
+                       ({**cfg, "model_type": "deepseek_v3", "kv_lora_rank": 512,
+                         "n_routed_experts": 256}, "kv_lora_rank"),
+                       ({**cfg, "model_type": "qwen2_moe", "num_experts": 60,
+                         "shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size")):
+        with pytest.raises(LatsimError) as e:
+            catalog.model(_write(tmp_path, bad))
+        msg = str(e.value)
+        assert field in msg and "config.json" in msg and "\n" not in msg, msg
 
 
 def test_unreadable_configs(tmp_path):

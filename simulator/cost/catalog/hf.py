@@ -6,7 +6,11 @@ Yi), OPT, BLOOM and Falcon: ``num_hidden_layers``/``n_layer``,
 ``num_key_value_heads``/``num_kv_heads``/``multi_query``, ``head_dim``,
 ``intermediate_size``/``ffn_dim``/``n_inner``/``ffn_hidden_size``, ``vocab_size``,
 ``tie_word_embeddings``, ``num_local_experts``/``num_experts``,
-``num_experts_per_tok``, ``max_position_embeddings``/``seq_length``.
+``num_experts_per_tok``, ``max_position_embeddings``/``seq_length``; Qwen3 (``qwen3``:
+per-head q/k RMSNorm, an explicit ``head_dim``) and Qwen3-MoE (``qwen3_moe``:
+``moe_intermediate_size`` experts, dense layers by ``decoder_sparse_step`` and
+``mlp_only_layers``). Multi-head latent attention (DeepSeek's ``kv_lora_rank``) and
+shared experts are refused, not misread.
 
 Defaults follow the transformers config classes of each family where a key is
 absent: Llama-family configs default to untied embeddings, OPT/BLOOM/Falcon (and any
@@ -27,7 +31,18 @@ from simulator.cost.catalog.models import ModelArch
 # Families whose MLP is gated (SwiGLU: gate, up, down) and whose configs use the
 # Llama spellings; transformers' config classes default them to untied embeddings.
 _LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "yi", "internlm", "internlm2",
-               "codellama"}
+               "codellama", "qwen3", "qwen3_moe"}
+# Qwen3: RMSNorm on each head's q and k; transformers' Qwen3Config defaults head_dim to
+# 128 (not hidden / heads), Qwen3MoeConfig falls back to hidden / heads.
+_QK_NORM = {"qwen3", "qwen3_moe"}
+_HEAD_DIM_DEFAULT = {"qwen3": 128}
+# Attention or MoE layouts the shape cannot hold: refused rather than misread.
+_UNMODELLED = {
+    "kv_lora_rank": "multi-head latent attention (DeepSeek-V2/V3 MLA) is not modelled",
+    "q_lora_rank": "multi-head latent attention (DeepSeek-V2/V3 MLA) is not modelled",
+    "n_shared_experts": "shared experts are not modelled",
+    "shared_expert_intermediate_size": "shared experts are not modelled",
+}
 _TIED_BY_DEFAULT = {"opt", "bloom", "falcon", "refinedweb", "refinedwebmodel", "gpt2", "gpt_neox"}
 
 
@@ -102,7 +117,10 @@ def arch_from_config(cfg: dict, source: str = "config.json", name: str | None = 
     if heads % kv_heads:
         r.fail(f"must divide num_attention_heads ({heads})", "num_key_value_heads", kv_heads)
 
-    head_dim = r.int_("head_dim", required=False)
+    for key, why in _UNMODELLED.items():
+        if cfg.get(key):
+            r.fail(why, key, cfg[key])
+    head_dim = r.int_("head_dim", required=False) or _HEAD_DIM_DEFAULT.get(fam)
     if head_dim is None:
         if hidden % heads:
             r.fail(f"is not a multiple of num_attention_heads ({heads}) and no head_dim is given",
@@ -121,6 +139,12 @@ def arch_from_config(cfg: dict, source: str = "config.json", name: str | None = 
                    default=2 if experts > 1 else 1)
     if top_k > experts:
         r.fail(f"exceeds the number of experts ({experts})", "num_experts_per_tok", top_k)
+    dense_layers, dense_ffn = 0, 0
+    if experts > 1 and ("moe_intermediate_size" in cfg or fam == "qwen3_moe"):
+        # Qwen3-MoE: the experts' width is its own key; intermediate_size is the width of
+        # the dense MLP of layers that are not sparse.
+        dense_layers = _dense_layers(r, layers)
+        dense_ffn, ffn = ffn, r.int_("moe_intermediate_size")
 
     tied = r.bool_("tie_word_embeddings", fam in _TIED_BY_DEFAULT or fam not in _LLAMA_LIKE)
     max_ctx = r.int_("max_position_embeddings", "n_positions", "seq_length",
@@ -161,7 +185,21 @@ def arch_from_config(cfg: dict, source: str = "config.json", name: str | None = 
         kv_heads=kv_heads, head_dim=head_dim, ffn=ffn, vocab=vocab, tied_embeddings=tied,
         gated_mlp=gated, activation=str(act), max_context=max_ctx,
         experts=experts, experts_per_token=top_k if experts > 1 else 1,
-        source=str(source), **kw)
+        dense_layers=dense_layers, dense_ffn=dense_ffn if dense_layers else 0,
+        qk_norm=fam in _QK_NORM, source=str(source), **kw)
+
+
+def _dense_layers(r: _Reader, layers: int) -> int:
+    """How many layers of a Qwen3-MoE-style config have a dense MLP: transformers makes
+    layer ``i`` sparse when it is not in ``mlp_only_layers`` and ``(i + 1) %
+    decoder_sparse_step == 0``."""
+    step = r.int_("decoder_sparse_step", default=1)
+    only = r.cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int)
+                                         or not 0 <= i < layers for i in only):
+        r.fail(f"must be a list of layer indices 0..{layers - 1}", "mlp_only_layers", only)
+    only = set(only)
+    return sum(1 for i in range(layers) if i in only or (i + 1) % step != 0)
 
 
 def _default_name(source: str, fam: str) -> str:

@@ -100,9 +100,12 @@ def _layer_bytes_per_gpu(arch: ModelArch, tp: int, wf: WeightFormat) -> float:
     """One transformer block's weights on one GPU of a TP group, in bytes."""
     kvh = kv_heads_per_gpu(arch, tp)
     hd, h = arch.head_dim, arch.hidden
+    # A mixture's dense layers (if any) hold a dense MLP in place of the experts: the
+    # average block, times the stage's layers.
     linear = (h * arch.q_dim / tp + 2 * h * kvh * hd + arch.q_dim / tp * h
-              + arch.experts * arch.expert_linear_weights() / tp)
-    small = arch.router_weights() + arch.norms_per_layer * arch.norm_params()
+              + arch.mlp_linear_weights() / arch.layers / tp)
+    small = (arch.router_weights() * arch.moe_layers / arch.layers
+             + arch.norms_per_layer * arch.norm_params() + (2 * hd if arch.qk_norm else 0))
     if arch.linear_bias:
         small += arch.q_dim / tp + 2 * kvh * hd + h          # qkv split, o bias replicated
         small += arch.experts * ((2 if arch.gated_mlp else 1) * arch.ffn / tp + h)

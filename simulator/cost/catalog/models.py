@@ -104,6 +104,9 @@ class ModelArch:
     max_context: int | None
     experts: int = 1              # MoE: experts per layer (1 = dense)
     experts_per_token: int = 1    # MoE: experts each token is routed to
+    dense_layers: int = 0         # MoE: layers whose MLP is a dense one (Qwen3-MoE mlp_only_layers)
+    dense_ffn: int = 0            # ... and that MLP's intermediate size
+    qk_norm: bool = False         # RMSNorm (weight of head_dim) on each head's q and k (Qwen3)
     qkv_bias: bool = False        # biases on q/k/v projections only (Qwen2)
     linear_bias: bool = False     # biases on every linear layer (OPT, BLOOM)
     norm: str = "rmsnorm"         # rmsnorm (weight) or layernorm (weight + bias)
@@ -164,12 +167,38 @@ class ModelArch:
         """The MoE gate: hidden x experts per layer (0 for dense models)."""
         return self.hidden * self.experts if self.is_moe else 0
 
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose MLP is the mixture (all of them for a dense model's one 'expert')."""
+        return self.layers - self.dense_layers
+
+    def dense_mlp_weights(self) -> int:
+        """Weights of the dense MLP of one of a mixture's ``dense_layers``."""
+        return (3 if self.gated_mlp else 2) * self.hidden * self.dense_ffn
+
+    def mlp_linear_weights(self, active: bool = False) -> int:
+        """MLP (expert) linear weights of all layers; ``active``: the routed experts only
+        (those one token multiplies through), else every expert (those stored)."""
+        n_exp = self.experts_per_token if active else self.experts
+        return (self.moe_layers * n_exp * self.expert_linear_weights()
+                + self.dense_layers * self.dense_mlp_weights())
+
     def layer_params(self, active: bool = False) -> int:
-        """Parameters of one transformer block; ``active``: only routed experts."""
+        """Parameters of one transformer block whose MLP is the mixture (or the dense
+        model's MLP); ``active``: only routed experts."""
         n_exp = self.experts_per_token if active else self.experts
         return (self.attn_linear_weights() + self.attn_biases()
                 + n_exp * (self.expert_linear_weights() + self.expert_biases())
-                + self.router_weights() + self.norms_per_layer * self.norm_params())
+                + self.router_weights() + self.norms_per_layer * self.norm_params()
+                + (2 * self.head_dim if self.qk_norm else 0))
+
+    def blocks_params(self, active: bool = False) -> int:
+        """Parameters of all transformer blocks: a mixture's ``dense_layers`` hold a dense
+        MLP in place of the experts and the router."""
+        n_exp = self.experts_per_token if active else self.experts
+        mixture = n_exp * (self.expert_linear_weights() + self.expert_biases()) + self.router_weights()
+        return (self.layers * self.layer_params(active)
+                + self.dense_layers * (self.dense_mlp_weights() - mixture))
 
     def embedding_params(self) -> int:
         """Token embedding, learned positions and any embedding norm."""
@@ -186,12 +215,12 @@ class ModelArch:
 
     def param_count(self) -> int:
         """Total parameters, computed from the shape."""
-        return (self.layers * self.layer_params() + self.embedding_params()
+        return (self.blocks_params() + self.embedding_params()
                 + self.lm_head_params() + self.final_norm_params())
 
     def active_param_count(self) -> int:
         """Parameters one token touches (MoE: routed experts only; dense: all)."""
-        return (self.layers * self.layer_params(active=True) + self.embedding_params()
+        return (self.blocks_params(active=True) + self.embedding_params()
                 + self.lm_head_params() + self.final_norm_params())
 
     # -- work per token -----------------------------------------------------------
@@ -201,10 +230,8 @@ class ModelArch:
         Excludes the embedding lookup (no FLOPs) and the LM head (only sampled
         positions pay it). GEMM FLOPs per token = 2 x this.
         """
-        per_layer = (self.attn_linear_weights()
-                     + self.experts_per_token * self.expert_linear_weights()
-                     + self.router_weights())
-        return self.layers * per_layer
+        return (self.layers * self.attn_linear_weights() + self.mlp_linear_weights(active=True)
+                + self.moe_layers * self.router_weights())
 
     def linear_flops_per_token(self) -> float:
         """Multiply-add FLOPs of the block linears for one token (2 per weight)."""
@@ -230,13 +257,15 @@ class ModelArch:
     def weight_bytes(self, fmt: str | WeightFormat = "bf16") -> float:
         """Bytes of all weights: block linears in ``fmt``, everything else 16-bit."""
         wf = weight_format(fmt)
-        linear = self.layers * (self.attn_linear_weights()
-                                + self.experts * self.expert_linear_weights())
+        linear = self.layers * self.attn_linear_weights() + self.mlp_linear_weights()
         return linear * wf.bytes_per_weight + 2.0 * (self.param_count() - linear)
 
 
 _META_L2 = "https://huggingface.co/meta-llama/{}/blob/main/config.json"
 _LLAMA = dict(family="llama", gated_mlp=True, activation="silu")
+_QWEN3 = dict(family="qwen3", gated_mlp=True, activation="silu", qk_norm=True, vocab=151936,
+              max_context=40960)
+_QWEN3_SRC = "https://huggingface.co/Qwen/Qwen3-{}/blob/main/config.json"
 
 # Shapes copied from each model's config.json on the Hugging Face Hub (source field).
 MODELS: dict[str, ModelArch] = {m.name: m for m in (
@@ -314,6 +343,59 @@ MODELS: dict[str, ModelArch] = {m.name: m for m in (
               vocab=152064, tied_embeddings=False, max_context=131072,
               source="https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json",
               published_params=72.7e9, published_source="Qwen2.5-72B model card (72.7B; 70.0B non-embedding)"),
+    # Qwen3 (dense and MoE): per-head q/k RMSNorm, head_dim 128 whatever hidden / heads
+    # is, the small models tie the LM head to the embedding. Published totals and
+    # non-embedding counts are each model card's "Number of Parameters".
+    *(ModelArch(name=f"qwen3-{size.lower()}", hf_id=f"Qwen/Qwen3-{size}", **_QWEN3,
+                layers=layers, hidden=hidden, heads=heads, kv_heads=8, head_dim=128, ffn=ffn,
+                tied_embeddings=tied, source=_QWEN3_SRC.format(size),
+                published_params=pub, published_source=f"Qwen/Qwen3-{size} model card ({note})")
+      for size, layers, hidden, heads, ffn, tied, pub, note in (
+          ("0.6B", 28, 1024, 16, 3072, True, 0.6e9, "0.6B; 0.44B non-embedding"),
+          ("1.7B", 28, 2048, 16, 6144, True, 1.7e9, "1.7B; 1.4B non-embedding"),
+          ("4B", 36, 2560, 32, 9728, True, 4.0e9, "4.0B; 3.6B non-embedding"),
+          ("8B", 36, 4096, 32, 12288, False, 8.2e9, "8.2B; 6.95B non-embedding"),
+          ("14B", 40, 5120, 40, 17408, False, 14.8e9, "14.8B; 13.2B non-embedding"),
+          ("32B", 64, 5120, 64, 25600, False, 32.8e9, "32.8B; 31.2B non-embedding"))),
+    ModelArch(name="qwen3-30b-a3b", hf_id="Qwen/Qwen3-30B-A3B", **{**_QWEN3, "family": "qwen3_moe"},
+              layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=768,
+              experts=128, experts_per_token=8, tied_embeddings=False,
+              source=_QWEN3_SRC.format("30B-A3B"),
+              published_params=30.5e9, published_active_params=3.3e9,
+              published_source="Qwen/Qwen3-30B-A3B model card (30.5B total, 3.3B activated, 29.9B non-embedding)"),
+    ModelArch(name="qwen3-235b-a22b", hf_id="Qwen/Qwen3-235B-A22B", **{**_QWEN3, "family": "qwen3_moe"},
+              layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=1536,
+              experts=128, experts_per_token=8, tied_embeddings=False,
+              source=_QWEN3_SRC.format("235B-A22B"),
+              published_params=235e9, published_active_params=22e9,
+              published_source="Qwen/Qwen3-235B-A22B model card (235B total, 22B activated, 234B non-embedding)"),
+    ModelArch(name="codellama-34b", hf_id="codellama/CodeLlama-34b-hf", **_LLAMA,
+              layers=48, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=22016,
+              vocab=32000, tied_embeddings=False, max_context=16384,
+              source="https://huggingface.co/codellama/CodeLlama-34b-hf/blob/main/config.json",
+              published_params=33.7e9,
+              published_source="Hugging Face model page (safetensors: 33.7B params); Code Llama paper: 34B"),
+    ModelArch(name="mixtral-8x22b", hf_id="mistralai/Mixtral-8x22B-v0.1", family="mixtral",
+              gated_mlp=True, activation="silu",
+              layers=56, hidden=6144, heads=48, kv_heads=8, head_dim=128, ffn=16384,
+              vocab=32000, tied_embeddings=False, max_context=65536,
+              experts=8, experts_per_token=2,
+              source="https://huggingface.co/mistralai/Mixtral-8x22B-v0.1/blob/main/config.json",
+              published_params=141e9, published_active_params=39e9,
+              published_source="Mistral AI, 'Cheaper, Better, Faster, Stronger' (Mixtral 8x22B: "
+                               "39B active parameters out of 141B)"),
+    ModelArch(name="llama-3.1-405b", hf_id="meta-llama/Llama-3.1-405B", **_LLAMA,
+              layers=126, hidden=16384, heads=128, kv_heads=8, head_dim=128, ffn=53248,
+              vocab=128256, tied_embeddings=False, max_context=131072,
+              source=_META_L2.format("Llama-3.1-405B"),
+              published_params=406e9,
+              published_source="Hugging Face model page (safetensors: 406B params); Llama 3 paper "
+                               "(Grattafiori et al. 2024) Table 3: 126 layers, 16,384 wide, 8 KV heads"),
+    ModelArch(name="llama-3.3-70b", hf_id="meta-llama/Llama-3.3-70B-Instruct", **_LLAMA,
+              layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672,
+              vocab=128256, tied_embeddings=False, max_context=131072,
+              source=_META_L2.format("Llama-3.3-70B-Instruct"),
+              published_params=70.6e9, published_source="Hugging Face model page (safetensors: 70.6B params)"),
     ModelArch(name="yi-34b", hf_id="01-ai/Yi-34B", family="llama",
               gated_mlp=True, activation="silu",
               layers=60, hidden=7168, heads=56, kv_heads=8, head_dim=128, ffn=20480,

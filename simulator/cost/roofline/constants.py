@@ -56,6 +56,16 @@ def compute_peak(spec: GpuSpec, weight_dtype: str) -> tuple[float, str]:
     return spec.bf16_tflops, "16-bit tensor cores"
 
 
+def token_ffn(arch: ModelArch) -> float:
+    """The MLP width one token's activations pass through, per layer on average: the
+    routed experts' (``experts_per_token x ffn``) in a mixture's sparse layers, the dense
+    MLP's in its dense ones (what the elementwise SwiGLU passes scale with)."""
+    if not arch.is_moe:
+        return float(arch.ffn)
+    return (arch.moe_layers * arch.experts_per_token * arch.ffn
+            + arch.dense_layers * arch.dense_ffn) / arch.layers
+
+
 def has_rotary(arch: ModelArch) -> bool:
     """Whether the model applies rotary embeddings to q and k (OPT and BLOOM do not)."""
     return arch.family not in ("opt", "bloom")
@@ -74,7 +84,7 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
     L, d, hd = arch.layers, arch.hidden, arch.head_dim
     c[ph.C_LAYERS], c[ph.C_DMODEL], c[ph.C_HEADS] = L, d, arch.heads
     c[ph.C_KV_HEADS], c[ph.C_HEAD_DIM], c[ph.C_FFN], c[ph.C_VOCAB] = (
-        arch.kv_heads, hd, arch.ffn, arch.vocab)
+        arch.kv_heads, hd, token_ffn(arch), arch.vocab)
     c[ph.C_DTYPE_BYTES] = 2.0                       # activations in 16 bits
     c[ph.C_WEIGHT_BYTES] = catalog.weight_format(weight_dtype).bytes_per_weight
     c[ph.C_KV_BYTES] = catalog.dtype_bytes(kv_dtype)
@@ -82,10 +92,10 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
     if arch.is_moe:
         # Every expert may be read; a step reads those its tokens are routed to
         # (``physics.routed_experts``: about top-k at batch 1, nearly all at a few dozen).
-        c[ph.C_PARAMS_READ] = L * (arch.attn_linear_weights() + arch.router_weights()
-                                   + arch.experts * arch.expert_linear_weights())
+        c[ph.C_PARAMS_READ] = (L * arch.attn_linear_weights() + arch.mlp_linear_weights()
+                               + arch.moe_layers * arch.router_weights())
         c[ph.C_EXPERTS], c[ph.C_TOPK] = arch.experts, arch.experts_per_token
-        c[ph.C_EXPERT_PARAMS] = L * arch.expert_linear_weights()
+        c[ph.C_EXPERT_PARAMS] = arch.moe_layers * arch.expert_linear_weights()
     # Past kv_heads GPUs, every GPU holds a whole KV head's projections, not 1/tp.
     kvh = catalog.kv_heads_per_gpu(arch, tp)
     c[ph.C_PARAMS_REPL] = L * 2 * d * hd * (kvh - arch.kv_heads / tp)
