@@ -4,10 +4,21 @@ engine while it has work, and hands each step's tokens to the per-request
 ``asyncio.Queue`` s of the event loop. Send buffers and backpressure (``block``
 pauses a request in the engine, ``buffer``, ``degrade``) are accounted here; see
 ``server`` for the HTTP side and the whole design.
+
+A failure on one request fails that request only. An exception in a command (adding,
+cancelling or resuming a request) is that request's: it gets a 500 and the engine goes
+on. An exception in a step is found out by elimination: the requests that have not yet
+been through a good step (``fresh``) are taken out of the engine (none has had a token)
+and put back one per step; the one whose step fails again is failed (500), the others
+run as if nothing happened (each keeps its arrival time). A failing step with no such
+request to blame (the engine itself, e.g. a lost device), or ``MAX_BLAMED_IN_A_ROW``
+requests blamed with no good step between them, stops the engine thread: ``/health``
+then answers 503 and every open request ends with an error.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -20,6 +31,19 @@ from real_engine.openai_api import ApiError
 
 _DONE = object()    # end-of-stream marker put on a request's queue
 _ABORT = object()   # the engine stopped (shutdown or a crash): the request cannot finish
+# Requests blamed one after another with no good step between them: past this the fault
+# is the engine's, not theirs (every request failing alone means nothing can run).
+MAX_BLAMED_IN_A_ROW = 3
+
+
+class Failed:
+    """Put on a request's queue instead of a token: the engine failed on this request
+    (it alone is ended, with ``message``; the engine goes on)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 BACKPRESSURE = ("block", "buffer", "degrade")
 
@@ -89,6 +113,15 @@ class EngineLoop:
         self.wall_offset = time.time() - engine.clock()
         self.snapshot: dict = {}
         self.failure: Optional[str] = None    # why the engine thread died, if it did
+        # Failure isolation (module docstring): rid -> (ids, max_tokens, priority, engine
+        # arrival time) of requests not yet through a good step; suspects taken out after
+        # a failed step, put back one at a time (``trial``); requests failed so far.
+        self.fresh: dict[int, tuple] = {}
+        self.held: "collections.deque[int]" = collections.deque()
+        self.held_args: dict[int, tuple] = {}
+        self.trial: Optional[int] = None
+        self.blamed_in_a_row = 0
+        self.requests_failed = 0
         self._publish()
 
     # -- called from the event loop ----------------------------------------------
@@ -124,7 +157,7 @@ class EngineLoop:
         self.cmds.put(("add", st, ids, max_tokens, priority, ack))
         err = await ack
         if err is not None:
-            raise ApiError(err)
+            raise ApiError(*err)
         return st
 
     @property
@@ -165,6 +198,7 @@ class EngineLoop:
                          "running": e.num_running, "waiting": len(e.waiting),
                          "paused": len(e.paused),
                          "requests_served": self.served, "requests_cancelled": self.cancelled,
+                         "requests_failed": self.requests_failed,
                          "engine_steps": self.steps,
                          "backpressure": self.backpressure,
                          "stream_buffer_frames": self.buffer_frames,
@@ -176,20 +210,49 @@ class EngineLoop:
                          "time": time.time()}
 
     def _command(self, cmd: tuple) -> None:
+        """One command; an exception in it fails the request it is about, only."""
+        try:
+            self._do_command(cmd)
+        except Exception as e:     # a bug or a value the engine cannot take
+            rid = cmd[1].rid if cmd[0] == "add" else cmd[1]
+            logging.getLogger("latsim.server").exception("engine failed on request %s", rid)
+            why = f"the engine failed on this request ({type(e).__name__}: {e})"
+            if cmd[0] == "add" and rid not in self.streams:
+                self._drop(rid)
+                self.requests_failed += 1
+                cmd[1].loop.call_soon_threadsafe(_resolve, cmd[5], (why, 500))
+            else:
+                self._fail(rid, why)
+
+    def _do_command(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, st, ids, max_tokens, priority, ack = cmd
             try:
-                self.engine.add_request(st.rid, ids, max_tokens, priority)
+                if self.held:
+                    # Suspects are being put back one per step: a new request waits behind
+                    # them, or a failing step could not tell it from the one on trial.
+                    why = self.engine.never_runs(len(ids), max_tokens)
+                    if why is not None:
+                        raise ValueError(why)
+                    self._hold(st.rid, (ids, max_tokens, priority, self.engine.clock()))
+                else:
+                    seq = self.engine.add_request(st.rid, ids, max_tokens, priority)
+                    self.fresh[st.rid] = (ids, max_tokens, priority, seq.enqueued)
                 self.streams[st.rid] = st
                 err = None
             except ValueError as e:        # too long for max_seq_len or for the cache
-                err = str(e)
+                err = (str(e), 400)
             st.loop.call_soon_threadsafe(_resolve, ack, err)
         elif cmd[0] == "cancel":
             st = self.streams.pop(cmd[1], None)
             if st is not None and st.paused:
                 self.paused_s += self.engine.clock() - st.paused_at
-            if self.engine.cancel(cmd[1]):
+            self.fresh.pop(cmd[1], None)
+            if self.trial == cmd[1]:
+                self.trial = None
+            if self.held_args.pop(cmd[1], None) is not None:
+                self.cancelled += 1        # taken out of the engine already
+            elif self.engine.cancel(cmd[1]):
                 self.cancelled += 1
         elif cmd[0] == "resume":
             st = self.streams.get(cmd[1])
@@ -213,6 +276,8 @@ class EngineLoop:
                         self._command(self.cmds.get_nowait())
                 except queue.Empty:
                     pass
+                if self.held and self.trial is None:
+                    self._put_back()      # the next suspect (failure isolation)
                 if not eng.has_work:      # idle, or every running request is paused
                     self._publish()
                     try:
@@ -220,8 +285,17 @@ class EngineLoop:
                     except queue.Empty:
                         pass
                     continue
-                res = eng.step()
+                try:
+                    res = eng.step()
+                except Exception as e:
+                    if not self._isolate(e):
+                        raise
+                    continue
                 self.steps += 1
+                self.trial = None
+                self.blamed_in_a_row = 0
+                for rid in res.admitted:
+                    self.fresh.pop(rid, None)
                 if res.plan.is_empty and not res.admitted:
                     # Nothing could run: what is waiting needs memory that paused
                     # requests hold. Wait for a command (a resume or a cancel) instead
@@ -249,6 +323,72 @@ class EngineLoop:
             eng.clear()
             self._abort_all()
             self._publish()
+
+    # -- failure isolation (module docstring) -------------------------------------------
+    def _hold(self, rid: int, args: tuple) -> None:
+        self.held.append(rid)
+        self.held_args[rid] = args
+
+    def _drop(self, rid: int) -> None:
+        """Take ``rid`` out of the engine, whatever state a failure left it in."""
+        self.fresh.pop(rid, None)
+        try:
+            self.engine.cancel(rid)
+        except Exception:          # its own failure may be what breaks cancelling it
+            self.engine.seqs.pop(rid, None)
+
+    def _fail(self, rid: int, why: str) -> None:
+        """End request ``rid`` alone with a 500 (the engine goes on)."""
+        self._drop(rid)
+        self.held_args.pop(rid, None)
+        if self.trial == rid:
+            self.trial = None
+        st = self.streams.pop(rid, None)
+        self.requests_failed += 1
+        if st is not None:
+            try:
+                st.loop.call_soon_threadsafe(st.q.put_nowait, Failed(why))
+            except RuntimeError:
+                pass
+
+    def _isolate(self, e: Exception) -> bool:
+        """A step raised ``e``: blame the request on trial (failed alone), and take
+        every other fresh request out, to be put back one at a time. False when no
+        request can be blamed: the fault is the engine's (its thread then stops)."""
+        if self.trial is not None:
+            rid, self.trial = self.trial, None
+            self.blamed_in_a_row += 1
+            if self.blamed_in_a_row >= MAX_BLAMED_IN_A_ROW:
+                return False
+            logging.getLogger("latsim.server").error(
+                "engine step failed on request %s alone (%s: %s): that request is failed, "
+                "the engine goes on", rid, type(e).__name__, e)
+            self._fail(rid, f"the engine failed on this request ({type(e).__name__}: {e})")
+        elif not any(rid in self.streams for rid in self.fresh):
+            return False
+        for rid in [r for r in self.fresh if r in self.streams]:
+            args = self.fresh.pop(rid)
+            self._drop(rid)
+            self._hold(rid, args)
+        return True
+
+    def _put_back(self) -> None:
+        """Put the next suspect back into the engine, on trial for the next step."""
+        while self.held:
+            rid = self.held.popleft()
+            args = self.held_args.pop(rid, None)
+            if args is None or rid not in self.streams:
+                continue                   # cancelled while held
+            ids, max_tokens, priority, enq = args
+            try:
+                self.engine.add_request(rid, ids, max_tokens, priority, now=enq)
+            except Exception as e:
+                self._fail(rid, f"the engine failed on this request ({type(e).__name__}: "
+                                f"{e})")
+                continue
+            self.fresh[rid] = args
+            self.trial = rid
+            return
 
     def _abort_all(self) -> None:
         """End every open stream with ``_ABORT`` (the engine is gone)."""

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+from simulator.workload.classes import MAX_PRIORITY
 
 
 class ApiError(Exception):
@@ -92,20 +95,123 @@ def detokenize(tok: int) -> str:
 
 @dataclass
 class Parsed:
-    """A validated request: prompt token ids, ``max_tokens``, streaming, priority, model."""
+    """A validated request: prompt token ids, ``max_tokens``, streaming, priority, model,
+    and whether a streamed response ends with a usage chunk (``stream_options``)."""
 
     ids: list
     max_tokens: int
     stream: bool
     priority: int
     model: str
+    include_usage: bool = False
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v))
+
+
+def _shown(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, (str, list, dict)) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _need(ok: bool, field: str, what: str, v: Any) -> None:
+    if not ok:
+        raise ApiError(f"'{field}' must be {what} (got {_shown(v)})", param=field)
+
+
+# Sampling fields: validated as vLLM's SamplingParams does (type and range), then without
+# effect: sampling is greedy (the weights are random, the text means nothing, and what a
+# request costs does not depend on how its tokens are picked). (field, lo, hi, lo_open).
+_SAMPLING_NUMS = (("temperature", 0.0, 2.0, False), ("top_p", 0.0, 1.0, True),
+                  ("min_p", 0.0, 1.0, False), ("presence_penalty", -2.0, 2.0, False),
+                  ("frequency_penalty", -2.0, 2.0, False),
+                  ("repetition_penalty", 0.0, math.inf, True))
+_INT64 = 1 << 63
+# Fields with no implementation here: accepted only at the value that asks for nothing.
+_UNSUPPORTED = {"echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+                "suffix": ("",), "logit_bias": ({},), "tools": ([],),
+                "response_format": ({"type": "text"},), "stop_token_ids": ([],)}
+
+
+def _check_options(body: dict, max_tokens: int) -> bool:
+    """Every optional field's type and range (``ApiError`` naming it); whether the
+    stream ends with a usage chunk. A field this server cannot honour is refused unless
+    it asks for nothing (the OpenAI default): answering as if it were honoured would be
+    a wrong answer with a 200."""
+    for f, lo, hi, lo_open in _SAMPLING_NUMS:
+        v = body.get(f)
+        if v is not None:
+            ok = _is_num(v) and (v > lo if lo_open else v >= lo) and v <= hi
+            span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi != math.inf else f"> {lo:g}"
+            _need(ok, f, f"a number in {span}", v)
+    for f in ("n", "best_of"):
+        v = body.get(f)
+        if v is None:
+            continue
+        _need(_is_int(v) and v >= 1, f, "an integer >= 1", v)
+        if v != 1:
+            raise ApiError(f"'{f}' = {v} is not supported: this server returns one choice "
+                           f"per request (send {v} requests)", param=f)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        _need(_is_int(top_k) and (top_k in (-1, 0) or 1 <= top_k < _INT64), "top_k",
+              "-1 or 0 (off) or an integer >= 1", top_k)
+    seed = body.get("seed")
+    if seed is not None:
+        _need(_is_int(seed) and -_INT64 <= seed < _INT64, "seed", "a 64-bit integer", seed)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        _need(_is_int(min_tokens) and 0 <= min_tokens <= max_tokens, "min_tokens",
+              f"an integer in [0, max_tokens = {max_tokens}]", min_tokens)
+    for f in ("ignore_eos", "skip_special_tokens"):
+        if body.get(f) is not None:
+            _need(isinstance(body[f], bool), f, "a boolean", body[f])
+    user = body.get("user")
+    if user is not None:
+        _need(isinstance(user, str) and len(user) <= MAX_MODEL_NAME, "user",
+              f"a string of at most {MAX_MODEL_NAME} characters", user)
+    stop = body.get("stop")
+    if stop is not None:
+        _need(isinstance(stop, str) or (isinstance(stop, list)
+                                       and all(isinstance(s, str) for s in stop)),
+              "stop", "a string or a list of strings", stop)
+        if stop not in ("", []):
+            # Every request generates exactly max_tokens tokens (module docstring of
+            # real_engine.server): a stop that is never honoured must not look honoured.
+            raise ApiError("'stop' is not supported: this server always generates "
+                           "max_tokens tokens", param="stop")
+    for f, fine in _UNSUPPORTED.items():
+        v = body.get(f)
+        if v is not None and not any(type(v) is type(x) and v == x for x in fine):
+            raise ApiError(f"'{f}' = {_shown(v)} is not supported by this server", param=f)
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    _need(isinstance(opts, dict) and set(opts) <= {"include_usage", "continuous_usage_stats"},
+          "stream_options", "an object with 'include_usage'", opts)
+    if not body.get("stream"):
+        raise ApiError("'stream_options' needs 'stream': true", param="stream_options")
+    use = opts.get("include_usage", False)
+    _need(isinstance(use, bool), "stream_options", "an object whose 'include_usage' is a "
+          "boolean", opts)
+    if opts.get("continuous_usage_stats"):
+        raise ApiError("'stream_options.continuous_usage_stats' is not supported",
+                       param="stream_options")
+    return use
 
 
 def parse_request(body: Any, chat: bool, vocab: int, max_seq_len: int,
                   never_runs: Callable[[int, int], Optional[str]], model_name: str) -> Parsed:
     """Validate a request body; raises ``ApiError`` with the offending field.
     ``never_runs(prompt, max_tokens)``: why the engine could never run it (its
-    ``EngineCore.never_runs``), or None."""
+    ``EngineCore.never_runs``), or None. Fields not listed here are ignored, as vLLM
+    ignores them."""
     if not isinstance(body, dict):
         raise ApiError("request body must be a JSON object")
     # One token past the context is enough to know a prompt is too long.
@@ -140,11 +246,13 @@ def parse_request(body: Any, chat: bool, vocab: int, max_seq_len: int,
             raise ApiError(f"the prompt has {len(p)} tokens; the model's context of "
                            f"{max_seq_len} tokens must hold the prompt and max_tokens (>= 1)",
                            param="prompt")
-        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                         for t in p):
+        elif isinstance(p, list) and all(_is_int(t) for t in p):
             if any(not 0 <= t < vocab for t in p):
                 raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
             ids = list(p)
+        elif isinstance(p, list) and len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
+            raise ApiError(f"a batch of {len(p)} prompts is not supported: send one "
+                           f"request per prompt", param="prompt")
         else:
             raise ApiError("'prompt' must be a string or a list of token ids", param="prompt")
     if not ids:
@@ -154,29 +262,37 @@ def parse_request(body: Any, chat: bool, vocab: int, max_seq_len: int,
         raise ApiError(f"the prompt has {'at least ' if n == cap else ''}{n} tokens; the "
                        f"model's context of {max_seq_len} tokens must hold the prompt and "
                        f"max_tokens (>= 1)", param=field)
-    mt = body.get("max_tokens", body.get("max_completion_tokens", 16))
-    if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-        raise ApiError("'max_tokens' must be an integer >= 1", param="max_tokens")
+    mt_field = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    mt = body.get(mt_field)
+    mt = 16 if mt is None else mt          # OpenAI's default for completions
+    if not _is_int(mt) or mt < 1:
+        raise ApiError(f"'{mt_field}' must be an integer >= 1 (got {_shown(mt)})",
+                       param=mt_field)
     if n + mt > max_seq_len:
         raise ApiError(f"prompt ({n} tokens) + max_tokens ({mt}) exceeds the model's "
                        f"context of {max_seq_len}: max_tokens can be at most "
-                       f"{max_seq_len - n} for this prompt", param="max_tokens")
+                       f"{max_seq_len - n} for this prompt", param=mt_field)
     why = never_runs(n, mt)
     if why is not None:
         raise ApiError(f"the request could never run on this server: {why}",
-                       param="max_tokens")
+                       param=mt_field)
     stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError("'stream' must be a boolean", param="stream")
+    stream = False if stream is None else stream
+    _need(isinstance(stream, bool), "stream", "a boolean", stream)
     prio = body.get("priority", 0)
-    if not isinstance(prio, int) or isinstance(prio, bool) or prio < 0:
-        raise ApiError("'priority' must be an integer >= 0", param="priority")
+    prio = 0 if prio is None else prio
+    # The simulator's class range (a class per value, and a queue in the compiled loop),
+    # far inside the int64 the policy kernels compute keys in: a request served here can
+    # be simulated, and no value can overflow a kernel (2**63 once took the engine down).
+    _need(_is_int(prio) and 0 <= prio <= MAX_PRIORITY, "priority",
+          f"an integer in [0, {MAX_PRIORITY}]", prio)
     model = body.get("model")
     # Echoed in every streamed chunk: an unbounded name would multiply into the response.
     if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_NAME):
         raise ApiError(f"'model' must be a string of at most {MAX_MODEL_NAME} characters",
                        param="model")
-    return Parsed(ids, mt, stream, prio, model or model_name)
+    include_usage = _check_options(body, mt)
+    return Parsed(ids, mt, stream, prio, model or model_name, include_usage)
 
 
 def chunk(cid: str, created: int, model: str, text: str, first: bool, last: bool,
@@ -189,6 +305,16 @@ def chunk(cid: str, created: int, model: str, text: str, first: bool, last: bool
                 "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]}
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin}]}
+
+
+def usage_chunk(cid: str, created: int, model: str, prompt_tokens: int,
+                completion_tokens: int, chat: bool) -> dict:
+    """The last streamed chunk when ``stream_options.include_usage`` asks for it: no
+    choices, the request's ``usage`` (as OpenAI and vLLM send it)."""
+    return {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
 
 
 def completion(cid: str, created: int, model: str, text: str, prompt_tokens: int,

@@ -18,7 +18,16 @@ rendered as the text ``" t<i>"``.
 Generation. The engine always generates exactly ``max_tokens`` tokens (it
 ignores EOS), so ``ignore_eos`` is accepted and has no further effect;
 ``finish_reason`` is ``"length"``. Streaming sends one SSE frame
-``data: {chunk}\\n\\n`` per generated token, then ``data: [DONE]\\n\\n``.
+``data: {chunk}\\n\\n`` per generated token, then (``stream_options:
+{"include_usage": true}``) a chunk with the usage, then ``data: [DONE]\\n\\n``.
+
+Fields (``openai_api.parse_request``). Every field the API accepts is checked for
+type and range, and a bad one is a 400 naming it (``param``). ``priority`` is an
+integer in [0, ``MAX_PRIORITY``], the simulator's class range. Sampling fields
+(``temperature``, ``top_p``, ``top_k``, ``seed``, penalties) are checked and then
+have no effect: sampling is greedy. What the server cannot honour (``n`` or
+``best_of`` above 1, a ``stop``, ``echo``, ``logprobs``...) is refused with a 400
+unless it asks for nothing. Unknown fields are ignored, as vLLM ignores them.
 
 Threads. The engine is not thread-safe, so ONE background thread owns it: it
 takes commands (add, cancel) from a queue, steps the engine while it has work
@@ -78,11 +87,12 @@ from starlette.requests import ClientDisconnect
 from simulator.wire.benchclient import TIMING_COMMENT, TIMING_HEADER
 
 from real_engine.engine import EngineCore
-from real_engine.engineloop import _ABORT, _DONE, EngineLoop, _Stream
+from real_engine.engineloop import _ABORT, _DONE, EngineLoop, Failed, _Stream
 from real_engine.guards import MAX_BODY_BYTES, ApiKeyGuard, Deadline, DeadlineStream, read_body
 from real_engine.hosting import listen_socket
 from real_engine.openai_api import (MAX_JSON_DEPTH, ApiError, Parsed, chunk, completion,
-                                   detokenize, error_body, loads_body, parse_request)
+                                   detokenize, error_body, loads_body, parse_request,
+                                   usage_chunk)
 
 
 
@@ -253,9 +263,11 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
                 continue
             if tok is _DONE:
                 break
-            if tok is _ABORT:
+            if tok is _ABORT or isinstance(tok, Failed):
                 done = True              # nothing left to cancel; no [DONE]: it did not finish
-                yield "data: " + json.dumps(error_body("engine stopped", 503)) + "\n\n"
+                err = (error_body("engine stopped", 503) if tok is _ABORT
+                       else error_body(tok.message, 500))
+                yield "data: " + json.dumps(err) + "\n\n"
                 return
             n += 1
             if held is None and degrade and st.buffered >= loop_.buffer_frames:
@@ -276,6 +288,8 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
             loop_.frames += 1
             loop_.frame_bytes += len(f)
         done = True
+        if p.include_usage:
+            yield _frame(usage_chunk(cid, created, p.model, len(p.ids), n, chat))
         if timing:
             yield f": {TIMING_COMMENT} {json.dumps(st.timing, separators=(',', ':'))}\n\n"
         yield "data: [DONE]\n\n"
@@ -314,6 +328,8 @@ async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
                 continue
             if tok is _ABORT:
                 return _error("engine stopped", 503)
+            if isinstance(tok, Failed):
+                return _error(tok.message, 500)
             toks.append(tok)
             loop_.consumed(st)      # taken off the buffer: a whole response never blocks
     except asyncio.CancelledError:

@@ -171,9 +171,10 @@ def _nested(levels: int):
 def test_json_depth_limit(client):
     """The body object is level 1: 31 more levels pass, 32 more are refused with 400, and
     nesting deep enough to exhaust the parser's recursion is a 400 too, never a 500."""
-    ok = {"prompt": "a b", "max_tokens": 2, "user": _nested(31)}
+    # Carried by a field the API ignores (vLLM ignores unknown fields too).
+    ok = {"prompt": "a b", "max_tokens": 2, "metadata": _nested(31)}
     assert client.post("/v1/completions", json=ok).status_code == 200
-    deep = {"prompt": "a b", "max_tokens": 2, "user": _nested(32)}
+    deep = {"prompt": "a b", "max_tokens": 2, "metadata": _nested(32)}
     r = client.post("/v1/completions", json=deep)
     assert r.status_code == 400 and "nested deeper than 32" in _error_of(r.content)["message"]
     for raw in (b"[" * 30000 + b"]" * 30000, b'{"a":' * 9000 + b"1" + b"}" * 9000,
