@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from simulator.wire.benchclient import _WORDS, bench_outputs, run_bench
+from simulator.wire.benchclient import _WORDS, bench_outputs, check_url, run_bench
 from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError
 from simulator.report.metrics import BREAKDOWN, requests_table, summarize
@@ -60,6 +60,7 @@ def parse_endpoint(text: str) -> Optional[str]:
     if not t.startswith(("http://", "https://")) or len(t.split("://", 1)[1]) == 0:
         raise LatsimError("must be 'local' or an http(s)://host:port URL",
                           source="--endpoint", value=text, has_value=True)
+    check_url(t, source="--endpoint")
     return t.rstrip("/")
 
 

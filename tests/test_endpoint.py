@@ -114,7 +114,9 @@ def test_validate_endpoint_url_uses_the_servers_policy(profile_file):
     (["--endpoint", "http://127.0.0.1:1"], "cannot reach"),
     (["--endpoint", "ftp://example"], "must be 'local' or an http"),
     (["--endpoint", "local", "--policies", "nope"], "unknown policy"),
-], ids=["unreachable", "bad-scheme", "bad-policy"])
+    (["--endpoint", "http://127.0.0.1:99999"], "--endpoint: has a port outside 1-65535"),
+    (["--endpoint", "http://[::1:8000"], "--endpoint: has a malformed IPv6 host"),
+], ids=["unreachable", "bad-scheme", "bad-policy", "bad-port", "bad-ipv6"])
 def test_validate_endpoint_bad_input_is_one_line(profile_file, args, message):
     r = _cli(["validate", "--profile", str(profile_file), "--limit", "2"] + args)
     assert r.exit_code == 2, r.output

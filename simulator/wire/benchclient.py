@@ -3,7 +3,10 @@
 Each request is sent at its arrival time (wall clock from the start of the run)
 as ``POST /v1/completions`` with ``stream: true``, ``max_tokens`` = its output
 tokens, ``ignore_eos: true`` (a vLLM/SGLang extension; ``--no-ignore-eos`` for
-servers that reject it) and a prompt of as many words as its prompt tokens
+servers that reject it), ``priority`` = its class index (vLLM's field: an integer,
+lower is served first, as class 0 = P0 is here; ``--no-priority`` for servers that
+reject it: vLLM refuses a nonzero one unless started with ``--scheduling-policy
+priority``) and a prompt of as many words as its prompt tokens
 (words from a small list of common English words, most of which are one token
 in BPE vocabularies, and one per-request word first so a prefix cache cannot
 merge prompts; with ``latsim serve`` a word is exactly one token).
@@ -41,7 +44,9 @@ finished) and, under ``http2``, whether the server kept HTTP/1.1
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -166,10 +171,61 @@ def frame_text(data: str) -> Optional[str]:
     return d.get("content") if isinstance(d, dict) else None
 
 
+_BRACKETED = re.compile(r"^\[([^\]]*)\](?::(.*))?$")
+
+
+def check_url(url: str, source: str = "--url") -> None:
+    """Refuse, before anything is sent, a URL no request can go to: not http(s), no
+    host, a port that is not a whole number in 1-65535, a malformed IPv6 literal (an
+    unclosed bracket, not an address, text after the bracket) or blanks in the host.
+    One-line ``LatsimError`` naming ``source`` and the value."""
+    from urllib.parse import urlsplit
+
+    def bad(why: str) -> LatsimError:
+        return LatsimError(why, source=source, value=url, has_value=True)
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise bad("must be an http:// or https:// URL")
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:
+        raise bad("has a malformed IPv6 host (write it as [address]:port)") from None
+    hostport = netloc.rpartition("@")[2]
+    m = _BRACKETED.match(hostport)
+    if hostport.startswith("["):
+        try:
+            if m is None:
+                raise ValueError
+            ipaddress.IPv6Address(m.group(1))
+        except ValueError:
+            raise bad("has a malformed IPv6 host (write it as [address]:port)") from None
+        host, port = m.group(1), m.group(2)
+    else:
+        host, _, port = hostport.partition(":")
+        if ":" in port:
+            raise bad("has an IPv6 host without brackets (write it as [address]:port)")
+    if not host or any(c.isspace() for c in host):
+        raise bad("names no host" if not host else "has blanks in its host")
+    if port is not None and port != "":
+        if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+            raise bad("has a port outside 1-65535")
+
+
 def make_prompt(n_words: int, rid: int, rng: np.random.Generator) -> str:
     """A prompt of ``n_words`` words: a per-request word, then common words."""
     words = [f"r{rid}"] + [_WORDS[i] for i in rng.integers(0, len(_WORDS), max(0, n_words - 1))]
     return " ".join(words)
+
+
+def request_body(wl: Workload, i: int, model: str, rng: np.random.Generator, *,
+                 ignore_eos: bool = True, send_priority: bool = True) -> dict:
+    """The JSON body of request ``i`` of ``wl`` (its prompt drawn from ``rng``)."""
+    b = {"model": model, "prompt": make_prompt(int(wl.prompt_tokens[i]), i, rng),
+         "max_tokens": int(wl.output_tokens[i]), "stream": True}
+    if ignore_eos:
+        b["ignore_eos"] = True
+    if send_priority:
+        b["priority"] = int(wl.priority[i])
+    return b
 
 
 @dataclass
@@ -272,14 +328,17 @@ def need_h2() -> None:
 async def run_bench(url: str, wl: Workload, *, model: Optional[str] = None,
                     pool_size: int = 256, http2: bool = False, timeout: float = 600.0,
                     max_wall_s: Optional[float] = None, ignore_eos: bool = True,
-                    seed: int = 0, api_key: Optional[str] = None) -> tuple[list[_Rec], dict]:
+                    seed: int = 0, api_key: Optional[str] = None,
+                    send_priority: bool = True) -> tuple[list[_Rec], dict]:
     """Replay ``wl`` against ``url`` (a base URL or a full ``.../completions`` URL).
 
     Returns the request records and run facts. Requests not done by
     ``max_wall_s`` are cancelled (the client closes their streams). ``api_key``:
-    sent as ``Authorization: Bearer <key>`` with every request.
+    sent as ``Authorization: Bearer <key>`` with every request. ``send_priority``:
+    each body carries its request's ``priority`` (see the module docstring).
     """
     import httpx
+    check_url(url)
     if http2:
         need_h2()
     base = url.rstrip("/")
@@ -295,11 +354,8 @@ async def run_bench(url: str, wl: Workload, *, model: Optional[str] = None,
         if model is None:
             model = await _served_model(client, base)
         for i in range(len(wl)):
-            b = {"model": model, "prompt": make_prompt(int(wl.prompt_tokens[i]), i, rng),
-                 "max_tokens": int(wl.output_tokens[i]), "stream": True}
-            if ignore_eos:
-                b["ignore_eos"] = True
-            bodies.append(b)
+            bodies.append(request_body(wl, i, model, rng, ignore_eos=ignore_eos,
+                                       send_priority=send_priority))
             recs.append(_Rec(i, float(wl.arrival_s[i])))
         t0 = time.perf_counter()
         wall0 = time.time()         # the same instant on the wall clock (server timing)
