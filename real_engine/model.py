@@ -19,7 +19,6 @@ use the HF ``rotate_half`` convention, so such weights load without permutation.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -68,18 +67,50 @@ class ModelConfig:
                 "params": self.num_params()}
 
     @classmethod
-    def from_hf(cls, cfg: dict, name: str) -> "ModelConfig":
-        """From a Hugging Face Llama ``config.json`` mapping."""
-        n_heads = cfg["num_attention_heads"]
-        hd = cfg.get("head_dim")
-        return cls(name=name, n_layers=cfg["num_hidden_layers"], d_model=cfg["hidden_size"],
-                   n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads", n_heads),
-                   ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                   rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                   norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                   max_seq_len=int(min(cfg.get("max_position_embeddings", 8192), 131072)),
-                   head_dim_override=hd if hd and hd != cfg["hidden_size"] // n_heads else None,
-                   rope_scaling=cfg.get("rope_scaling"))
+    def from_hf(cls, cfg: dict, name: str, source: str = "config.json") -> "ModelConfig":
+        """From a Hugging Face Llama ``config.json`` mapping, read by the catalog's reader
+        (``simulator.cost.catalog.hf``: one reader of config.json, every type and range
+        checked); a model the engine cannot run, or a bad value, is one ``LatsimError``
+        line naming ``source``, the field and the value."""
+        from simulator.cost.catalog.hf import _Reader, arch_from_config
+        a = arch_from_config(cfg, source=source, name=name)
+        r = _Reader(cfg, source)
+        if a.experts > 1 or not a.gated_mlp or a.norm != "rmsnorm" or a.linear_bias \
+                or a.qkv_bias or a.qk_norm or a.learned_positions or a.sliding_window:
+            r.fail("the real engine runs dense Llama-family models only (RMSNorm, SwiGLU, "
+                   "rotary positions, no biases)", "model_type", cfg.get("model_type"))
+
+        def positive(key: str, default: float) -> float:
+            k, v = r.first(key)
+            if k is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                    or not math.isfinite(v) or v <= 0:
+                r.fail("must be a positive number", key, v)
+            return float(v)
+        rs = cfg.get("rope_scaling")
+        if rs is not None:
+            if not isinstance(rs, dict):
+                r.fail("must be an object or null", "rope_scaling", rs)
+            for k in ("factor", "low_freq_factor", "high_freq_factor",
+                      "original_max_position_embeddings"):
+                v = rs.get(k)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                      or not math.isfinite(v) or v <= 0):
+                    r.fail("must be a positive number", f"rope_scaling.{k}", v)
+            if rs.get("rope_type", rs.get("type")) == "llama3":
+                if rs.get("factor") is None:
+                    r.fail("missing", "rope_scaling.factor", has_value=False)
+                if rs.get("low_freq_factor", 1.0) >= rs.get("high_freq_factor", 4.0):
+                    r.fail("must be below high_freq_factor", "rope_scaling.low_freq_factor",
+                           rs.get("low_freq_factor", 1.0))
+        return cls(name=name, n_layers=a.layers, d_model=a.hidden, n_heads=a.heads,
+                   n_kv_heads=a.kv_heads, ffn=a.ffn, vocab=a.vocab,
+                   rope_theta=positive("rope_theta", 10000.0),
+                   norm_eps=positive("rms_norm_eps", 1e-5),
+                   max_seq_len=min(a.max_context or 8192, 131072),
+                   head_dim_override=a.head_dim if a.head_dim != a.hidden // a.heads else None,
+                   rope_scaling=rs)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -242,7 +273,9 @@ def resolve_config(model: str | ModelConfig) -> ModelConfig:
         return PRESETS[model]
     p = Path(model)
     if (p / "config.json").exists():
-        return ModelConfig.from_hf(json.loads((p / "config.json").read_text()), p.name)
+        from simulator.cost.catalog.hf import read_config
+        cfg, source = read_config(p)
+        return ModelConfig.from_hf(cfg, p.name, source)
     raise ValueError(f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) "
                      f"nor a directory with config.json")
 

@@ -323,3 +323,65 @@ def test_an_engine_failing_every_request_is_reported_down():
         h = c.get("/health")
         assert h.status_code == 503 and "device lost" in h.json()["reason"]
         assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 503
+
+
+# -- serve --model DIR: the folder's config.json ---------------------------------------
+
+TINY_CFG = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 192, "vocab_size": 512,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("change,field,value", [
+    ({"num_hidden_layers": [2]}, "num_hidden_layers", "[2]"),
+    ({"num_hidden_layers": -2}, "num_hidden_layers", "-2"),
+    ({"num_attention_heads": 0}, "num_attention_heads", "0"),
+    ({"hidden_size": "64"}, "hidden_size", "'64'"),
+    ({"vocab_size": 512.5}, "vocab_size", "512.5"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads", "3"),
+    ({"max_position_embeddings": True}, "max_position_embeddings", "True"),
+    ({"rope_theta": "big"}, "rope_theta", "'big'"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps", "-1e-05"),
+    ({"rope_scaling": [8]}, "rope_scaling", "[8]"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": "8"}}, "rope_scaling.factor", "'8'"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, "model_type", "'mixtral'"),
+], ids=["layers-list", "layers-negative", "zero-heads", "hidden-text", "vocab-float",
+        "kv-heads-not-dividing", "context-bool", "rope-theta-text", "eps-negative",
+        "rope-scaling-list", "rope-factor-text", "moe"])
+def test_serve_model_dir_with_a_bad_config_is_one_line_exit_2(change, field, value, tmp_path,
+                                                               monkeypatch, capsys):
+    """Wrong types or impossible values in a checkpoint's config.json: exit 2 with one
+    line naming the file, the field and the value, before a socket is bound or anything
+    is loaded (both are made to fail the test if reached)."""
+    import sys
+
+    import real_engine.hosting
+    import real_engine.profile
+    from simulator.cli.main import main
+    cfg = {**TINY_CFG, **change}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    def reached(*a, **k):
+        raise AssertionError("reached past the config check")
+    monkeypatch.setattr(real_engine.hosting, "listen_socket", reached)
+    monkeypatch.setattr(real_engine.profile, "build_engine", reached)
+    monkeypatch.setattr(sys, "argv", ["latsim", "serve", "--model", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("latsim: error: "), err
+    assert str(tmp_path / "config.json") in lines[0] and f"field '{field}'" in lines[0]
+    assert f"(got {value})" in lines[0], lines[0]
+
+
+def test_a_good_config_still_reads_as_before(tmp_path):
+    """The one reader gives the engine the shape the old Llama reader gave it."""
+    from real_engine.model import PRESETS, resolve_config
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CFG))
+    cfg = resolve_config(str(tmp_path))
+    tiny = PRESETS["tiny"]
+    for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn", "vocab", "max_seq_len",
+              "rope_theta", "norm_eps", "head_dim"):
+        assert getattr(cfg, f) == getattr(tiny, f), f

@@ -210,6 +210,13 @@ def _default_name(source: str, fam: str) -> str:
 
 def load_config(path: str | Path, name: str | None = None) -> ModelArch:
     """Read a config.json file (or a model folder holding one) into a :class:`ModelArch`."""
+    cfg, source = read_config(path)
+    return arch_from_config(cfg, source=source, name=name)
+
+
+def read_config(path: str | Path) -> tuple[Any, str]:
+    """The parsed JSON of a config.json file (or a model folder holding one) and the
+    file's path; an unreadable or non-JSON file is one ``LatsimError`` line."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -222,4 +229,4 @@ def load_config(path: str | Path, name: str | None = None) -> ModelArch:
                           source=str(p)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise LatsimError(f"cannot read: {e}", source=str(p)) from None
-    return arch_from_config(cfg, source=str(p), name=name)
+    return cfg, str(p)
