@@ -285,6 +285,23 @@ def _replay_ok(check: dict) -> bool:
 
 # -- latsim calibrate -------------------------------------------------------------------------
 
+def refuse_summary_runs(runs: List[Path]) -> None:
+    """A run of aggregates (inference-perf, vllm bench JSON) cannot be calibrated on:
+    the coefficients are fitted to step or token times, and a mean or percentile of
+    whole-request latencies mixes queueing, prefill and every decode step of the run, so
+    no step cost follows from it. One-line exit-2 error naming the run and what it lacks."""
+    from simulator.cost.calibration.aggregates import is_summary_run, read_summary_run
+    for r in runs:
+        if is_summary_run(r):
+            rec = read_summary_run(r)
+            raise LatsimError(f"{rec.what} run of aggregates: it records no step log "
+                              "(iterations.csv) and no per-token or per-request times "
+                              "(tokens.csv, requests.csv), only latency means and "
+                              "percentiles, from which no step cost can be fitted; compare "
+                              "with it by `latsim validate --run`", source=str(r),
+                              field="--run")
+
+
 @one_line_errors
 def calibrate(
     scenario: Path = typer.Argument(..., help="scenario YAML describing the server (engine "
@@ -320,6 +337,7 @@ def calibrate(
         # A profile is a result (a calibration can take minutes and a run may be gone):
         # replaced only when asked, and its folder checked before any work.
         check_out_file(out, force=force)
+    refuse_summary_runs(run)
     cases, sc, base = load_cases(scenario, run, policy, set_)
     if profile is not None:
         if not profile.exists():
@@ -396,7 +414,10 @@ def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[
     """``latsim validate --run DIR SCENARIO``: real vs simulated P50/P99 for a recorded
     run, and the model's step time against the measured one per step kind."""
     from simulator.cost.calibration import ReplayError, validate_recorded
+    from simulator.cost.calibration.aggregates import is_summary_run
     from simulator.report.files import check_out_dir, json_safe
+    if is_summary_run(run):
+        return validate_summary_run(run, scenario, label, out, set_)
     cases, _, base = load_cases(scenario, [run], label, set_, "--policies")
     if out is not None:
         check_out_dir(out, keep=True)     # one file per run: a repeat replaces its own
@@ -420,3 +441,97 @@ def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[
         console.print(f"wrote {p}", markup=False, highlight=False)
     if not _finite_errors(res["errors"]):
         raise NotMet("no simulated percentile could be compared with the run's")
+
+
+def _summary_scenario(scenario: Path, label: Optional[str], set_):
+    """The scenario's one policy run (or the one ``label`` names) for a run of
+    aggregates, checked as ``load_cases`` checks it: one replica."""
+    from simulator.config.scenario import load_scenario
+    if not scenario.exists():
+        raise LatsimError("file not found", source=str(scenario), field="SCENARIO")
+    sc, base = load_scenario(scenario, set_)
+    if sc.cluster.replicas != 1:
+        raise LatsimError("a recorded run is one server: the scenario must have one replica",
+                          source=str(scenario), field="cluster.replicas",
+                          value=sc.cluster.replicas, has_value=True)
+    runs = sc.policy_runs()
+    if label is not None:
+        runs = [r for r in runs if r[0] == label]
+        if not runs:
+            names = ", ".join(lb for lb, _ in sc.policy_runs())
+            raise LatsimError(f"no policy run labelled so (the scenario has: {names})",
+                              source="--policies", value=label, has_value=True)
+    if len(runs) > 1:
+        names = ", ".join(lb for lb, _ in runs)
+        raise LatsimError(f"the run does not record its policy and the scenario has several "
+                          f"({names}): pick one with --policies", source=str(scenario),
+                          field="policies")
+    return runs[0][1], base
+
+
+def aggregate_table(title: str, judged: dict) -> Table:
+    """Real vs simulated for each aggregate the recording holds (``compared_keys``)."""
+    t = Table(title=title, title_justify="left")
+    for c, j in (("metric", "left"), ("real ms", "right"), ("sim ms", "right"),
+                 ("err", "right")):
+        t.add_column(c, justify=j)
+    for k, e in judged["errors"].items():
+        st, m, _ = k.split("_")
+        t.add_row(f"{st} {m.upper()}", _num(e["real"]), _num(e["sim"]), _pct(e["rel_err"]))
+    return t
+
+
+def _verdict(j: dict) -> str:
+    rs, ss = j["real_saturated"], j["sim_saturated"]
+    if rs and ss:
+        return "saturated: the recording and latsim agree"
+    if rs:
+        return "saturated in the recording; latsim predicts a healthy server"
+    if ss:
+        return "latsim predicts saturation; the recording shows a healthy server"
+    return "healthy: the recording and latsim agree"
+
+
+def validate_summary_run(run: Path, scenario: Path, label: Optional[str],
+                         out: Optional[Path], set_: Optional[List[str]] = None) -> None:
+    """``latsim validate --run`` on a run of aggregates (an inference-perf folder or a
+    ``vllm bench serve`` JSON: ``cost.calibration.aggregates``): the scenario simulated
+    (an inference-perf run's traffic from its own config), its aggregates compared
+    with the recording's, overall and per stage, and both saturation verdicts. Exit 1
+    when the verdicts differ or nothing could be compared."""
+    from simulator.cost.calibration.aggregates import (read_summary_run, simulate_summary,
+                                                       with_run_workload)
+    from simulator.report.files import check_out_dir, json_safe
+    rec = read_summary_run(run)
+    psc, base = _summary_scenario(scenario, label, set_)
+    if out is not None:
+        check_out_dir(out, keep=True)
+    psc = with_run_workload(psc, rec)
+    clock = ("inference-perf's (TPOT and ITL over every SSE line: about half the time "
+             "per token; ITL percentiles not compared)" if rec.clock == "inference_perf"
+             else "vllm bench serve's")
+    src = (f"workload from {rec.config}" if psc.workload.kind == "inference_perf"
+           and rec.config is not None else "workload from the scenario")
+    console.print(f"{rec.name}: {rec.what} run of aggregates, {rec.overall.get('count', 0)} "
+                  f"requests; {src}; clock {clock}" + "".join(f"; {n}" for n in rec.notes),
+                  markup=False, highlight=False, soft_wrap=True)
+    res = simulate_summary(psc, rec, base)
+    parts = [("all stages", res["overall"])] + [(f"stage {k}", j)
+                                                for k, j in enumerate(res["stages"])]
+    for name, j in parts:
+        console.print(aggregate_table(f"{rec.name}, {name}: real vs simulated", j))
+        console.print(f"{name}: {_verdict(j)}", markup=False, highlight=False)
+    if res.get("note"):
+        console.print(res["note"], markup=False, highlight=False)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        p = out / f"validation-{rec.name}.json"
+        p.write_text(json.dumps(json_safe({"run": str(rec.path), "kind": rec.kind, **res}),
+                                indent=2) + "\n")
+        console.print(f"wrote {p}", markup=False, highlight=False)
+    off = [n for n, j in parts if j["real_saturated"] != j["sim_saturated"]]
+    if off:
+        raise NotMet(f"the saturation verdicts differ ({', '.join(off)}): latsim "
+                     f"{'misses' if parts[0][1]['real_saturated'] else 'predicts'} an overload")
+    if not _finite_errors(res["overall"]["errors"]):
+        raise NotMet("no simulated aggregate could be compared with the run's")

@@ -24,6 +24,7 @@ from simulator.cluster import routers as _routers  # noqa: F401  replica routers
 from simulator.errors import LatsimError
 from simulator.model import policies as _policies  # noqa: F401  scheduling policies
 from simulator.workload import servegen as _servegen  # noqa: F401  kind: servegen
+from simulator.workload import inference_perf as _ip  # noqa: F401  kind: inference_perf
 from simulator.workload import traces as _traces  # noqa: F401  kind: trace
 
 ENTRY_POINT_GROUP = "latsim.plugins"
