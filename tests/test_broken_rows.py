@@ -153,3 +153,23 @@ def test_bench_refuses_a_url_no_request_can_reach_before_sending(url, why, tmp_p
 def test_a_reachable_looking_url_passes_the_check(url):
     from simulator.wire.benchclient import check_url
     check_url(url)
+
+
+# -- 2. a disconnected client's request ends cancelled, not unfinished ---------------------
+
+@pytest.mark.parametrize("backpressure", ["block", "buffer", "degrade"])
+def test_slow_clients_with_many_disconnects_exits_0_under_each_backpressure(backpressure,
+                                                                            tmp_path):
+    # 100 requests, 30% of clients leaving: under buffer and degrade some silently gone
+    # clients' requests finish generating before the 45 s heartbeat finds them; they
+    # were counted "never completed although the run ended" and the run exited 1.
+    import pandas as pd
+    out = tmp_path / "r"
+    r = latsim("run", "scenarios/slow-clients.yaml", "--out", out,
+               "--set", f"stream.backpressure={backpressure}",
+               "--set", "workload.num_requests=100", "--set", "stream.disconnect.probability=0.3")
+    assert r.returncode == 0, r.stdout[-1500:] + r.stderr
+    assert "never completed" not in r.stdout
+    df = pd.read_csv(out / "requests.csv")
+    gone = ~df["finished"]
+    assert gone.sum() > 0 and df.loc[gone, "cancelled"].all()

@@ -394,11 +394,19 @@ def test_signalled_disconnect_cancels_one_way_later():
 
 def test_silent_disconnect_of_a_request_that_ends_first_wastes_its_remaining_decode():
     res, df = disconnect_run(signalled=False, output=400)    # ends a few s after leaving
+    from simulator.report.metrics import outcome_names, unfinished
     rec, m = res.rec, res.meta["stream"]
     t_left = rec.first_delivered[0] + 1.0
-    assert not rec.cancelled[0] and rec.last_token[0] > t_left
+    assert rec.last_token[0] > t_left
     assert not df["finished"][0]                 # its client never got the end
-    assert m["disconnects_cancelled"] == 0
+    assert m["disconnects_cancelled"] == 0       # the server never cancelled it ...
+    assert np.isnan(rec.cancelled_at[0])
+    # ... but its client is gone: it ended cancelled, not unfinished (a run that ended
+    # with it "never completed" exited 1: scenarios/slow-clients.yaml did).
+    assert rec.cancelled[0] and df["cancelled"][0]
+    assert list(outcome_names(rec)) == ["cancelled"]
+    assert unfinished(df, None) == {"rejected": 0, "cancelled": 1, "refused": 0,
+                                    "timed_out": 0, "cut": 0, "stuck": 0}
     assert m["wasted_request_s_unsignalled"] == pytest.approx(rec.last_token[0] - t_left)
 
 

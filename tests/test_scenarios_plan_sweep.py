@@ -1,7 +1,7 @@
-"""``latsim plan`` and ``latsim sweep`` run on every shipped scenario (each cut to a few
-requests with ``--set``): a scenario's ``policies:`` list becomes the runs' policy axis
-(labelled entries with their own engine settings included), every run completes, and
-the tables hold one row per point."""
+"""``latsim run``, ``latsim plan`` and ``latsim sweep`` run on every shipped scenario (each
+cut to a few requests with ``--set``): ``run`` exits 0, a scenario's ``policies:`` list
+becomes the runs' policy axis (labelled entries with their own engine settings
+included), every run completes, and the tables hold one row per point."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,20 @@ def test_every_scenario_is_covered():
     assert len(SCENARIOS) >= 9
     assert {p.stem for p in SCENARIOS} >= {"quickstart", "kv-pressure", "azure-conv",
                                             "mooncake-prefix", "slow-clients", "refbench-h200"}
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_run_exits_0_on_every_scenario(path, tmp_path):
+    """Every shipped scenario runs to exit 0 (1 would say it did not meet what was asked:
+    requests rejected, cut off or never completed) and writes its summary, one entry
+    per run."""
+    sets, runs = _tiny(path)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["run", str(path), *sets, "--out", str(out)])
+    assert r.exit_code == 0, (r.output[-2000:], r.exception)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (len(summary) if runs > 1 else 1) == runs
+    assert "never completed" not in r.output
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)

@@ -167,8 +167,9 @@ class Wire:
     def summary(self, sim_end: float) -> dict:
         """``meta`` entries: stream totals, disconnects and their waste; regions.
         Requests whose client left before their last token reached it are marked
-        undelivered (``last_delivered`` = NaN): they are not completed requests; a
-        cancelled one gets the ``first_delivered`` its stream saw."""
+        undelivered (``last_delivered`` = NaN) and ``cancelled``: not completed, and not
+        unfinished either, however far the server got; a cancelled one gets the
+        ``first_delivered`` its stream saw."""
         rec = self.rec
         waste = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}   # count, request-s, GPU-s
         cancelled = 0
@@ -193,6 +194,10 @@ class Wire:
             w[1] += end - t_left
             w[2] += self.gpus * batch_share_seconds(series[0], series[2], t_left, end)
             rec.last_delivered[rid] = np.nan
+            # Its client left before the end reached it: it ends ``cancelled`` whether the
+            # server cancelled it (``cancelled_at``) or finished generating first (a
+            # silent disconnect found after the last token; ``cancelled_at`` stays NaN).
+            rec.cancelled[rid] = True
         price = self.scfg.disconnect.gpu_cost_per_hour
         out = {"stream": {
             **self.stats.as_dict(),
