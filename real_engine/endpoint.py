@@ -42,6 +42,7 @@ from simulator.report.percentile import pct_ms
 from simulator.loops.simulate import simulate
 from simulator.workload import Workload
 
+from real_engine.metrics import mean_frame_bytes
 from real_engine.validate import compare, policy_kwargs, write_results
 
 STAGES = BREAKDOWN   # the E2E stages, all measured over the wire
@@ -88,16 +89,20 @@ def measure_rtt(url: str, n: int = 30, timeout: float = 5.0) -> float:
 
 
 def server_info(url: str, timeout: float = 5.0) -> dict:
-    """``GET /metrics`` of a ``latsim serve`` (its ``engine`` settings are required)."""
+    """``GET /metrics`` of a ``latsim serve`` (Prometheus text, ``real_engine.metrics``),
+    parsed; its engine settings (``latsim:engine_info``, required) under ``engine``."""
     import httpx
+
+    from real_engine.metrics import engine_settings, parse
     try:
-        m = httpx.get(url + "/metrics", timeout=timeout).json()
+        m = parse(httpx.get(url + "/metrics", timeout=timeout).text)
     except (httpx.HTTPError, ValueError) as e:
         raise LatsimError(f"cannot read GET /metrics ({type(e).__name__})", source=url) from None
-    if not isinstance(m, dict) or not isinstance(m.get("engine"), dict):
+    eng = engine_settings(m)
+    if eng is None:
         raise LatsimError("not a latsim serve endpoint: GET /metrics names no engine "
-                          "settings", source=url)
-    return m
+                          "settings (latsim:engine_info)", source=url)
+    return dict(m, engine=eng)
 
 
 def wire_scenario(policy: str, settings: dict, num_blocks: int, rtt_s: float,
@@ -159,7 +164,7 @@ def bench_and_simulate(url: str, profile: dict, wl: Workload, policy: str, setti
         raise LatsimError("the server sent no usable timing trailer (not latsim serve, or "
                           "not on this host's clock)", source=url)
     info = server_info(url)
-    frame_bytes = info.get("mean_frame_bytes") or 150.0
+    frame_bytes = mean_frame_bytes(info) or 150.0
     sc = wire_scenario(policy, settings, num_blocks, rtt, frame_bytes, pool_size)
     res = simulate(sc, 0, workload=wl, profile=profile)
     sdf = requests_table(res)
@@ -169,8 +174,11 @@ def bench_and_simulate(url: str, profile: dict, wl: Workload, policy: str, setti
             "stages": stage_errors(rdf, sdf), "real_table": rdf, "sim_table": sdf,
             "rtt_ms": rtt * 1e3, "frame_bytes": frame_bytes, "real_wall_s": facts["wall_s"],
             "http_versions": real["run"]["http_versions"],
-            "extrapolations": res.extrapolations, "server": {k: info.get(k) for k in (
-                "pauses", "degraded", "buffered_frames_peak", "requests_cancelled")}}
+            "extrapolations": res.extrapolations, "server": {k: info.get(m) for k, m in (
+                ("pauses", "latsim:backpressure_pauses_total"),
+                ("degraded", "latsim:streams_degraded_total"),
+                ("buffered_frames_peak", "latsim:stream_buffered_frames_peak"),
+                ("requests_cancelled", 'vllm:request_success_total{finished_reason="abort"}'))}}
 
 
 def run_local(engine, profile: dict, wl: Workload, policies: Sequence[str], *,

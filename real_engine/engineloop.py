@@ -59,10 +59,13 @@ class _Stream:
     ``latsim-timing`` trailer."""
 
     __slots__ = ("rid", "loop", "q", "delivered", "written", "paused", "wake_sent",
-                 "paused_at", "wake_at", "paused_s", "timing")
+                 "paused_at", "wake_at", "paused_s", "timing", "prompt_tokens", "last_at")
 
-    def __init__(self, rid: int, loop: asyncio.AbstractEventLoop, received: float) -> None:
+    def __init__(self, rid: int, loop: asyncio.AbstractEventLoop, received: float,
+                 prompt_tokens: int = 0) -> None:
         self.rid, self.loop, self.q = rid, loop, asyncio.Queue()
+        self.prompt_tokens = prompt_tokens
+        self.last_at = 0.0          # wall time of its last token (inter-token latency)
         self.delivered = self.written = 0
         self.paused = self.wake_sent = False
         self.paused_at = self.wake_at = self.paused_s = 0.0
@@ -122,6 +125,9 @@ class EngineLoop:
         self.trial: Optional[int] = None
         self.blamed_in_a_row = 0
         self.requests_failed = 0
+        self.prompt_tokens = self.generation_tokens = 0
+        # ``real_engine.metrics.ServerMetrics``: its histograms observe each handed-over token.
+        self.observer = None
         self._publish()
 
     # -- called from the event loop ----------------------------------------------
@@ -149,7 +155,8 @@ class EngineLoop:
         if not self.alive:
             raise ApiError(f"engine is not running ({self.failure or 'stopped'})", 503)
         loop = asyncio.get_running_loop()
-        st = _Stream(next(self.rids), loop, time.time() if received is None else received)
+        st = _Stream(next(self.rids), loop, time.time() if received is None else received,
+                     len(ids))
         ack = loop.create_future()
         # Enqueued = handed to the engine: the engine thread takes it at its next step
         # boundary, as a simulated request waits for the step in flight (T_queue).
@@ -199,6 +206,9 @@ class EngineLoop:
                          "paused": len(e.paused),
                          "requests_served": self.served, "requests_cancelled": self.cancelled,
                          "requests_failed": self.requests_failed,
+                         "prompt_tokens": self.prompt_tokens,
+                         "generation_tokens": self.generation_tokens,
+                         "preemptions": e.stats["preemptions"],
                          "engine_steps": self.steps,
                          "backpressure": self.backpressure,
                          "stream_buffer_frames": self.buffer_frames,
@@ -416,6 +426,7 @@ class EngineLoop:
         by_loop: dict = {}
         wall = t + self.wall_offset
         block = self.backpressure == "block"
+        obs = self.observer
         for rid, tok in tokens.items():
             st = self.streams.get(rid)
             if st is None:
@@ -423,13 +434,23 @@ class EngineLoop:
             last = rid in finished
             by_loop.setdefault(st.loop, []).append((st.q, tok, last))
             st.delivered += 1
-            st.timing.setdefault("first_token", wall)
+            self.generation_tokens += 1
+            if st.delivered == 1:
+                st.timing["first_token"] = wall
+                self.prompt_tokens += st.prompt_tokens
+                if obs is not None:
+                    obs.observe_first(st.timing)
+            elif obs is not None:
+                obs.observe_gap(wall - st.last_at)
+            st.last_at = wall
             self.stream_buffered_peak = max(self.stream_buffered_peak, st.buffered)
             if last:
                 st.timing["last_token"] = wall
                 st.timing["paused_s"] = st.paused_s
                 self.streams.pop(rid, None)
                 self.served += 1
+                if obs is not None:
+                    obs.observe_done(st.timing)
             elif block and st.buffered >= self.buffer_frames:
                 with self.lock:
                     # Re-checked under the lock: ``consumed`` may have drained it since.

@@ -3,9 +3,9 @@
 Endpoints: ``POST /v1/completions`` (``prompt``: a string or a list of token
 ids), ``POST /v1/chat/completions`` (``messages``), both with ``max_tokens``
 and ``stream: true|false``; ``GET /v1/models``, ``GET /health`` and
-``GET /metrics`` (JSON: KV blocks total/free, running/waiting/paused
-requests, requests served and cancelled, backpressure counters, and under
-``engine`` the policy and limits the engine runs with).
+``GET /metrics`` (Prometheus text format, vLLM's metric names where vLLM has
+the metric, the engine's settings and backpressure counters as ``latsim:*``:
+``real_engine.metrics``).
 
 Tokens. The weights are random, so text means nothing to the model; what
 matters for latency is the number of tokens. The tokenizer is therefore a
@@ -81,7 +81,7 @@ import uuid
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from simulator.wire.benchclient import TIMING_COMMENT, TIMING_HEADER
@@ -90,6 +90,7 @@ from real_engine.engine import EngineCore
 from real_engine.engineloop import _ABORT, _DONE, EngineLoop, Failed, _Stream
 from real_engine.guards import MAX_BODY_BYTES, ApiKeyGuard, Deadline, DeadlineStream, read_body
 from real_engine.hosting import listen_socket
+from real_engine.metrics import ServerMetrics
 from real_engine.openai_api import (MAX_JSON_DEPTH, ApiError, Parsed, chunk, completion,
                                    detokenize, error_body, loads_body, parse_request,
                                    usage_chunk)
@@ -157,7 +158,10 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
                 "max_num_batched_tokens": pol.limits.max_num_batched_tokens,
                 "chunk_size": getattr(pol, "chunk_size", None),
                 "aging_s": getattr(pol, "aging_s", None),
-                "num_blocks": cache.num_blocks, "block_size": cache.block_size}
+                "num_blocks": cache.num_blocks, "block_size": cache.block_size,
+                "backpressure": backpressure, "stream_buffer_frames": stream_buffer_frames}
+    server_metrics = ServerMetrics(loop_, settings, model_name)
+    loop_.observer = server_metrics
 
     @asynccontextmanager
     async def lifespan(app):
@@ -169,6 +173,7 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
 
     app = FastAPI(title="latsim real engine", lifespan=lifespan)
     app.state.engine_loop = loop_
+    app.state.metrics = server_metrics
     if api_key:
         app.add_middleware(ApiKeyGuard, key=api_key)
 
@@ -181,12 +186,8 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
     @app.get("/metrics")
     async def metrics():
         # Event-loop counters are read here, the engine's from its last snapshot.
-        mean_frame = loop_.frame_bytes / loop_.frames if loop_.frames else 0.0
-        snap = loop_.snapshot
-        return dict(snap, engine=settings, active_streams=len(loop_.streams),
-                    degraded=loop_.degraded, requests_timed_out=loop_.timed_out,
-                    frames_written=loop_.frames, mean_frame_bytes=mean_frame,
-                    buffered_bytes_peak_est=snap["buffered_frames_peak"] * mean_frame)
+        body, ctype = server_metrics.render()
+        return Response(body, media_type=ctype)
 
     @app.get("/v1/models")
     async def models():

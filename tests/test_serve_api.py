@@ -385,3 +385,54 @@ def test_a_good_config_still_reads_as_before(tmp_path):
     for f in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn", "vocab", "max_seq_len",
               "rope_theta", "norm_eps", "head_dim"):
         assert getattr(cfg, f) == getattr(tiny, f), f
+
+
+# -- /metrics: Prometheus text ----------------------------------------------------------
+
+def test_metrics_are_prometheus_text_with_vllms_names_and_move_with_requests():
+    """The text parses (``prometheus_client.parser``), carries vLLM's names, and its
+    counts move by exactly what was served: 2 requests of 3 and 5 prompt words and 4 and
+    6 tokens are 8 prompt tokens, 10 generated, 2 first tokens, 4 - 1 + 6 - 1 = 8
+    inter-token gaps and 2 end-to-end latencies. Each server has its own registry: a
+    second server in this process starts from zero."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from real_engine.metrics import engine_settings, parse
+    eng = _engine(policy="fifo")
+    with _server(eng) as s, httpx.Client(base_url=s.url, timeout=SAFETY_S) as c:
+        r = c.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        types = {f.name: f.type for f in text_string_to_metric_families(r.text)}
+        assert types["vllm:num_requests_running"] == "gauge"
+        assert types["vllm:time_to_first_token_seconds"] == "histogram"
+        assert types["vllm:prompt_tokens"] == "counter"
+        m0 = parse(r.text)
+        assert m0["vllm:kv_cache_usage_perc"] == 0.0 and m0["latsim:kv_blocks_total"] == 512
+        assert engine_settings(m0) == {
+            "model": "tiny", "device": "cpu", "policy": "fifo", "max_num_seqs": 8,
+            "max_num_batched_tokens": 256, "chunk_size": getattr(eng.policy, "chunk_size", None),
+            "aging_s": None,
+            "num_blocks": 512, "block_size": eng.cache.block_size, "backpressure": "buffer",
+            "stream_buffer_frames": 256}
+        assert c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 4}).status_code == 200
+        evs = _events(c, {"prompt": "a b c d e", "max_tokens": 6})
+        assert evs[-1].done
+        m = parse(c.get("/metrics").text)
+        moved = {k: m[k] - m0[k] for k in (
+            "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+            'vllm:request_success_total{finished_reason="length"}',
+            "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+            "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count")}
+        assert moved == {"vllm:prompt_tokens_total": 8, "vllm:generation_tokens_total": 10,
+                         'vllm:request_success_total{finished_reason="length"}': 2,
+                         "vllm:time_to_first_token_seconds_count": 2,
+                         "vllm:inter_token_latency_seconds_count": 8,
+                         "vllm:e2e_request_latency_seconds_count": 2,
+                         "vllm:request_queue_time_seconds_count": 2}
+        # Every latency is within its request's span: a TTFT is at most its E2E.
+        assert 0 < m["vllm:time_to_first_token_seconds_sum"] <= m["vllm:e2e_request_latency_seconds_sum"]
+        assert m['vllm:time_to_first_token_seconds_bucket{le="+Inf"}'] == 2
+        assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+        assert m["latsim:frames_written_total"] == 6          # the streamed one's frames
+        with _server(_engine(policy="fifo")) as s2, httpx.Client(base_url=s2.url) as c2:
+            assert parse(c2.get("/metrics").text)["vllm:generation_tokens_total"] == 0

@@ -54,8 +54,27 @@ def client(server):
         yield c
 
 
+# /metrics is Prometheus text (real_engine.metrics): the samples these tests read.
+SERVED = 'vllm:request_success_total{finished_reason="length"}'
+CANCELLED = 'vllm:request_success_total{finished_reason="abort"}'
+FREE = "latsim:kv_blocks_free"
+TOTAL = "latsim:kv_blocks_total"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PAUSED = "latsim:num_requests_paused"
+STEPS = "latsim:engine_steps_total"
+BUFFERED = "latsim:stream_buffered_frames"
+BUFFERED_PEAK = "latsim:stream_buffered_frames_peak"
+STREAM_PEAK = "latsim:stream_buffered_frames_stream_peak"
+BYTES_PEAK = "latsim:stream_buffered_bytes_peak_estimate"
+DEGRADED = "latsim:streams_degraded_total"
+PAUSES = "latsim:backpressure_pauses_total"
+RESUMES = "latsim:backpressure_resumes_total"
+
+
 def _metrics(c) -> dict:
-    return c.get("/metrics").json()
+    from real_engine.metrics import parse
+    return parse(c.get("/metrics").text)
 
 
 def _wait_idle(c, bound: float) -> float:
@@ -63,7 +82,7 @@ def _wait_idle(c, bound: float) -> float:
     t0 = time.perf_counter()
     while True:
         m = _metrics(c)
-        if m["kv_blocks_free"] == m["kv_blocks_total"] and m["running"] == 0 and m["waiting"] == 0:
+        if m[FREE] == m[TOTAL] and m[RUNNING] == 0 and m[WAITING] == 0:
             return time.perf_counter() - t0
         assert time.perf_counter() - t0 < bound, f"blocks not freed within {bound} s: {m}"
         time.sleep(0.002)
@@ -129,11 +148,11 @@ def test_disconnect_mid_stream_frees_blocks(client, server):
                 if next(lines).startswith("data:"):
                     got += 1
             m = _metrics(client)
-            assert m["running"] == 1 and m["kv_blocks_free"] < m["kv_blocks_total"]
+            assert m[RUNNING] == 1 and m[FREE] < m[TOTAL]
         # Leaving the block closes the half-read response: the TCP connection goes away.
     took = _wait_idle(client, FREE_BOUND_S)
     after = _metrics(client)
-    assert after["requests_cancelled"] == before["requests_cancelled"] + 1
+    assert after[CANCELLED] == before[CANCELLED] + 1
     print(f"disconnect -> blocks freed in {took * 1e3:.1f} ms")
 
 
@@ -542,18 +561,18 @@ def test_slow_reader_backpressure(slow_engine, mode):
     with _slow_reader(slow_engine, mode) as (c, s):
         try:
             if mode == "block":
-                m = _poll(c, lambda m: m["paused"] == 1, 20.0, "a paused request")
-                assert m["running"] == 1 and m["kv_blocks_free"] < m["kv_blocks_total"]
-                assert m["buffered_frames"] == SLOW_BUFFER       # never past the bound
+                m = _poll(c, lambda m: m[PAUSED] == 1, 20.0, "a paused request")
+                assert m[RUNNING] == 1 and m[FREE] < m[TOTAL]
+                assert m[BUFFERED] == SLOW_BUFFER       # never past the bound
                 time.sleep(0.2)
                 m2 = _metrics(c)
-                assert m2["engine_steps"] == m["engine_steps"], "a paused engine must idle"
-                assert m2["paused"] == 1 and m2["kv_blocks_free"] == m["kv_blocks_free"]
+                assert m2[STEPS] == m[STEPS], "a paused engine must idle"
+                assert m2[PAUSED] == 1 and m2[FREE] == m[FREE]
                 t0 = time.perf_counter()
             else:
                 # The engine finishes the request while its client is still not reading.
-                m = _poll(c, lambda m: m["requests_served"] == 1, 30.0, "the request finished")
-                assert m["pauses"] == 0 and m["paused"] == 0
+                m = _poll(c, lambda m: m[SERVED] == 1, 30.0, "the request finished")
+                assert m[PAUSES] == 0 and m[PAUSED] == 0
             evs = _read_sse(s)
             if mode == "block":
                 drained = time.perf_counter() - t0
@@ -563,21 +582,22 @@ def test_slow_reader_backpressure(slow_engine, mode):
         texts = [frame_text(e.data) for e in evs[:-1] if e.data is not None]
         assert sum(len(t.split()) for t in texts) == SLOW_TOKENS      # every token arrived
         m = _metrics(c)
-        assert m["requests_served"] == 1 and m["paused"] == 0 and m["running"] == 0
+        assert m[SERVED] == 1 and m[PAUSED] == 0 and m[RUNNING] == 0
         if mode == "block":
-            assert len(texts) == SLOW_TOKENS and m["pauses"] >= 1 and m["resumes"] == m["pauses"]
-            assert m["stream_buffered_frames_peak"] == SLOW_BUFFER
-            print(f"block: {m['pauses']} pauses, paused {m['paused_s_total']:.2f} s, "
-                  f"resume lag max {m['resume_lag_ms_max']:.2f} ms, "
+            assert len(texts) == SLOW_TOKENS and m[PAUSES] >= 1 and m[RESUMES] == m[PAUSES]
+            assert m[STREAM_PEAK] == SLOW_BUFFER
+            print(f"block: {m[PAUSES]:.0f} pauses, paused "
+                  f"{m['latsim:backpressure_paused_seconds_total']:.2f} s, resume lag max "
+                  f"{m['latsim:backpressure_resume_lag_seconds_max'] * 1e3:.2f} ms, "
                   f"drained and finished in {drained:.2f} s")
         elif mode == "buffer":
             assert len(texts) == SLOW_TOKENS
-            assert m["stream_buffered_frames_peak"] > 4 * SLOW_BUFFER     # far past the bound
-            assert m["buffered_bytes_peak_est"] > m["buffered_frames_peak"] * 50
-            print(f"buffer: peak {m['buffered_frames_peak']} frames "
-                  f"(~{m['buffered_bytes_peak_est'] / 1024:.0f} KiB)")
+            assert m[STREAM_PEAK] > 4 * SLOW_BUFFER     # far past the bound
+            assert m[BYTES_PEAK] > m[BUFFERED_PEAK] * 50
+            print(f"buffer: peak {m[BUFFERED_PEAK]:.0f} frames "
+                  f"(~{m[BYTES_PEAK] / 1024:.0f} KiB)")
         else:
-            assert m["degraded"] == 1 and len(texts) < SLOW_TOKENS
+            assert m[DEGRADED] == 1 and len(texts) < SLOW_TOKENS
             assert len(texts[-1].split()) > SLOW_BUFFER     # the rest came as one frame
             assert json.loads(evs[-2].data)["choices"][0]["finish_reason"] == "length"
 
@@ -587,12 +607,12 @@ def test_paused_request_freed_when_its_client_leaves(slow_engine):
     KV blocks freed, like a running one."""
     with _slow_reader(slow_engine, "block") as (c, s):
         try:
-            _poll(c, lambda m: m["paused"] == 1, 20.0, "a paused request")
+            _poll(c, lambda m: m[PAUSED] == 1, 20.0, "a paused request")
         finally:
             s.close()                    # unread data pending: the kernel sends a RST
         t0 = time.perf_counter()
         took = _wait_idle(c, FREE_BOUND_S)
         m = _metrics(c)
-        assert m["requests_cancelled"] == 1 and m["paused"] == 0 and m["requests_served"] == 0
+        assert m[CANCELLED] == 1 and m[PAUSED] == 0 and m[SERVED] == 0
         print(f"paused request: client gone -> blocks freed in {took * 1e3:.1f} ms "
               f"({(time.perf_counter() - t0) * 1e3:.1f} ms)")

@@ -61,8 +61,20 @@ def client(guarded):
         yield c
 
 
+# /metrics is Prometheus text (real_engine.metrics): the samples these tests read.
+SERVED = 'vllm:request_success_total{finished_reason="length"}'
+CANCELLED = 'vllm:request_success_total{finished_reason="abort"}'
+FREE = "latsim:kv_blocks_free"
+TOTAL = "latsim:kv_blocks_total"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PAUSED = "latsim:num_requests_paused"
+TIMED_OUT = "latsim:requests_timed_out_total"
+
+
 def _metrics(c) -> dict:
-    return c.get("/metrics").json()
+    from real_engine.metrics import parse
+    return parse(c.get("/metrics").text)
 
 
 def _poll(c, cond, what: str, bound: float = SAFETY_S) -> dict:
@@ -76,8 +88,9 @@ def _poll(c, cond, what: str, bound: float = SAFETY_S) -> dict:
 
 
 def _idle(m: dict) -> bool:
-    return m["kv_blocks_free"] == m["kv_blocks_total"] and m["running"] == 0 \
-        and m["waiting"] == 0 and m["paused"] == 0
+    return (m[FREE] == m[TOTAL]
+            and m[RUNNING] == 0 and m[WAITING] == 0
+            and m[PAUSED] == 0)
 
 
 def _wait_idle(c, bound: float = SAFETY_S) -> dict:
@@ -260,7 +273,7 @@ def test_the_key_opens_every_endpoint(guarded):
         with httpx.Client(base_url=guarded.url, timeout=SAFETY_S,
                           headers={"Authorization": f"{scheme} {KEY}"}) as c:
             assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
-            assert "kv_blocks_free" in c.get("/metrics").json()
+            assert "latsim:kv_blocks_free" in _metrics(c)
             r = c.post("/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert r.status_code == 200
@@ -310,9 +323,9 @@ def test_streamed_request_past_the_timeout_ends_with_an_error_event(slow_timed):
     err = json.loads(evs[-1].data)["error"]
     assert err["code"] == 504 and "timed out after 0.5 s" in err["message"]
     m = _wait_idle(c)
-    assert m["requests_timed_out"] == before["requests_timed_out"] + 1
-    assert m["requests_cancelled"] == before["requests_cancelled"] + 1
-    assert m["requests_served"] == before["requests_served"]
+    assert m[TIMED_OUT] == before[TIMED_OUT] + 1
+    assert m[CANCELLED] == before[CANCELLED] + 1
+    assert m[SERVED] == before[SERVED]
 
 
 def test_plain_request_past_the_timeout_is_504(slow_timed):
@@ -321,8 +334,8 @@ def test_plain_request_past_the_timeout_is_504(slow_timed):
     r = c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 2000})
     assert r.status_code == 504 and _error_of(r.content)["code"] == 504
     m = _wait_idle(c)
-    assert m["requests_timed_out"] == before["requests_timed_out"] + 1
-    assert m["requests_cancelled"] == before["requests_cancelled"] + 1
+    assert m[TIMED_OUT] == before[TIMED_OUT] + 1
+    assert m[CANCELLED] == before[CANCELLED] + 1
 
 
 def test_body_not_arriving_within_the_timeout_is_408(slow_timed):
@@ -384,10 +397,10 @@ def test_client_that_stops_reading_cannot_hold_kv_past_the_timeout():
                            f"Content-Type: application/json\nContent-Length: {len(body)}\n",
                  body, rcvbuf=4096)
         try:
-            m = _poll(c, lambda m: m["requests_timed_out"] == 1 and _idle(m),
+            m = _poll(c, lambda m: m[TIMED_OUT] == 1 and _idle(m),
                       "the request timed out and its blocks freed")
-            assert m["requests_cancelled"] == 1
-            assert m["requests_served"] == 0
+            assert m[CANCELLED] == 1
+            assert m[SERVED] == 0
             s.settimeout(SAFETY_S)
             data = b""
             while True:                         # whatever was sent, up to the end

@@ -149,7 +149,7 @@ def validate(
         settings = v.engine_settings(max_num_seqs, max_num_batched_tokens, chunk_size, aging_s)
         if endpoint is not None:
             from simulator.cli.serve import _need
-            _need("fastapi", "uvicorn", "httpx")
+            _need("fastapi", "uvicorn", "httpx", "prometheus_client")
             ep = _engine_import("real_engine.endpoint")
             if ep.parse_endpoint(endpoint) is None:     # 'local': the engine runs here
                 _warn_if_busy(device)

@@ -74,6 +74,9 @@ def check_engine_flags(model: str, device: str) -> None:
         raise LatsimError(f"not a preset ({', '.join(PRESETS)}) nor a folder with a "
                           f"config.json", source="--model", value=_short(model),
                           has_value=True) from None
+    except OSError as e:        # a path the OS refuses to look at (too long, no access)
+        raise LatsimError(f"cannot read its config.json ({e.strerror or e})", source="--model",
+                          value=_short(model), has_value=True) from None
     if model not in PRESETS:
         import importlib.util
         if not any(Path(model).glob("*.safetensors")):
@@ -165,7 +168,7 @@ def serve(
     if prefix_caching and kv_allocation == "contiguous":
         raise LatsimError("needs --kv-allocation paged", source="--prefix-caching")
     api_key = _api_key(api_key)
-    _need("fastapi", "uvicorn", "torch")
+    _need("fastapi", "uvicorn", "prometheus_client", "torch")
     check_engine_flags(model, device)
     from real_engine.profile import build_engine
     from real_engine.hosting import is_loopback, listen_socket
