@@ -134,7 +134,7 @@ class Gateway:
         t_net = net_time(net.send_time(p), net.handshake, is_new, 0.0)
         env.timeout(t_net).callbacks.append(lambda _e, s=seq: self.reach(s))
         if math.isfinite(cl.read_timeout):
-            sent = now + t_net - net.one_way - net.gateway
+            sent = now + t_net - net.one_way - net.gateway - net.frontend.request_s(p)
             self._timer(sent + cl.read_timeout, aid, C.READ_TIMEOUT)
         if aid == rid and math.isfinite(cl.deadline):
             self._timer(now + cl.deadline, rid, C.DEADLINE)

@@ -11,6 +11,7 @@ from simulator.errors import LatsimError
 from simulator.model.policies.priority_aging import DEFAULT_AGING_S
 from simulator.model.scheduling import check_policy_name, make_policy, policy_class
 from simulator.config.strict import StrictModel
+from simulator.wire.frontend import FrontendConfig
 
 
 class KVConfig(StrictModel):
@@ -108,7 +109,10 @@ class SpeculativeConfig(StrictModel):
 
 class EngineConfig(StrictModel):
     """One replica's engine: scheduling policy and its limits. ``policy`` is a
-    registered policy's name, or ``{kind: name, ...its parameters}``."""
+    registered policy's name, or ``{kind: name, ...its parameters}``. ``preset: vllm``
+    fills vLLM's defaults first (``config.presets``, applied when the scenario is read:
+    they depend on the GPU), ``async_scheduling`` and ``frontend`` model vLLM v1's
+    engine-core loop and API server."""
 
     policy: str = "chunked"
     policy_params: dict[str, Any] = Field(default_factory=dict,
@@ -122,6 +126,13 @@ class EngineConfig(StrictModel):
     kv: KVConfig = Field(default_factory=KVConfig)
     speculative: Optional[SpeculativeConfig] = Field(None, description="speculative "
                                                      "decoding what-if (None: off)")
+    preset: Optional[Literal["vllm"]] = Field(None, description="fill the engine's "
+                                              "defaults from a serving engine's "
+                                              "(config.presets); explicit keys win")
+    async_scheduling: bool = Field(False, description="plan step N+1 while step N runs "
+                                   "(vLLM v1; model.scheduling.asyncsched)")
+    frontend: Optional[FrontendConfig] = Field(None, description="the API server's costs "
+                                               "(wire.frontend; None: none)")
 
     _spec = model_validator(mode="before")(classmethod(lambda cls, v: _policy_spec(v)))
     _policy = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
@@ -130,8 +141,11 @@ class EngineConfig(StrictModel):
     def _dump(self, handler):
         # Off, it is not written (a scenario without it echoes as it did before).
         d = handler(self)
-        if self.speculative is None and isinstance(d, dict):
-            d.pop("speculative", None)
+        if isinstance(d, dict):
+            for key, off in (("speculative", None), ("preset", None), ("frontend", None),
+                             ("async_scheduling", False)):
+                if getattr(self, key) == off:
+                    d.pop(key, None)
         return d
 
     @model_validator(mode="after")

@@ -34,6 +34,7 @@ from simulator.config.cluster import ClusterConfig
 from simulator.config.engine import (EngineConfig, KVConfig, SpeculativeConfig,
                                      _check_policy_params, _policy_spec)
 from simulator.config.model import ModelConfig
+from simulator.config.presets import apply_presets
 from simulator.config.strict import StrictModel
 from simulator.config.yamlfile import MAX_SCENARIO_BYTES, apply_overrides, check_numbers, safe_yaml
 
@@ -60,6 +61,9 @@ class Scenario(StrictModel):
     client: Optional[ClientConfig] = Field(None, description="clients' timeouts and retries "
                                            "(None: patient clients that never retry)")
     report: ReportConfig = Field(default_factory=ReportConfig)
+
+    # ``engine.preset``: a serving engine's defaults under the keys the scenario states.
+    _preset = model_validator(mode="before")(classmethod(lambda cls, v: apply_presets(v)))
 
     @model_validator(mode="after")
     def _traffic(self):

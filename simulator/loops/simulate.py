@@ -38,6 +38,7 @@ from simulator.model.kv.prefixkeys import WorkloadKeys
 from simulator.wire.network import ConnectionPools, H2Connections, NetworkTiming, Topology
 from simulator.report.recorder import Recorder
 from simulator.config.engine import engine_policy
+from simulator.wire.frontend import FrontendTiming
 from simulator.wire.stream import StreamTiming
 from simulator.loops.compiled import (COMPILE_MIN_REQUESTS, Handback, kernel_reason,
                                       run_compiled, worth_compiling)
@@ -201,12 +202,16 @@ def replica_kv_args(scenario: Scenario) -> dict:
     block (what a swap copies), CPU swap space in blocks and its bandwidth. With a
     roofline cost model a block's bytes are one GPU's slice of it (each GPU of the
     replica copies its own slice over its own link, in parallel), and
-    ``swap_space_gb`` is per GPU, as vLLM's ``swap_space``."""
+    ``swap_space_gb`` is per GPU, as vLLM's ``swap_space``. ``async_sched`` is set
+    where the engine schedules asynchronously (``engine.async_scheduling``)."""
     kv = scenario.engine.kv
     block_bytes = kv_bytes_per_token(scenario, per_gpu=True) * kv.block_size
-    return {"kv_rules": KVRules.from_config(kv), "block_bytes": block_bytes,
+    args = {"kv_rules": KVRules.from_config(kv), "block_bytes": block_bytes,
             "swap_blocks": int(kv.swap_space_gb * 1e9 // block_bytes),
             "swap_bps": kv.swap_gb_per_s * 1e9}
+    if scenario.engine.async_scheduling:
+        args["async_sched"] = True   # (``model.scheduling.asyncsched``)
+    return args
 
 
 def never_fit(scenario: Scenario, workload: Workload, capacity: Optional[int] = None) -> dict:
@@ -310,7 +315,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         why = kernel_reason(pol, kv_args["kv_rules"], pools, costs, scenario.cluster.router,
                             workload.priority, rich=rich or topo is not None, mode=mode,
                             cost_given=cost_model is not None, frame_time=stream.frame_time,
-                            traffic=traffic_reason(scenario), speculative=spec is not None)
+                            traffic=traffic_reason(scenario), speculative=spec is not None,
+                            async_sched=eng.async_scheduling)
         if why is None and (loop == "compiled" or worth_compiling(n)):
             rec.arrival[:] = workload.arrival_s
             if progress is not None:
@@ -377,10 +383,14 @@ def _connections(scenario: Scenario, workload: Workload, rng_net):
     whether the per-request wire model is on."""
     ncfg = scenario.network
     n_rep = scenario.cluster.replicas
-    net = NetworkTiming.from_config(ncfg)
-    stream = StreamTiming.from_config(scenario.stream, net.one_way)
+    # The engine's front end (``wire.frontend``): request side in T_net, response side
+    # in each token's delivery (T_stream).
+    net = NetworkTiming.from_config(ncfg, frontend=FrontendTiming.from_config(
+        scenario.engine.frontend))
+    stream = StreamTiming.from_config(scenario.stream, net.deliver_s)
     rich = scenario.stream.rich or ncfg.rich
-    topo = Topology.from_config(ncfg, ncfg.clients, n_rep) if ncfg.regions is not None else None
+    topo = (Topology.from_config(ncfg, ncfg.clients, n_rep, frontend=net.frontend)
+            if ncfg.regions is not None else None)
     # With regions a client keeps separate connections to each serving region.
     n_keys = ncfg.clients * (len(topo.serving_names) if topo is not None else 1)
     if ncfg.protocol == "http2":

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.kernel import python_of
+from simulator.wire.frontend import FrontendTiming
 from simulator.wire.keepalive import (NEW_POOLED, REUSED, pool_acquire, pool_discard,
                                       pool_release, request_net_s)
 
@@ -55,25 +56,37 @@ class NetworkTiming:
     uplink_bps: float
     overhead_bytes: int
     bytes_per_token: float
+    frontend: FrontendTiming = FrontendTiming()   # the server's API process (``frontend``)
 
     @classmethod
-    def from_config(cls, cfg, distance_km: float | None = None) -> "NetworkTiming":
-        """Timings over ``distance_km`` (default: the config's ``distance_km``)."""
+    def from_config(cls, cfg, distance_km: float | None = None,
+                    frontend: FrontendTiming | None = None) -> "NetworkTiming":
+        """Timings over ``distance_km`` (default: the config's ``distance_km``), with
+        the engine's front end (``frontend.FrontendTiming``; default: none)."""
         dist = cfg.distance_km if distance_km is None else distance_km
         rtt = cfg.base_rtt_ms / 1000.0 + 2.0 * dist / cfg.fibre_km_per_s
         tls = TLS_RTTS[cfg.tls]
         return cls(rtt=rtt, handshake=(1 + tls) * rtt, gateway=cfg.gateway_ms / 1000.0,
                    uplink_bps=cfg.uplink_mbps * 1e6, overhead_bytes=cfg.request_overhead_bytes,
-                   bytes_per_token=cfg.bytes_per_prompt_token)
+                   bytes_per_token=cfg.bytes_per_prompt_token,
+                   frontend=frontend if frontend is not None else FrontendTiming())
 
     @property
     def one_way(self) -> float:
         return self.rtt / 2.0
 
+    @property
+    def deliver_s(self) -> float:
+        """From a frame leaving the engine's front end to the client: one way, plus
+        the front end's response side (``frontend``)."""
+        return self.one_way + self.frontend.response_s
+
     def send_time(self, prompt_tokens: int) -> float:
-        """One-way travel + upload + gateway for a request on an open connection."""
+        """One-way travel + upload + gateway for a request on an open connection, then
+        the front end's request side (``frontend``: HTTP, tokenising, the IPC hop)."""
         nbytes = self.overhead_bytes + prompt_tokens * self.bytes_per_token
-        return self.one_way + nbytes * 8.0 / self.uplink_bps + self.gateway
+        return (self.one_way + nbytes * 8.0 / self.uplink_bps + self.gateway
+                + self.frontend.request_s(prompt_tokens))
 
 
 class ConnectionPools:
@@ -196,9 +209,10 @@ class Topology:
     rtt_penalty_tokens_per_ms: float = 0.0
 
     @classmethod
-    def from_config(cls, cfg, n_clients: int, n_replicas: int) -> "Topology":
+    def from_config(cls, cfg, n_clients: int, n_replicas: int,
+                    frontend: FrontendTiming | None = None) -> "Topology":
         """From a ``NetworkConfig`` with ``regions``; the serving regions' replica counts
-        must add up to ``n_replicas``."""
+        must add up to ``n_replicas``; ``frontend``: the engine's front end."""
         reg = cfg.regions
         counts = [r.replicas for r in reg.serving]
         if sum(counts) != n_replicas:
@@ -212,7 +226,8 @@ class Topology:
         shares = np.array([c.share for c in reg.clients], dtype=np.float64)
         client_region = np.repeat(np.arange(len(shares)), split_by_shares(n_clients, shares))
         names = [r.name for r in reg.serving]
-        timing = tuple(tuple(NetworkTiming.from_config(cfg, c.distance_km[nm]) for nm in names)
+        timing = tuple(tuple(NetworkTiming.from_config(cfg, c.distance_km[nm], frontend)
+                             for nm in names)
                        for c in reg.clients)
         rtt = np.array([[t.rtt for t in row] for row in timing])
         return cls(serving_names=tuple(names), client_names=tuple(c.name for c in reg.clients),

@@ -104,7 +104,7 @@ class Wire:
         params = self.params.get(pk)
         if params is None:
             params = self.params[pk] = stream_params(self.scfg, self.downlinks[c],
-                                                     self._timing(rid).one_way)
+                                                     self._timing(rid).deliver_s)
         link = None
         if self.h2:
             link = self.links.get(c)

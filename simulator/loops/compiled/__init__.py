@@ -63,11 +63,12 @@ def worth_compiling(n_requests: int) -> bool:
 def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
                   rich: bool = False, mode: str = "auto", cost_given: bool = False,
                   frame_time: float = 0.0, traffic: Optional[str] = None,
-                  speculative: bool = False) -> Optional[str]:
+                  speculative: bool = False, async_sched: bool = False) -> Optional[str]:
     """Why the compiled loop cannot run this configuration (None if it can).
     ``traffic``: the traffic control the scenario asks for (admission, clients,
     autoscaling, utilisation series), which only the SimPy gateway models;
-    ``speculative``: speculative decoding, which only the SimPy replica models."""
+    ``speculative``: speculative decoding, ``async_sched``: async scheduling
+    (``model.scheduling.asyncsched``), which only the SimPy replica models."""
     from simulator.loops.compiled.queue import policy_ids
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed"
@@ -81,6 +82,8 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         return traffic
     if speculative:
         return "speculative decoding (engine.speculative)"
+    if async_sched:
+        return "async scheduling (engine.async_scheduling)"
     if cost_given:
         return "a cost model passed in"
     if policy_ids(policy) is None:

@@ -213,7 +213,10 @@ class ReplicaMemory:
             if where == "x":
                 continue
             if where == "q":
-                self.waiting.remove(s)
+                if any(x is s for x in self._inbox):
+                    self._inbox.remove(s)   # not yet seen by the scheduler (async)
+                else:
+                    self.waiting.remove(s)
                 self._outstanding -= s.remaining_prefill + s.output_tokens - s.generated
             elif where == "s":
                 self.swapped.remove(s)

@@ -51,6 +51,7 @@ from simulator.loops.simpy.handoff import ReplicaHandoff
 from simulator.loops.simpy.memory import ReplicaMemory
 from simulator.model.scheduling import SchedulerState, Seq, StepPlan
 from simulator.model.scheduling import epoch as E
+from simulator.model.scheduling.asyncsched import sees
 from simulator.model.scheduling.progress import admission_times
 
 # The rules this loop asks on every step and arrival, as plain functions (a compiled
@@ -58,6 +59,7 @@ from simulator.model.scheduling.progress import admission_times
 _may_start, _epoch_length, _arrival_interrupts, _fits_now, _tick_contexts, _admission_times = (
     python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts, E.fits_now,
                            tick_contexts, admission_times))
+_sees = python_of(sees)
 
 
 class SimSeq(Seq):
@@ -99,14 +101,16 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
     ``streams``: requests carry their own stream model (``SimSeq.stream``), which
     needs ``mode='slow'``. ``speculative``: a ``model.speculative.Speculative`` (decode
     steps verify drafts and emit a drawn number of tokens per sequence; the replica
-    then keeps the per-request bookkeeping, whatever ``mode`` says)."""
+    then keeps the per-request bookkeeping, whatever ``mode`` says). ``async_sched``:
+    the engine plans each step while the previous one runs (``asyncsched``): a new
+    arrival waits in an inbox until a decision sees it, and epochs are off."""
 
     def __init__(self, env, index: int, policy, cost, capacity_blocks: int, rec,
                  frame_time: float, one_way: float, on_finish: Callable[[SimSeq, float], None],
                  series_interval: float = 0.0, mode: str = "auto",
                  kv_rules: Optional[KVRules] = None, block_bytes: float = 0.0,
                  swap_blocks: int = 0, swap_bps: float = 25e9, streams: bool = False,
-                 speculative=None) -> None:
+                 speculative=None, async_sched: bool = False) -> None:
         self.env = env
         self.index = index
         self.policy = policy
@@ -139,7 +143,13 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self.fast = (mode != "slow" and self.spec is None
                      and E.fast_reason(frame_time, cost.min_step_s, lim.max_num_seqs,
                                        lim.max_num_batched_tokens) is None)
-        self.epochs = mode == "auto" and self.fast
+        # Async scheduling: arrivals wait in ``_inbox`` until a decision sees them
+        # (``asyncsched.sees``); ``_decided_at``: when the step now running was planned.
+        # An epoch's interrupt rule is the synchronous one, so epochs are off with it.
+        self._async = async_sched
+        self._inbox: list[SimSeq] = []
+        self._decided_at = -math.inf
+        self.epochs = mode == "auto" and self.fast and not async_sched
         # Per-request stream models (``clientstream``) need the per-request mode.
         self._streams = streams
         if streams and self.fast:
@@ -198,7 +208,10 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
     def enqueue(self, seq: SimSeq) -> None:
         """The request reaches this replica's queue now."""
         was_empty = len(self.waiting) == 0
-        self.waiting.push(seq)
+        if self._async:
+            self._inbox.append(seq)   # seen by a later decision (``_see_arrivals``)
+        else:
+            self.waiting.push(seq)
         self.by_id[seq.rid] = seq
         self._outstanding += seq.prompt_tokens + seq.output_tokens
         if self._wakeup is not None and not self._wakeup.triggered:
@@ -232,6 +245,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 self._apply_cancels(env.now)
             if self.landed:
                 self._join_landed()
+            if self._inbox:
+                self._see_arrivals()
             if not (self.decoding or self.prefilling or len(self.waiting) or self.swapped):
                 if self.incoming:
                     self._intake(env.now)
@@ -298,6 +313,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                                    f"with {len(self.waiting)} waiting and nothing running")
             by_id = self.by_id
             nd = len(plan.decode)
+            self._decided_at = now
             k_room = 0
             # An epoch repeats this plan until something happens; a step that held
             # admissions back (a preemption, swapped requests) is not one to repeat.
@@ -356,6 +372,19 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 self._sample(env.now)
                 if self.util is not None:
                     self.util.sample(env.now)
+
+    def _see_arrivals(self) -> None:
+        """Async scheduling: move into the waiting queue the arrivals the decision now
+        sees (``asyncsched.sees``): those that came by the previous decision, or all of
+        them when the engine had nothing planned ahead (nothing running or waiting)."""
+        idle = not (self.decoding or self.prefilling or len(self.waiting) or self.swapped)
+        keep = []
+        for s in self._inbox:
+            if _sees(s.enqueued, self._decided_at, idle):
+                self.waiting.push(s)
+            else:
+                keep.append(s)
+        self._inbox = keep
 
     def _admit(self, plan: StepPlan, now: float) -> StepPlan:
         """Move the plan's admissions into the running set (``KVSpace.admit_plan``)."""
