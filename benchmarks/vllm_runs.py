@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -72,12 +73,25 @@ def preset_engine(exp: dict) -> dict:
             "kv": {"max_model_len": int(exp["max_model_len"])}}
 
 
+def catalogue_model(hf_id: str):
+    """The catalogue's entry for a Hugging Face model id; an instruction-tuned variant
+    (``-Instruct``, ``-chat``) has its base model's architecture and weights' shape."""
+    from simulator.cost import catalog
+    try:
+        return catalog.model(hf_id)
+    except LatsimError as first:
+        base = re.sub(r"-(instruct|chat)(?=-hf$|$)", "", hf_id, flags=re.IGNORECASE)
+        try:
+            return catalog.model(base)
+        except LatsimError:
+            raise first from None
+
+
 def scenario_for(run_dir: Path, rec) -> tuple[dict, str]:
     """The scenario that replays ``run_dir`` and the catalogue name of its model (a
     ``LatsimError`` when the catalogue lacks it)."""
-    from simulator.cost import catalog
     exp = yaml.safe_load((run_dir / "exp-config.yaml").read_text())
-    arch = catalog.model(exp["model"])
+    arch = catalogue_model(exp["model"])
     wl = run_workload(rec)
     eng = preset_engine(exp) if ENGINE_PRESET else explicit_engine(exp)
     sc = {"name": run_dir.name, "seed": 0, "workload": wl, "network": NETWORK,
