@@ -167,6 +167,34 @@ def test_inference_perf_folder_read_in_ms_per_stage():
     assert wl["kind"] == "inference_perf" and wl["tokenizer_inflation"] == 1.0   # 96 / 96
 
 
+def test_inference_perf_per_request_records_recompute_the_overall(tmp_path):
+    """per_request_lifecycle_metrics.json (inference-perf's records: start_time,
+    end_time, info.output_token_times, error): request A sent at 0 s, lines at 0.1, 0.2,
+    0.3, done 0.3; B at 1, lines 1.2, 1.4, 1.6, done 1.7; C failed. TTFT 100/200 ms, E2E
+    300/700, TPOT (last - first) / (lines - 1) = 100/200, mean ITL 0.6 s / 4 gaps."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(MINI, run)
+    rows = [{"start_time": 0.0, "end_time": 0.3, "request": "{}", "response": "",
+             "info": {"input_tokens": 96, "output_tokens": 2,
+                      "output_token_times": [0.1, 0.2, 0.3]}, "error": None},
+            {"start_time": 1.0, "end_time": 1.7, "request": "{}", "response": "",
+             "info": {"input_tokens": 96, "output_tokens": 2,
+                      "output_token_times": [1.2, 1.4, 1.6]}, "error": None},
+            {"start_time": 2.0, "end_time": 9.0, "request": "{}", "response": None,
+             "info": None, "error": {"error_type": "timeout", "error_msg": ""}}]
+    (run / "results" / "per_request_lifecycle_metrics.json").write_text(json.dumps(rows))
+    o = read_summary_run(run).overall
+    assert (o["count"], o["failures"]) == (2, 1) and saturated(o)
+    assert o["mean_ttft_ms"] == pytest.approx(150.0) and o["mean_e2el_ms"] == pytest.approx(500.0)
+    assert o["mean_tpot_ms"] == pytest.approx(150.0) and o["p90_tpot_ms"] == pytest.approx(190.0)
+    assert o["mean_itl_ms"] == pytest.approx(150.0)
+    rows[1]["end_time"] = "late"
+    (run / "results" / "per_request_lifecycle_metrics.json").write_text(json.dumps(rows))
+    with pytest.raises(LatsimError, match=r"field '\[1\].end_time'.*'late'"):
+        read_summary_run(run)
+
+
 def test_vllm_bench_json_aggregates_recomputed_from_per_request_lists():
     """ttfts 0.1/0.2/0.3 s, itls [10,10] [20,20] [30] ms: E2E 120/240/330 ms, TPOT per
     request 10/20/30 ms, ITL pooled 10,10,20,20,30 (mean 18, median 20)."""

@@ -8,7 +8,10 @@ and ``apis/completion.py``): ``summary_lifecycle_metrics.json`` and
 ``stage_N_lifecycle_metrics.json`` hold, in seconds, mean / median / p90 / p99 (and
 more) of ``time_to_first_token``, ``request_latency``, ``time_per_output_token`` and
 ``inter_token_latency`` over successful requests, plus ``load_summary``
-(``requested_rate``, ``achieved_rate``: the send rate) and ``failures.count``. Its
+(``requested_rate``, ``achieved_rate``: the send rate) and ``failures.count``; when
+``per_request_lifecycle_metrics.json`` is there too (``start_time``, ``end_time``,
+``info.output_token_times``, ``error`` per request), the overall aggregates are
+recomputed from it by the same definitions. Its
 token clock is odd: the client stamps *every line* of the SSE stream, the blank line
 after each ``data:`` event and the ``[DONE]`` event included, so an ``N``-token
 response has ``2N + 2`` stamps and ``2N + 1`` gaps, half of them microseconds long.
@@ -148,6 +151,43 @@ def _ip_stage(path: Path) -> dict:
     return out
 
 
+def _ip_per_request(path: Path) -> dict:
+    """inference-perf's per-request records (``start_time``, ``end_time``, ``info:
+    {output_token_times, ...}``, ``error``): the successful streamed ones' aggregates,
+    by the definitions of its summary (module doc)."""
+    try:
+        rows = json.loads(read_text(path, max_bytes=MAX_JSON_BYTES, what="JSON file",
+                                    field="--run"))
+    except json.JSONDecodeError as e:
+        raise LatsimError(f"invalid JSON at line {e.lineno}: {e.msg}", source=str(path)) from None
+    if not isinstance(rows, list):
+        raise LatsimError("not a list of request records", source=str(path))
+    ttft, e2e, tpot, span, gaps = [], [], [], 0.0, 0
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or r.get("error") is not None:
+            continue
+        times = (r.get("info") or {}).get("output_token_times") or []
+        start = _num(path, f"[{i}].start_time", r.get("start_time"))
+        t = [_num(path, f"[{i}].info.output_token_times", x) for x in times]
+        e2e.append(_num(path, f"[{i}].end_time", r.get("end_time")) - start)
+        if len(t) > 1:
+            ttft.append(t[0] - start)
+            tpot.append((t[-1] - t[0]) / (len(t) - 1))
+            span += t[-1] - t[0]
+            gaps += len(t) - 1
+    if not e2e:
+        raise LatsimError("no successful request", source=str(path))
+    out: dict = {"count": len(e2e), "failures": len(rows) - len(e2e)}
+    for m, v in (("ttft", ttft), ("e2el", e2e), ("tpot", tpot)):
+        if v:
+            out[f"mean_{m}_ms"] = float(np.mean(v)) * 1000.0
+            for st, q in (("median", 50), ("p90", 90), ("p99", 99)):
+                out[f"{st}_{m}_ms"] = pct_ms(v, q)
+    if gaps:
+        out["mean_itl_ms"] = span / gaps * 1000.0
+    return out
+
+
 def _read_ip(folder: Path) -> SummaryRun:
     res = _ip_results(folder)
     overall = _ip_stage(res / "summary_lifecycle_metrics.json")
@@ -159,6 +199,10 @@ def _read_ip(folder: Path) -> SummaryRun:
     cfg = next((p for p in (res / "config.yaml", folder / "config.yaml", folder / "profile.yaml")
                 if p.is_file()), None)
     notes = [] if stages else ["no stage_N files: the summary only"]
+    per = res / "per_request_lifecycle_metrics.json"
+    if per.is_file():
+        overall = {**overall, **_ip_per_request(per)}
+        notes.append("overall aggregates recomputed from per_request_lifecycle_metrics.json")
     if overall.get("failures"):
         notes.append(f"{overall['failures']} requests failed (timed out): the latencies are "
                      "of the successful ones")
