@@ -24,7 +24,7 @@ saturate. A run whose recording shows saturation (timed-out requests, or a mean 
 over 100 mean TPOTs) is reported by verdict, not by its latencies: latsim
 must say ``saturated`` too. Exit 1 when a verdict disagrees.
 
-    python benchmarks/vllm_runs.py [--runs NAME_SUBSTRING ...] [--out results/vllm-runs.json]
+    python benchmarks/vllm_runs.py [--runs NAME_SUBSTRING ...] [--out results/vllm-runs.json] [--explicit]
 """
 from __future__ import annotations
 
@@ -187,7 +187,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", nargs="*", default=None, help="only runs whose name has one "
                     "of these substrings")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    ap.add_argument("--explicit", action="store_true", help="state vLLM's settings one by "
+                    "one (explicit_engine) even where engine: {preset: vllm} exists")
     a = ap.parse_args(argv)
+    global ENGINE_PRESET
+    ENGINE_PRESET = ENGINE_PRESET and not a.explicit
     dirs = sorted(p for p in RUNS_DIR.iterdir() if (p / "exp-config.yaml").is_file())
     if a.runs:
         dirs = [d for d in dirs if any(s in d.name for s in a.runs)]

@@ -124,6 +124,10 @@ def test_config_that_is_not_shared_prefix_is_refused_naming_the_field(tmp_path):
     p.write_text("data: {type: shared_prefix}\nload: {stages: [{rate: -1, duration: 1}]}\n")
     with pytest.raises(LatsimError, match=r"field 'load.stages.0.rate'"):
         read_config(p)
+    p.write_text("data: {type: shared_prefix, shared_prefix: {num_groups: 2000, "
+                 "num_prompts_per_group: 1000}}\nload: {stages: [{rate: 1, duration: 1}]}\n")
+    with pytest.raises(LatsimError, match=r"field 'data.shared_prefix'.*1,000,000"):
+        read_config(p)
 
 
 def test_prefix_cache_sees_system_prompts_and_repeated_prompts():

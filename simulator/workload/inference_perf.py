@@ -65,6 +65,7 @@ from simulator.workload.lengths import MAX_TOKENS
 from simulator.workload.synthetic import MAX_SPAN_S, WORKLOAD_BYTES_PER_REQUEST
 
 MAX_CONFIG_BYTES = 1 << 20
+MAX_PROMPTS = 1_000_000
 #: The load generator's start offset: a stage's clock starts 1 s after it is set up
 #: (``run_stage``: ``start_time = time.perf_counter() + 1``).
 STAGE_START_OFFSET_S = 1.0
@@ -78,6 +79,14 @@ class SharedPrefix(StrictModel):
     system_prompt_len: int = Field(100, ge=0, le=MAX_TOKENS)
     question_len: int = Field(50, ge=1, le=MAX_TOKENS)
     output_len: int = Field(50, ge=1, le=MAX_TOKENS)
+
+    @model_validator(mode="after")
+    def _prompts(self):
+        # Every prompt gets its own prefix ids: bounded like a trace's rows.
+        if self.num_groups * self.num_prompts_per_group > MAX_PROMPTS:
+            raise ValueError(f"num_groups x num_prompts_per_group is over {MAX_PROMPTS:,} "
+                             "distinct prompts")
+        return self
 
 
 class DataSpec(StrictModel):
