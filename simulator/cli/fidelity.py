@@ -159,8 +159,11 @@ def fit(
                       "the measurement noise a prediction cannot beat", markup=False,
                       highlight=False)
     if write:
+        from simulator.report.files import StagedFile
         raw.setdefault("meta", {})["fit"] = json_safe(d)
-        profile.write_text(json.dumps(raw, indent=1) + "\n")
+        # Rewritten whole or not at all: a full disk must not cut the profile short.
+        with StagedFile(profile, option=str(profile)) as staged:
+            staged.path.write_text(json.dumps(raw, indent=1) + "\n")
         (err_console if as_json else console).print(f"wrote meta.fit to {profile}",
                                                     markup=False, highlight=False)
 
@@ -330,13 +333,15 @@ def calibrate(
     from simulator.cost.calibration import (ReplayError, calibrate as run_calibration,
                                             simulate_run)
     from simulator.cost.fitted import FittedCostModel
-    from simulator.report.files import check_out_file, json_safe
+    from simulator.cli.common import on_interrupt
+    from simulator.report.files import StagedFile, check_out_file, json_safe
     if out is not None and out.suffix != ".json":
         raise LatsimError("must be a .json file", source="--out", value=str(out), has_value=True)
     if out is not None:
         # A profile is a result (a calibration can take minutes and a run may be gone):
         # replaced only when asked, and its folder checked before any work.
         check_out_file(out, force=force)
+        on_interrupt(f"nothing written to {out}")
     refuse_summary_runs(run)
     cases, sc, base = load_cases(scenario, run, policy, set_)
     if profile is not None:
@@ -391,8 +396,10 @@ def calibrate(
             rd["latency"] = {"before": before, "after": after, "real": k.run.real}
     if out is not None:
         prof_out = json_safe(cal.profile)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(prof_out, indent=1) + "\n")
+        # Staged and renamed over --out: never a 0-byte profile that then needs --force.
+        with StagedFile(out) as staged:
+            staged.path.write_text(json.dumps(prof_out, indent=1) + "\n")
+        on_interrupt(f"the profile is written to {out}")
         console.print(f"wrote {out}", markup=False, highlight=False)
     if not ok_replay:
         raise NotMet("the replay could not follow the run (too many recorded times "
@@ -437,7 +444,9 @@ def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         p = out / f"validation-{k.run.name}.json"
-        p.write_text(json.dumps(json_safe(res), indent=2) + "\n")
+        from simulator.report.files import StagedFile
+        with StagedFile(p) as staged:
+            staged.path.write_text(json.dumps(json_safe(res), indent=2) + "\n")
         console.print(f"wrote {p}", markup=False, highlight=False)
     if not _finite_errors(res["errors"]):
         raise NotMet("no simulated percentile could be compared with the run's")

@@ -87,7 +87,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ``latsim: error:`` line on stderr: a bad input (``LatsimError``) or a bad flag
     (typer's usage errors) with exit 2, an interrupt with 130; anything else is a bug
     and says so on one line, exit 70 (``LATSIM_DEBUG=1`` shows its traceback)."""
+    from simulator.cli.common import interrupted_line, on_interrupt
     usage, other, abort = _click_errors()
+    on_interrupt(None)
     import warnings
     shown = warnings.showwarning
     warnings.showwarning = _warning_line
@@ -105,7 +107,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     except other as e:
         _die(error_line(LatsimError(e.format_message())), e.exit_code)
     except (KeyboardInterrupt, *abort):
-        _die("latsim: interrupted", 130)
+        _die(interrupted_line(), 130)
     except MemoryError:
         _die(error_line(LatsimError("out of memory: the input is too large for this machine")),
              2)
@@ -119,6 +121,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                                     "(LATSIM_DEBUG=1 shows the traceback)")), INTERNAL_ERROR)
     finally:
         warnings.showwarning = shown
+    if rv == 130:   # typer turns Ctrl-C into exit 130, silently: say it, and what was kept
+        _die(interrupted_line(), 130)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -62,8 +62,10 @@ def sweep(
                         workers=workers, resume=resume, force=force, limit=limit, console=console,
                         address=address)
     except KeyboardInterrupt:
-        console.print(f"interrupted: finished points are in {Path(out) / 'results.csv'}; "
-                      "rerun with --resume to continue")
+        from simulator.cli.common import on_interrupt
+        kept = Path(out) / "results.csv"
+        on_interrupt(f"the finished points are kept in {kept}: rerun with --resume to "
+                     "continue" if kept.exists() else f"nothing written to {out}")
         raise typer.Exit(130)
     df = res.table
     rate = f", {res.ran / res.wall_s * 60:,.1f} points/min" if res.ran and res.wall_s else ""
@@ -178,6 +180,8 @@ def plan(
     # separators ('../x') must not write elsewhere.
     out = out or Path("results") / ("plan-" + re.sub(r"[^\w.-]+", "_", sc.name).strip("."))
     check_out_dir(out, force=force)
+    from simulator.cli.common import on_interrupt
+    on_interrupt(f"nothing written to {out}")    # the plan is staged, then moved at once
     slos = ([parse_slo(s, class_names_of(sc)) for s in slo] if slo else default_slos(sc))
     if not slos:
         raise LatsimError("no SLO: give --slo or SLOs on the workload's classes", source="--slo")
@@ -208,7 +212,11 @@ def plan(
                 pl.headroom(result, tol=tol)
     finally:
         pl.close()
-    files = write_plan(out, result, prices)
+    from simulator.report.files import StagedDir
+    with StagedDir(out, PLAN_OUTPUTS) as staged:    # no half-written plan/, ever
+        write_plan(staged.path, result, prices)
+    files = staged.files
+    on_interrupt(f"the plan is written to {out}")
     print_plan(console, result, prices, runner_ups, len(pl.combos), len(pl.replicas))
     console.print(f"wrote {', '.join(str(f) for f in files)}")
     if result.chosen is None:
@@ -328,8 +336,12 @@ def class_table(ev) -> Table:
     return t
 
 
+PLAN_OUTPUTS = ("plan.json", "evaluations.csv", "load_curve.png")   # what a plan writes
+
+
 def write_plan(out: Path, plan, per_gpu_hour) -> list[Path]:
-    """plan.json, evaluations.csv (every run) and load_curve.png (when there is a choice)."""
+    """plan.json, evaluations.csv (every run) and load_curve.png (when there is a choice),
+    into ``out`` (the command stages them: ``report.files.StagedDir``)."""
     import pandas as pd
     out.mkdir(parents=True, exist_ok=True)
 

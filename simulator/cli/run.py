@@ -7,7 +7,6 @@ time estimate a run prints or refuses on before it starts, the progress watcher
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from simulator.cli.common import _fail, _policy_list
+from simulator.cli.common import _fail, _policy_list, on_interrupt
 from simulator.errors import LatsimError, about
 
 console = Console()
@@ -200,7 +199,7 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
     from simulator.report.metrics import unfinished
     from simulator.report.files import (StagedDir, check_out_dir, file_labels,
                                         table_format as pick_format, write_csv, write_requests,
-                                        write_run_facts)
+                                        write_run_facts, writing)
     from simulator.report.output import run_summary, series_table
     from simulator.report.tables import print_run
     from simulator.workload import build_workload
@@ -211,6 +210,7 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
         sc = sc.model_copy(update={"policies": _policy_list(policies)})
     if out is not None:
         check_out_dir(out, force=force)
+        on_interrupt(f"nothing written to {out}")   # the staged files are discarded
     runs = sc.policy_runs()
     s = sc.seed if seed is None else seed
     expected = getattr(sc.workload, "expected_requests", None)
@@ -259,7 +259,7 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
             if staged is not None:
                 ext = "parquet" if fmt == "parquet" else "csv"
                 tail = f"-{names[label]}" if multi else ""
-                with _writing(out):
+                with writing(out):
                     write_requests(res, staged.path / f"requests{tail}.{ext}", fmt)
                     write_csv([series_table(res)], staged.path / f"timeseries{tail}.csv")
             why_not[label] = _unfinished_text(unfinished(_settle_frame(res), psc.max_sim_time_s),
@@ -274,13 +274,14 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
         print_run(console, outs)
         files = []
         if staged is not None:
-            with _writing(out):
+            with writing(out):
                 write_run_facts(staged.path, sc, outs)
                 if plots:
                     from simulator.report.plots import plot_run
                     plot_run(staged.path)
             files = staged.commit()
             staged = None
+            on_interrupt(f"the results are written to {out}")
         if files:
             console.print(f"wrote {', '.join(str(f) for f in files)}")
     finally:
@@ -293,16 +294,6 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
                           f"{f' ({escape(label)})' if multi else ''}: {text}", highlight=False)
     if bad:
         raise typer.Exit(1)
-
-
-@contextlib.contextmanager
-def _writing(out):
-    """Writing results: an OS error (a full disk, a quota) is one line naming --out."""
-    try:
-        yield
-    except OSError as e:
-        raise LatsimError(f"cannot write the results: {e.strerror or e}", source="--out",
-                          value=str(out), has_value=True) from None
 
 
 def _settle_frame(res):

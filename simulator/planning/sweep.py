@@ -12,13 +12,17 @@ base_dir, profile)) -> row`` (parameters + every summary metric, see there), run
 process pool (``local``) or as Ray tasks (``ray``); no files are shared: the driver
 reads the cost profile once and ships it with each task.
 
-``run_sweep`` appends each row to ``results.csv`` as soon as it finishes (the
-parameters and seed are the row's key, so ``resume`` skips what is done), then
-rewrites the table sorted by point order then seed, byte-identical whether or not
-the run was interrupted, and writes ``results.parquet`` when pyarrow is present.
+``run_sweep`` writes ``sweep.yaml`` (the grid, seeds and scenario) first, appends each
+row to ``results.csv`` as soon as it finishes (the parameters and seed are the row's
+key, so ``resume`` skips what is done; a row is on disk whole or not at all), then
+stages the table sorted by point order then seed (byte-identical whether or not the
+run was interrupted), ``results.parquet`` when pyarrow is present and ``sweep.yaml``,
+and moves them into place together (``report.files.StagedDir``). A sweep that fails
+or is interrupted before its first row leaves nothing behind in a folder it started.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import io
@@ -38,11 +42,12 @@ from simulator.config.scenario import validate_scenario
 from simulator.config.yamlfile import INT_LIMIT, parse_override
 from simulator.errors import LatsimError
 from simulator.planning.executors import load_profile_for, make_executor
-from simulator.report.files import check_out_dir
+from simulator.report.files import StagedDir, StagedFile, check_out_dir
 
 SHORTHANDS = {"replicas": "cluster.replicas", "router": "cluster.router",
               "policy": "engine.policy"}
 RESULTS_CSV = "results.csv"
+SWEEP_OUTPUTS = (RESULTS_CSV, "results.parquet", "sweep.yaml")   # what a sweep writes
 
 
 @dataclass(frozen=True)
@@ -233,30 +238,55 @@ class ResultsTable:
                 self.rows.setdefault(self.key(row), row)
 
     def append(self, row: dict) -> None:
-        """Add one finished row and append it to the file (rewriting it on new columns)."""
+        """Add one finished row and append it to the file (rewriting it on new columns).
+        A failed write (a full disk) leaves the file and the table as they were."""
         srow = {k: cell(v) for k, v in row.items()}
-        self.rows[self.key(srow)] = srow
-        new = [k for k in srow if k not in self.columns]
-        if new or not self.path.exists():
-            self.columns += new
-            self._write(self.rows.values())
-            return
-        with self.path.open("a", newline="") as f:
-            csv.writer(f, lineterminator="\n").writerow([srow.get(c, "") for c in self.columns])
+        k = self.key(srow)
+        prev, cols = self.rows.get(k), list(self.columns)
+        self.rows[k] = srow
+        new = [c for c in srow if c not in self.columns]
+        try:
+            if new or not self.path.exists():
+                self.columns += new
+                self._write(self.rows.values())
+                return
+            size = self.path.stat().st_size
+            try:
+                with self.path.open("a", newline="") as f:
+                    csv.writer(f, lineterminator="\n").writerow(
+                        [srow.get(c, "") for c in self.columns])
+            except BaseException:
+                os.truncate(self.path, size)    # no half row: cut back to the whole ones
+                raise
+        except BaseException:
+            self.columns = cols
+            if prev is None:
+                del self.rows[k]
+            else:
+                self.rows[k] = prev
+            raise
 
-    def _write(self, rows) -> None:
-        tmp = self.path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as f:
-            w = csv.writer(f, lineterminator="\n")
-            w.writerow(self.columns)
-            for r in rows:
-                w.writerow([r.get(c, "") for c in self.columns])
-        os.replace(tmp, self.path)
+    def _write(self, rows, to: Optional[Path] = None) -> None:
+        """The whole table, to ``to`` (a staged folder's file) or over ``path``, whole
+        or not at all (``StagedFile``)."""
+        staged = None if to is not None else StagedFile(self.path)
+        try:
+            with open(to or staged.path, "w", newline="") as f:
+                w = csv.writer(f, lineterminator="\n")
+                w.writerow(self.columns)
+                for r in rows:
+                    w.writerow([r.get(c, "") for c in self.columns])
+        except BaseException:
+            if staged is not None:
+                staged.discard()
+            raise
+        if staged is not None:
+            staged.commit()
 
-    def finalize(self, order: dict[tuple, tuple[int, int]]) -> None:
-        """Rewrite the file sorted by ``order`` (key -> (point, seed index)); rows of other
-        grids keep their file order, after. Columns: point, parameters, seed, then the
-        metrics in the order of the first complete row, then ``error``, then any others."""
+    def finalize(self, order: dict[tuple, tuple[int, int]], to: Path) -> None:
+        """Write the table to ``to`` sorted by ``order`` (key -> (point, seed index)); rows
+        of other grids keep their file order, after. Columns: point, parameters, seed, then
+        the metrics in the order of the first complete row, then ``error``, then any others."""
         known = sorted((r for r in self.rows.values() if self.key(r) in order),
                        key=lambda r: order[self.key(r)])
         for r in known:
@@ -268,7 +298,7 @@ class ResultsTable:
         cols = head + [c for c in ref if c not in head and c != "error"]
         rest = sorted({c for r in rows for c in r} - set(cols) - {"error"})
         self.columns = cols + (["error"] if any(r.get("error") for r in rows) else []) + rest
-        self._write(rows)
+        self._write(rows, to)
 
 
 @dataclass
@@ -334,8 +364,7 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     for i, params in enumerate(points):
         data = point_scenario(base, params, runs)
         try:
-            sc = validate_scenario(data, source=f"grid point {describe(params)}",
-                                   base_dir=base_dir)
+            sc = validate_scenario(data, source=f"grid point {describe(params)}")
         except LatsimError as e:
             raise LatsimError(str(e)) from None
         profile = load_profile_for(sc, base_dir, cache)
@@ -351,37 +380,82 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     if limit is not None:
         tasks, task_rows = tasks[:limit], task_rows[:limit]
     _check_sweep_memory(tasks, task_rows, executor, workers)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = yaml.safe_dump({"grid": {a.key: list(a.values) for a in axes}, "seeds": seed_list,
+                           "scenario": base}, sort_keys=False)
+    made_dir, new_table = not out_dir.exists(), not path.exists()
     t0 = time.perf_counter()
     ran = errors = 0
-    ex = make_executor(executor, workers, address) if tasks else None
-    prog = _progress(console, len(tasks)) if progress and tasks else None
-    aborted = True
     try:
-        results = ex.imap_unordered(tasks) if ex else ()
-        if prog is not None:
-            prog.start()
-            bar = prog.add_task("sweep", total=len(tasks))
-        for i, row in results:
-            table.append({**task_rows[i], **row})
-            ran += 1
-            errors += "error" in row
+        with _disk():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            # The spec first: rows a failure keeps resume, checked to be this sweep's.
+            _replace_text(out_dir / "sweep.yaml", spec)
+        ex = make_executor(executor, workers, address) if tasks else None
+        prog = _progress(console, len(tasks)) if progress and tasks else None
+        aborted = True
+        try:
+            results = ex.imap_unordered(tasks) if ex else ()
             if prog is not None:
-                prog.advance(bar)
-        aborted = False
-    finally:
-        if prog is not None:
-            prog.stop()
-        if ex is not None:
-            ex.close(abort=aborted)
-    table.finalize(order)
+                prog.start()
+                bar = prog.add_task("sweep", total=len(tasks))
+            for i, row in results:
+                with _disk():
+                    table.append({**task_rows[i], **row})
+                ran += 1
+                errors += "error" in row
+                if prog is not None:
+                    prog.advance(bar)
+            aborted = False
+        finally:
+            if prog is not None:
+                prog.stop()
+            if ex is not None:
+                ex.close(abort=aborted)
+        # The sorted table, its Parquet copy and the spec, moved into place together.
+        staged = StagedDir(out_dir, SWEEP_OUTPUTS)
+        try:
+            with _disk():
+                table.finalize(order, staged.path / RESULTS_CSV)
+                df = pd.read_csv(staged.path / RESULTS_CSV)
+                _write_parquet(df, staged.path / "results.parquet")
+                (staged.path / "sweep.yaml").write_text(spec)
+        except BaseException:
+            staged.discard()
+            raise
+        staged.commit()
+    except BaseException as e:
+        if new_table and not table.rows:    # nothing finished: leave nothing behind
+            for name in SWEEP_OUTPUTS:
+                (out_dir / name).unlink(missing_ok=True)
+            if made_dir:
+                with contextlib.suppress(OSError):
+                    out_dir.rmdir()
+        if isinstance(e, _DiskError):
+            kept = (f"; the {len(table.rows)} finished row(s) are kept in {path}: free space "
+                    "and rerun with --resume" if table.rows else "; nothing was kept")
+            raise LatsimError(f"cannot write the results: {e.why}{kept}", source="--out",
+                              value=str(out_dir), has_value=True) from None
+        raise
     wall = time.perf_counter() - t0
-    df = pd.read_csv(path)
-    _write_parquet(df, out_dir / "results.parquet")
-    _replace_text(out_dir / "sweep.yaml", yaml.safe_dump(
-        {"grid": {a.key: list(a.values) for a in axes}, "seeds": seed_list,
-         "scenario": base}, sort_keys=False))
     return SweepResult(df, ran, skipped, wall, path, errors)
+
+
+class _DiskError(Exception):
+    """An OS error while writing the sweep's files (a full disk), told apart from one
+    in a point (reading its trace), which is not the results' fault."""
+
+    def __init__(self, e: OSError) -> None:
+        super().__init__(str(e))
+        self.why = e.strerror or str(e)
+
+
+@contextlib.contextmanager
+def _disk():
+    """Writing the sweep's files: an ``OSError`` becomes a ``_DiskError``."""
+    try:
+        yield
+    except OSError as e:
+        raise _DiskError(e) from None
 
 
 def _check_same_sweep(spec: Path, axes: list, base: dict) -> None:
@@ -431,21 +505,22 @@ def _check_sweep_memory(tasks: list, rows: list, executor: str, workers: Optiona
 
 
 def _replace_text(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (a temporary file renamed over it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write ``path`` whole or not at all (``StagedFile``)."""
+    staged = StagedFile(path)
+    try:
+        staged.path.write_text(text)
+    except BaseException:
+        staged.discard()
+        raise
+    staged.commit()
 
 
 def _write_parquet(df: pd.DataFrame, path: Path) -> Optional[Path]:
-    """Parquet copy of the table when pyarrow is installed (the CSV is canonical), written
-    to a temporary file first so that an interrupted write leaves no broken file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Parquet copy of the table (into the staged folder) when pyarrow is installed and
+    can type every column; the CSV is canonical."""
     try:
-        df.to_parquet(tmp, index=False)
+        df.to_parquet(path, index=False)
     except (ImportError, ValueError, TypeError):  # no pyarrow, or a column it cannot type
-        tmp.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         return None
-    os.replace(tmp, path)
     return path

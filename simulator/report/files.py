@@ -1,15 +1,17 @@
 """Result files: what a run writes, written so that nothing is lost and nothing
 half-written looks whole.
 
-``check_out_dir`` vets an output folder before any work, ``StagedDir`` collects a run's
-files in a hidden temporary folder next to it and moves them into place only when all
-are written (an interrupted run leaves just that hidden folder), and the per-request
-table is streamed in chunks of rows (``write_requests``: CSV, byte for byte what
-``DataFrame.to_csv`` writes, or Parquet), so a run of millions of requests never holds
-its whole table, nor its text, in memory.
+``check_out_dir`` vets an output folder before any work, ``StagedDir`` collects a
+command's files in a hidden temporary folder next to it and moves them into place only
+when all are written (``StagedFile``: the same for a one-file result, a profile), so a
+failed, interrupted or disk-full write leaves the destination as it was; ``writing``
+makes such an OS error one line. The per-request table is streamed in chunks of rows
+(``write_requests``: CSV, byte for byte what ``DataFrame.to_csv`` writes, or Parquet), so
+a run of millions of requests never holds its whole table, nor its text, in memory.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -269,23 +271,61 @@ def check_out_file(out: Path, *, force: bool = False, option: str = "--out",
         raise LatsimError("not writable", source=option, value=str(out), has_value=True)
 
 
-class StagedDir:
-    """A hidden temporary folder next to ``out`` that collects a run's files; ``commit``
-    moves them into ``out`` (a rename of the whole folder when ``out`` is new or empty),
-    ``discard`` removes them. Until ``commit`` nothing in ``out`` changes."""
+@contextlib.contextmanager
+def writing(out, option: str = "--out"):
+    """Writing results: an OS error (a full disk, a quota) is one line naming ``out``."""
+    try:
+        yield
+    except OSError as e:
+        raise LatsimError(f"cannot write the results: {e.strerror or e}", source=option,
+                          value=str(out), has_value=True) from None
 
-    def __init__(self, out: Path) -> None:
-        self.out = Path(out)
+
+def _usual_mode(path: Path, mode: int) -> None:
+    """``mkdtemp``/``mkstemp`` make private (0700/0600) files; a result gets the usual mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+
+
+class _Staged:
+    """What ``StagedDir`` and ``StagedFile`` share: as a context manager, the block's
+    results are committed when it ends normally and discarded when it raises (an OS
+    error while writing becomes the one ``writing`` line); ``files`` are the committed
+    paths."""
+
+    files: list
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if kind is None:
+            self.files = self.commit()
+            return False
+        self.discard()
+        if isinstance(err, OSError):
+            with writing(self.out, self.option):
+                raise err
+        return False
+
+
+class StagedDir(_Staged):
+    """A hidden temporary folder next to ``out`` that collects a command's files;
+    ``commit`` moves them into ``out`` (a rename of the whole folder when ``out`` is new
+    or empty), ``discard`` removes them. Until ``commit`` nothing in ``out`` changes.
+    ``outputs``: the command's result names (patterns); ``commit`` removes those the
+    earlier results in ``out`` have and these do not (other files are left alone)."""
+
+    def __init__(self, out: Path, outputs: tuple = RUN_OUTPUTS, option: str = "--out") -> None:
+        self.out, self.outputs, self.option = Path(out), outputs, option
         parent = self.out.absolute().parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.partial-", dir=parent))
-            # mkdtemp makes it private (0700); the results folder gets the usual mode.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(self.path, 0o777 & ~umask)
+            _usual_mode(self.path, 0o777)
         except OSError as e:
-            raise LatsimError(f"cannot create the folder: {e.strerror}", source="--out",
+            raise LatsimError(f"cannot create the folder: {e.strerror}", source=option,
                               value=str(self.out), has_value=True) from None
 
     def commit(self) -> list[Path]:
@@ -297,7 +337,7 @@ class StagedDir:
             if not self.out.exists():
                 os.rename(self.path, self.out)
             else:
-                stale = {p for pat in RUN_OUTPUTS for p in self.out.glob(pat)} - \
+                stale = {p for pat in self.outputs for p in self.out.glob(pat)} - \
                     {self.out / n for n in names}
                 for n in names:
                     os.replace(self.path / n, self.out / n)
@@ -306,10 +346,42 @@ class StagedDir:
                 self.path.rmdir()
         except OSError as e:
             raise LatsimError(f"cannot move the results into place: {e.strerror} (they are in "
-                              f"{self.path})", source="--out", value=str(self.out),
+                              f"{self.path})", source=self.option, value=str(self.out),
                               has_value=True) from None
         return [self.out / n for n in names]
 
     def discard(self) -> None:
         """Remove the staged files (an interrupted or failed run)."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+class StagedFile(_Staged):
+    """A hidden temporary file next to ``out`` (``path``) that takes a one-file result;
+    ``commit`` renames it over ``out`` (whole or not at all: never a 0-byte or cut-short
+    file), ``discard`` removes it."""
+
+    def __init__(self, out: Path, option: str = "--out") -> None:
+        self.out, self.option = Path(out), option
+        try:
+            fd, name = tempfile.mkstemp(prefix=f".{self.out.name}.partial-",
+                                        suffix=self.out.suffix, dir=self.out.absolute().parent)
+            os.close(fd)
+            self.path = Path(name)
+            _usual_mode(self.path, 0o666)
+        except OSError as e:
+            raise LatsimError(f"cannot write the file: {e.strerror}", source=option,
+                              value=str(self.out), has_value=True) from None
+
+    def commit(self) -> list[Path]:
+        """Rename the staged file over ``out``; returns ``[out]``."""
+        try:
+            os.replace(self.path, self.out)
+        except OSError as e:
+            self.discard()
+            raise LatsimError(f"cannot move the result into place: {e.strerror}",
+                              source=self.option, value=str(self.out), has_value=True) from None
+        return [self.out]
+
+    def discard(self) -> None:
+        """Remove the staged file (a failed or interrupted write)."""
+        self.path.unlink(missing_ok=True)
