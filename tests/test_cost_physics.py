@@ -407,3 +407,20 @@ def test_a_steps_breakdown_adds_up_to_its_time(fits, shape):
         core = ph.pnorm(b["host"], b["device"], c[ph.C_P_STEP])
         assert b["ms"] == pytest.approx((core + b["bookkeeping"]) * c[ph.C_SCALE],
                                         rel=1e-9), (name, b)
+
+
+def test_allreduce_regime_switch_closed_form():
+    """``comm_times``: a message up to ``ca_max_bytes`` costs ``ca_lat_us + 2 (tp-1)/tp x
+    bytes / ca_gbs`` per all-reduce, a larger one ``ar_lat_us + ... / ar_gbs``; with
+    ``ca_max_bytes`` 0 (a fitted profile, an engine without the kernel) every one is
+    NCCL's, even an empty step's (which once divided by the unset ``ca_gbs``)."""
+    c = ph.new_constants()
+    c[ph.C_LAYERS], c[ph.C_DMODEL], c[ph.C_DTYPE_BYTES], c[ph.C_TP] = 10, 1000, 2.0, 4.0
+    c[ph.C_AR_LAT_US], c[ph.C_AR_GBS] = 20.0, 300.0
+    assert ph.comm_times(c, 0.0)[0] == pytest.approx(2 * 10 * 20e-3)
+    assert ph.comm_times(c, 100.0)[0] == pytest.approx(2 * 10 * (20e-3 + 1.5 * 2e5 / 300 * 1e-6))
+    c[ph.C_CA_LAT_US], c[ph.C_CA_GBS], c[ph.C_CA_MAX_BYTES] = 5.0, 100.0, 2e5
+    small = 2 * 10 * (5e-3 + 1.5 * 2e5 / 100 * 1e-6)         # 100 tokens x 1000 x 2 B = 2e5 B
+    assert ph.comm_times(c, 100.0)[0] == pytest.approx(small)
+    assert ph.comm_times(c, 101.0)[0] == pytest.approx(2 * 10 * (20e-3 + 1.5 * 2.02e5 / 300 * 1e-6))
+    assert ph.comm_times(c, 0.0)[0] == pytest.approx(2 * 10 * 5e-3)

@@ -106,7 +106,8 @@ def test_allreduce_is_a_ring_and_meets_vidurs_nccl_tables():
     messages of 8 MiB and more (a long prefill's) within 15% at the median and 20% at
     worst per layout (measured: 4-14% and 9-20%)."""
     arch, spec = catalog.model("llama-2-70b"), catalog.gpu("a100-80gb")
-    c = constants.build_constants(arch, spec, 8)
+    # NCCL's ring at every size (vLLM's custom all-reduce off: its own test below).
+    c = constants.build_constants(arch, spec, 8, engine=constants.Engine(custom_allreduce=False))
     lat, e_link = defaults.link_terms(spec, defaults.DEFAULTS)
     T = 2048.0
     expect = 2 * 80 * (lat * 1e-3 + 2 * 7 / 8 * T * 8192 * 2 / (300 * e_link) * 1e-6)
@@ -117,6 +118,43 @@ def test_allreduce_is_a_ring_and_meets_vidurs_nccl_tables():
     assert {(r["node"], r["n"]) for r in rows} == {(n, k) for n in derive.AR_NODES for k in (2, 4, 8)}
     for r in rows:
         assert r["large"]["median"] <= 0.15 and r["large"]["max"] <= 0.20, r
+
+
+def test_small_allreduces_take_vllms_custom_kernel_large_ones_nccl():
+    """vLLM all-reduces a message below its custom all-reduce's 8 MiB ``max_size``
+    (``custom_all_reduce.py``) with its own one-/two-shot kernel on NVLink GPUs, NCCL
+    above. Its terms are the line through vLLM PR #24111's H100 TP=4 ``ca_1stage`` times
+    (0.5-4 MiB: 10, 15, 19, 22, 30, 38 µs): 6.686 µs + the ring volume at 0.4468 x 450
+    GB/s; every published point within 1 µs of it."""
+    lat, e = derive.fit_custom_allreduce()
+    assert (lat, e) == (pytest.approx(defaults.DEFAULTS["ca_lat_us"], abs=5e-4),
+                        pytest.approx(defaults.DEFAULTS["e_link_ca"], abs=5e-5))
+    lat = defaults.DEFAULTS["ca_lat_us"]
+    arch, spec = catalog.model("llama-2-70b"), catalog.gpu("h100-80gb")
+    c = constants.build_constants(arch, spec, 4)
+    gbs = 450 * defaults.DEFAULTS["e_link_ca"]
+    assert (c[ph.C_CA_LAT_US], c[ph.C_CA_GBS], c[ph.C_CA_MAX_BYTES]) == (
+        defaults.DEFAULTS["ca_lat_us"], pytest.approx(gbs), 8 * 2**20)
+    per_ar = lambda T: ph.comm_times(c, T)[0] / (2 * 80) * 1e3   # noqa: E731  (µs)
+    for mib, us in derive.CUSTOM_AR_H100_TP4:
+        T = mib * 2**20 / (8192 * 2)                              # tokens of 8192 x bf16
+        assert per_ar(T) == pytest.approx(lat + 1.5 * mib * 2**20 / (gbs * 1e9) * 1e6, rel=1e-9)
+        assert abs(per_ar(T) - us) < 1.0, (mib, per_ar(T), us)
+    # 512 tokens are exactly 8 MiB: still the custom kernel; one more token is NCCL's ring.
+    lat_n, e_n = defaults.link_terms(spec, defaults.DEFAULTS)
+    assert per_ar(512) == pytest.approx(lat + 1.5 * 2**23 / (gbs * 1e9) * 1e6, rel=1e-9)
+    assert per_ar(513) == pytest.approx(lat_n + 1.5 * 513 * 16384 / (450 * e_n * 1e9) * 1e6,
+                                        rel=1e-9)
+    # A decode step of 64 sequences on Llama-2-70B TP4: 160 all-reduces of 1 MiB, 14.5 µs
+    # each, not NCCL's 27.4 (its 22.6 µs latency is an eager call's, not a graph's).
+    assert ph.comm_times(c, 64)[0] == pytest.approx(160 * (lat + 1.5 * 2**20 / (gbs * 1e9) * 1e6) * 1e-3)
+    # No custom kernel over PCIe (L40S), nor when the engine does not run one.
+    for cc in (constants.build_constants(catalog.model("llama-2-7b"), catalog.gpu("l40s"), 2),
+               constants.build_constants(arch, spec, 4, engine=constants.Engine(custom_allreduce=False))):
+        assert cc[ph.C_CA_MAX_BYTES] == 0.0
+        n_lat, n_e = defaults.link_terms(catalog.gpu("l40s") if cc[ph.C_TP] == 2 else spec,
+                                         defaults.DEFAULTS)
+        assert ph.comm_times(cc, 0.0)[0] == pytest.approx(2 * cc[ph.C_LAYERS] * n_lat * 1e-3)
 
 
 def test_pipeline_adds_sends_and_latency_not_throughput():
@@ -195,7 +233,9 @@ def test_published_step_times():
     70B and Falcon-180B on A100, H100, L40S; gpt-fast batch-1 decode of Llama-2-7B/70B
     on A100 at TP 1-8; gpt-fast batch-1 decode of Mixtral-8x7B on A100 at TP 2-8; lmdeploy
     batch-1 decode and first-token latency of Llama-2-7B/13B/70B on A100; NIM TTFT/ITL of
-    Llama-3.3-70B on 2 H100): median error within 12% (measured 9.6%), every row within 50% (worst: gpt-fast Llama-2-7B batch-1 decode
+    Llama-3.3-70B on 2 H100; each priced with its engine's all-reduce, NCCL's: only the
+    vLLM rows, among the other ones, run vLLM's custom kernel): median error within 12%
+    (measured 9.6%), every row within 50% (worst: gpt-fast Llama-2-7B batch-1 decode
     at TP 8, +48%: a few ms of overhead-bound work per GPU, where the host time of a
     graph replay, fitted on a different engine, decides); the 70B-180B rows at TP 2-8 within 27%
     (worst: Falcon-180B fp8 2048-token prefill on 8 H100s, 205 ms measured). The rows

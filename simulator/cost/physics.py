@@ -62,7 +62,9 @@ by them), used by the roofline model of a replica on ``tp x pp`` GPUs:
   but not the ``act_passes_repl`` ones over ``d_model`` (norms, residual adds);
 - two all-reduces per layer (``ar_per_layer``) of the step's activations, ``T x d x
   bytes``, each ``ar_lat_us + 2 (tp - 1) / tp x bytes / ar_gbs`` (a ring: every GPU
-  sends and receives ``2 (tp - 1) / tp`` of the message), added to the device time;
+  sends and receives ``2 (tp - 1) / tp`` of the message), added to the device time; a
+  message up to ``ca_max_bytes`` takes the engine's own small-message all-reduce
+  instead (vLLM's custom all-reduce), ``ca_lat_us + 2 (tp - 1) / tp x bytes / ca_gbs``;
 - pipeline parallelism over ``pp`` stages with **no micro-batching** (vLLM's default
   for one engine: one batch in flight): a step runs the stages one after the other,
   each holding ``layers / pp`` layers, so the device work is the whole model's
@@ -177,7 +179,10 @@ C_PARAMS_READ = C_TP + 15        # linear weights a step may read (MoE: every ex
 C_EXPERTS = C_TP + 16            # MoE: experts per layer (0 or 1: dense)
 C_TOPK = C_TP + 17               # MoE: experts each token is routed to
 C_EXPERT_PARAMS = C_TP + 18      # MoE: linear weights of one expert, all layers
-N_CONST = C_TP + 19
+C_CA_LAT_US = C_TP + 19          # small-message (custom, in-graph) all-reduce latency, µs
+C_CA_GBS = C_TP + 20             # ... its bandwidth per GPU and direction, GB/s
+C_CA_MAX_BYTES = C_TP + 21       # ... up to this message size (0: every all-reduce is NCCL's)
+N_CONST = C_TP + 22
 # -- optional, after the constants: a decode table (``with_decode_table``) ---------------
 # Row ``nd`` holds ``step_terms`` of a decode-only step of ``nd`` sequences (7 numbers)
 # and the decode-attention unit of an eager step of that batch: an event loop's decode
@@ -207,6 +212,7 @@ NAMES = {
     C_DEV_STEP_MS: "dev_step_ms", C_WEIGHT_BYTES: "weight_bytes", C_KV_BYTES: "kv_bytes",
     C_ATTN_TFLOPS: "attn_tflops", C_PARAMS_READ: "params_read", C_EXPERTS: "experts",
     C_TOPK: "experts_per_token", C_EXPERT_PARAMS: "expert_params",
+    C_CA_LAT_US: "ca_lat_us", C_CA_GBS: "ca_gbs", C_CA_MAX_BYTES: "ca_max_bytes",
 }
 INDEX = {v: k for k, v in NAMES.items()}
 
@@ -428,8 +434,13 @@ def comm_times(c, T):
     if tp > 1.0:
         # A ring all-reduce moves 2 (N - 1) / N of the message through every GPU's link.
         ring = 2.0 * (tp - 1.0) / tp
-        ar = c[C_AR_PER_LAYER] * c[C_LAYERS] * (c[C_AR_LAT_US] * 1e-3
-                                                 + ring * msg / c[C_AR_GBS] * 1e-6)
+        if c[C_CA_MAX_BYTES] > 0.0 and msg <= c[C_CA_MAX_BYTES]:
+            # A message up to the engine's custom all-reduce size: its own kernel (one or
+            # two shots over peer memory, replayed in the step's graph), not NCCL's.
+            lat, gbs = c[C_CA_LAT_US], c[C_CA_GBS]
+        else:
+            lat, gbs = c[C_AR_LAT_US], c[C_AR_GBS]
+        ar = c[C_AR_PER_LAYER] * c[C_LAYERS] * (lat * 1e-3 + ring * msg / gbs * 1e-6)
     if c[C_PP] > 1.0:
         p2p = (c[C_PP] - 1.0) * (c[C_P2P_LAT_US] * 1e-3 + msg / c[C_P2P_GBS] * 1e-6)
     return ar, p2p

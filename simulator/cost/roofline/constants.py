@@ -17,7 +17,8 @@ from simulator.cost import catalog
 from simulator.cost import physics as ph
 from simulator.cost.catalog import GpuSpec, ModelArch
 from simulator.cost.fit import NO_BOUND_GBS
-from simulator.cost.roofline.defaults import DEFAULTS, flash_efficiency, link_terms
+from simulator.cost.roofline.defaults import (DEFAULTS, custom_allreduce_terms,
+                                              flash_efficiency, link_terms)
 
 # vLLM's default CUDA-graph capture sizes (batch 1, 2, 4, then every 8 up to 256).
 VLLM_GRAPH_BUCKETS = (1, 2, 4) + tuple(range(8, 257, 8))
@@ -39,6 +40,7 @@ class Engine:
     graph_buckets: tuple = VLLM_GRAPH_BUCKETS  # the batch sizes graphs were captured at
     bookkeeping_ms: float = 0.0               # host time between steps (not in profile rows)
     bookkeeping_seq_ms: float = 0.0
+    custom_allreduce: bool = True             # small all-reduces run vLLM's own kernel
 
 
 def compute_peak(spec: GpuSpec, weight_dtype: str) -> tuple[float, str]:
@@ -140,6 +142,8 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
     lat, e_link = link_terms(spec, eff)
     c[ph.C_AR_LAT_US] = c[ph.C_P2P_LAT_US] = lat
     c[ph.C_AR_GBS] = c[ph.C_P2P_GBS] = spec.link_gbs_unidir * e_link
+    if engine.custom_allreduce:
+        c[ph.C_CA_LAT_US], c[ph.C_CA_GBS], c[ph.C_CA_MAX_BYTES] = custom_allreduce_terms(spec, eff)
     for idx in (ph.C_RANGE_TOKENS, ph.C_RANGE_CHUNK, ph.C_RANGE_CONTEXT, ph.C_RANGE_BATCH,
                 ph.C_RANGE_DECODE_CTX):
         c[idx] = NO_RANGE

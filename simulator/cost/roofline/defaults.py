@@ -31,6 +31,18 @@ term                          where it comes from
                               throughput tables for Llama-2-7B on A100 and H100
                               (``data/published-step-times.csv``; their KV reads are
                               most of the step): ``published_check``
+``ca_lat_us``, ``e_link_ca``  vLLM's custom all-reduce (one-shot / two-shot kernels on
+``ca_max_mib``                peer memory, captured in the CUDA graph), which vLLM runs
+                              for messages below its ``max_size`` of 8 MiB
+                              (``custom_all_reduce.py``) on NVLink-connected GPUs, NCCL
+                              above: a least-squares line through vLLM PR #24111's
+                              H100 TP=4 ``ca_1stage`` times (bf16, hidden 8192: 0.5, 1,
+                              1.5, 2, 3, 4 MiB in 10, 15, 19, 22, 30, 38 µs) is 6.686
+                              µs + 7.82 µs/MiB, i.e. the ring volume ``1.5 x bytes`` at
+                              201 GB/s = 0.4468 of NVLink 4's 450 GB/s one way; other
+                              NVLink GPUs and TP sizes take the same latency and
+                              fraction of their link (an assumption: only TP=4 is
+                              published in this form)
 ``h_*``, ``p_step``           host launch cost per layer of an eager step: the H200
                               reference engine's fit (an eager PyTorch engine, an upper
                               estimate for vLLM's fused kernels); a CUDA-graph replay:
@@ -52,6 +64,8 @@ DEFAULTS: dict = {
     "e_decode": 0.8605,
     "h_layer_ms": 0.2582, "h_decode_layer_ms": 0.153, "h_graph_ms": 2.759, "p_step": 4.517,
     "p_attn": 2.345,
+    # vLLM's custom all-reduce: a line through a published benchmark, and vLLM's size limit.
+    "ca_lat_us": 6.686, "e_link_ca": 0.4468, "ca_max_mib": 8.0,
 }
 # The all-reduce terms measured on an A100 and an H100 node stand for their families;
 # PCIe-only Ada parts take Ampere's (the lower efficiency), Blackwell and MI300X Hopper's.
@@ -69,6 +83,16 @@ SOLVE = dict(ridge=1e-12, tol=1e-12, lam_min=1e-12, relative_step=True)
 def flash_efficiency(spec: GpuSpec, eff: dict) -> float:
     """The flash-attention efficiency of the GPU's architecture family (module doc)."""
     return eff[FLASH_ARCH.get(spec.arch, "e_flash_hopper")]
+
+
+def custom_allreduce_terms(spec: GpuSpec, eff: dict) -> tuple[float, float, float]:
+    """``(latency µs, GB/s, largest message bytes)`` of vLLM's custom all-reduce on the
+    GPU's own links (module doc), or zeros where vLLM does not run it: GPUs without
+    NVLink (PCIe-only parts; vLLM disables it past two GPUs that are not fully connected)."""
+    if not spec.link.startswith("nvlink"):
+        return 0.0, 0.0, 0.0
+    return (eff["ca_lat_us"], spec.link_gbs_unidir * eff["e_link_ca"],
+            eff["ca_max_mib"] * 2**20)
 
 
 def link_terms(spec: GpuSpec, eff: dict) -> tuple[float, float]:

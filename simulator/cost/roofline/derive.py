@@ -13,6 +13,7 @@ data (``calibrate_defaults``), and how well they predict the tables.
   benchmark (Ampere); host launch costs from the two H200 profiles' fits.
 - ``e_decode``: where the roofline meets the published KV-bound decode rows
   (``DECODE_CALIBRATION_ROWS``, ``data/published-step-times.csv``).
+- vLLM's custom all-reduce: a line through a published benchmark (``fit_custom_allreduce``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from simulator.cost import REPO_ROOT, catalog
 from simulator.cost import physics as ph
 from simulator.cost.catalog import GpuSpec, ModelArch
 from simulator.cost.fit import HARDWARE, error_stats
-from simulator.cost.roofline.constants import build_constants, has_rotary
+from simulator.cost.roofline.constants import Engine, build_constants, has_rotary
 from simulator.cost.roofline.defaults import DEFAULTS, SOLVE
 from simulator.cost.solve import solve
 
@@ -239,11 +240,23 @@ def _published_dtypes(notes: str) -> tuple[str, str]:
     return "bf16", "bf16"
 
 
+# Published rows measured on vLLM, whose small all-reduces run vLLM's custom kernel
+# (``custom_allreduce_terms``). The other engines' rows keep the NCCL tables' terms:
+# gpt-fast (torch.distributed) and lmdeploy's TurboMind v0.1.0a1 use NCCL; TensorRT-LLM
+# (v0.5 / v0.6.1 pages, and NIM) has a custom all-reduce of its own whose default and
+# cost over those versions are not modelled here (priced as vLLM's, NIM's two batch-1
+# decode rows go from -0.2% / -3.0% to -13.8% / -16.5%).
+CUSTOM_ALLREDUCE_SOURCES = ("vLLM",)
+
+
 def published_step_ms(row: dict, eff: Optional[dict] = None) -> float:
     """The roofline's step time (ms) for a published row, uncalibrated: a decode row is
-    ``batch`` decodes at its context; a prefill row one prompt of that many tokens."""
+    ``batch`` decodes at its context; a prefill row one prompt of that many tokens, with
+    the row's engine's all-reduce (``CUSTOM_ALLREDUCE_SOURCES``)."""
+    engine = Engine(custom_allreduce=row["source"].startswith(CUSTOM_ALLREDUCE_SOURCES))
     c = build_constants(catalog.model(row["model"]), catalog.gpu(row["gpu"]), row["tp"],
-                        row["pp"], row["weight_dtype"], row["kv_dtype"], eff=eff)
+                        row["pp"], row["weight_dtype"], row["kv_dtype"], engine=engine,
+                        eff=eff)
     return step_of(c, row["kind"], row["batch"], row["prompt_or_context"])
 
 
@@ -277,6 +290,7 @@ def calibrate_defaults(root=None) -> dict:
     eff["p_step"] = float(real.c[ph.C_P_STEP])
     eff["p_attn"] = float(ref.c[ph.C_P_ATTN])
     eff = {k: _round(v) for k, v in eff.items()}
+    eff["ca_lat_us"], eff["e_link_ca"] = (_round(v) for v in fit_custom_allreduce())
     eff["e_decode"] = _round(_fit_decode_efficiency(eff))
     return eff
 
@@ -295,6 +309,25 @@ def _fit_decode_efficiency(eff: dict) -> float:
             lo, hi = (mid, hi) if ms > r["ms"] else (lo, mid)
         sols.append(0.5 * (lo + hi))
     return float(math.exp(sum(sols) / len(sols)))
+
+
+# vLLM's custom all-reduce on 4 H100 SXM (bf16, hidden 8192, ``ca_1stage``, times per
+# all-reduce in a CUDA graph): vLLM PR #24111's benchmark_device_communicators table,
+# (MiB, µs).
+CUSTOM_AR_H100_TP4 = ((0.5, 10.0), (1.0, 15.0), (1.5, 19.0), (2.0, 22.0), (3.0, 30.0),
+                      (4.0, 38.0))
+
+
+def fit_custom_allreduce(points=CUSTOM_AR_H100_TP4, gpu: str = "h100-80gb",
+                         n: int = 4) -> tuple[float, float]:
+    """``(ca_lat_us, e_link_ca)``: the least-squares line through the published custom
+    all-reduce times, its slope read as the ring volume ``2 (n - 1) / n x bytes`` moved
+    at that fraction of the GPU's one-way link bandwidth."""
+    x = np.array([p[0] for p in points]) * 2**20
+    y = np.array([p[1] for p in points])
+    slope, lat = np.polyfit(x, y, 1)                      # µs per byte, µs
+    gbs = 2.0 * (n - 1) / n / (slope * 1e-6) / 1e9        # the ring volume's rate
+    return float(lat), float(gbs / catalog.gpu(gpu).link_gbs_unidir)
 
 
 def _round(v: float) -> float:
