@@ -400,3 +400,39 @@ def test_an_interrupted_plan_says_nothing_was_written(capsys, tmp_path, monkeypa
     code, _, err = cli(_plan_args(tmp_path, out), capsys)
     assert code == 130 and _last_line(err) == f"latsim: interrupted; nothing written to {out}"
     assert not out.exists()
+
+
+def test_a_full_disk_during_trace_convert_leaves_no_cut_trace(capsys, tmp_path, monkeypatch):
+    """ENOSPC while ``trace convert`` writes: no cut-short CSV at --out and no hidden
+    file; one error line naming --out."""
+    import pandas as pd
+    _disk_full_after(monkeypatch, pd.DataFrame, "to_csv")
+    out = tmp_path / "t.csv"
+    code, _, err = cli(["trace", "convert", REPO / "tests" / "data" / "azure_conv_head40.csv",
+                        "--out", out], capsys)
+    line = one_error_line(err)
+    assert code == 2 and line == ("latsim: error: --out: cannot write the results: No space "
+                                  f"left on device (got {str(out)!r})"), line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_after_a_bench_run_leaves_no_half_folder(capsys, tmp_path, monkeypatch):
+    """ENOSPC while ``bench`` writes requests.csv (its measurement stands in: no server):
+    no --out folder with a cut table and no summary, no hidden folder; one error line."""
+    import pandas as pd
+
+    import simulator.wire.benchclient as bc
+
+    async def measured(*a, **k):
+        return [], {"url": "http://127.0.0.1:9/v1/completions", "wall_s": 1.0}
+    monkeypatch.setattr(bc, "run_bench", measured)
+    monkeypatch.setattr(bc, "bench_outputs", lambda recs, wl, facts: (
+        pd.DataFrame({"rid": [0, 1]}), {"overall": {}, "run": facts}))
+    _disk_full_after(monkeypatch, pd.DataFrame, "to_csv")
+    out = tmp_path / "b"
+    code, _, err = cli(["bench", "--url", "http://127.0.0.1:9", "--limit", "2", "--out", out],
+                       capsys)
+    line = one_error_line(err)
+    assert code == 2 and line == ("latsim: error: --out: cannot write the results: No space "
+                                  f"left on device (got {str(out)!r})"), line
+    assert list(tmp_path.iterdir()) == []

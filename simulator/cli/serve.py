@@ -224,6 +224,9 @@ def serve(
            request_timeout_s=request_timeout_s or None, sock=sock, engine=engine)
 
 
+BENCH_OUTPUTS = ("requests.csv", "tokens.csv", "summary.json")   # what a bench run writes
+
+
 def bench(
     url: str = typer.Option(..., "--url", help="server base URL (or a full .../completions URL)"),
     trace: Optional[Path] = typer.Option(None, "--trace", help="trace file (any format "
@@ -267,7 +270,7 @@ def bench(
     import pandas as pd
 
     from simulator.wire.benchclient import bench_outputs, check_url, need_h2, run_bench
-    from simulator.report.files import check_out_dir, json_safe
+    from simulator.report.files import StagedDir, check_out_dir, json_safe
     from simulator.report.tables import latency_table, throughput_table
     from simulator.workload import Workload
     _need("httpx")
@@ -299,13 +302,14 @@ def bench(
                                         send_priority=send_priority))
     facts["trace"] = str(trace) if trace is not None else None
     df, summary = bench_outputs(recs, wl, facts)
-    out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "requests.csv", index=False, float_format="%.9g")
-    # Every content frame's arrival (what ``latsim calibrate`` reads to time the steps).
-    pd.DataFrame([(i, k, t) for i, r in enumerate(recs) for k, t in enumerate(r.times)],
-                 columns=["request_id", "token_index", "time_s"]).to_csv(
-        out / "tokens.csv", index=False, float_format="%.9g")
-    (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
+    with StagedDir(out, BENCH_OUTPUTS) as staged:   # moved into place whole, at once
+        df.to_csv(staged.path / "requests.csv", index=False, float_format="%.9g")
+        # Every content frame's arrival (what ``latsim calibrate`` reads to time the steps).
+        pd.DataFrame([(i, k, t) for i, r in enumerate(recs) for k, t in enumerate(r.times)],
+                     columns=["request_id", "token_index", "time_s"]).to_csv(
+            staged.path / "tokens.csv", index=False, float_format="%.9g")
+        (staged.path / "summary.json").write_text(json.dumps(json_safe(summary), indent=2)
+                                                  + "\n")
     s, run = summary["overall"], summary["run"]
     console.print(f"bench: {s['num_requests']} sent, {s['completed']} completed, "
                   f"{run['failed']} failed ({run['errors']} with an error) in "

@@ -13,7 +13,6 @@ replay. Bad input raises ``LatsimError`` (the main CLI prints it on one line, ex
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -25,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from simulator.errors import LatsimError
-from simulator.report.files import check_out_file
+from simulator.report.files import StagedFile, check_out_file
 from simulator.workload.base import Workload
 from simulator.workload.traces import TraceWorkload, build_trace, summarize_workload
 
@@ -112,22 +111,15 @@ def summarize(
 
 def write_canonical(wl: Workload, out: Path) -> None:
     """Write ``wl`` as the canonical CSV (full float precision, so it reads back exactly),
-    to a temporary file renamed over ``out`` at the end: an interrupted write leaves no
-    half-written trace behind."""
+    staged in a hidden file renamed over ``out`` at the end (``StagedFile``): an
+    interrupted write or a full disk leaves no half-written trace behind."""
     hashes = ([" ".join(map(str, h)) for h in wl.hash_ids] if wl.hash_ids is not None
               else [""] * len(wl))
     df = pd.DataFrame({"arrival_s": wl.arrival_s, "prompt_tokens": wl.prompt_tokens,
                        "output_tokens": wl.output_tokens, "priority": wl.priority,
                        "prefix_hashes": hashes})
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    try:
-        df.to_csv(tmp, index=False)
-        os.replace(tmp, out)
-    except OSError as e:
-        raise LatsimError(f"cannot write: {e.strerror}", source=str(out)) from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    with StagedFile(Path(out)) as staged:
+        df.to_csv(staged.path, index=False)
 
 
 @trace_app.command()
