@@ -35,7 +35,10 @@ term                          where it comes from
 ``ca_max_mib``                peer memory, captured in the CUDA graph), which vLLM runs
                               for messages below its ``max_size`` of 8 MiB
                               (``custom_all_reduce.py``) on NVLink-connected GPUs, NCCL
-                              above: a least-squares line through vLLM PR #24111's
+                              above (with torch symmetric memory on, Hopper TP8 caps
+                              the custom kernel at 256 KiB and runs symmetric memory's
+                              multimem all-reduce up to 64 MiB: priced by the same
+                              line, an approximation): a least-squares line through vLLM PR #24111's
                               H100 TP=4 ``ca_1stage`` times (bf16, hidden 8192: 0.5, 1,
                               1.5, 2, 3, 4 MiB in 10, 15, 19, 22, 30, 38 µs) is 6.686
                               µs + 7.82 µs/MiB, i.e. the ring volume ``1.5 x bytes`` at
