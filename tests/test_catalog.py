@@ -112,6 +112,17 @@ def test_moe_active_counts(name, active, digits):
     assert _rounds_to(a.active_param_count(), active, digits), a.active_param_count()
 
 
+def test_instruction_tuned_ids_name_their_base_shape():
+    """An instruction-tuned sibling has its base model's shape (fine-tuning changes no
+    shape number): the ids vLLM is launched with resolve to the base entry."""
+    for hf_id, name in (("codellama/CodeLlama-34b-Instruct-hf", "codellama-34b"),
+                        ("meta-llama/Llama-2-70b-chat-hf", "llama-2-70b"),
+                        ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+                        ("Llama-3.1-405B-Instruct", "llama-3.1-405b"),
+                        ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.3-70b")):
+        assert catalog.model(hf_id).name == name
+
+
 def test_qwen3_shape_by_hand():
     """Qwen3-14B: head_dim 128 x 40 heads (= hidden 5120 here, but q/k norms of 128
     each per layer), untied; Qwen3-0.6B: q is 16 x 128 = 2048 wide on a 1024 model, tied."""

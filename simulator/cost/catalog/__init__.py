@@ -54,8 +54,25 @@ _GPU_INDEX = _index(GPUS, lambda g: g.aliases)
 # Models answer to their catalogue name, their HF id and the HF id's last part, and
 # to the names real_engine's presets and profiles use.
 _MODEL_ALIASES = {"llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b"}
-_MODEL_INDEX = _index(MODELS, lambda m: (m.hf_id, m.hf_id.split("/")[-1],
-                                         *[a for a, c in _MODEL_ALIASES.items() if c == m.name]))
+
+
+def _post_trained(hf_id: str) -> tuple[str, ...]:
+    """The ids of a base model's instruction-tuned sibling of the same shape, as the
+    Hugging Face Hub spells them (``codellama/CodeLlama-34b-Instruct-hf``,
+    ``meta-llama/Llama-2-7b-chat-hf``, ``meta-llama/Llama-3.1-8B-Instruct``): fine-tuning
+    changes no shape number, so they price the same."""
+    if hf_id.endswith("-hf"):
+        base = hf_id[:-3]
+        return (f"{base}-Instruct-hf", f"{base}-chat-hf")
+    if hf_id.startswith("meta-llama/") and not hf_id.endswith("-Instruct"):
+        return (f"{hf_id}-Instruct",)
+    return ()
+
+
+_MODEL_INDEX = _index(MODELS, lambda m: (
+    m.hf_id, m.hf_id.split("/")[-1],
+    *[i for p in _post_trained(m.hf_id) for i in (p, p.split("/")[-1])],
+    *[a for a, c in _MODEL_ALIASES.items() if c == m.name]))
 
 
 def _unknown(kind: str, name: str, index: dict[str, str], canon: list[str]) -> LatsimError:
