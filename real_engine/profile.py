@@ -396,6 +396,8 @@ def run_profile(model: str | ModelConfig = "tiny", device: str = "cpu",
         if path.suffix != ".json":
             path = path / f"{hardware_slug(device)}-{cfg.name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(prof, indent=1) + "\n")
+        from simulator.report.files import StagedFile
+        with StagedFile(path) as staged:     # whole or not at all: never a 0-byte profile
+            staged.path.write_text(json.dumps(prof, indent=1) + "\n")
         log(f"wrote {path} ({time.perf_counter() - t_start:.1f} s)")
     return prof

@@ -535,8 +535,11 @@ def validate_summary_run(run: Path, scenario: Path, label: Optional[str],
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         p = out / f"validation-{rec.name}.json"
-        p.write_text(json.dumps(json_safe({"run": str(rec.path), "kind": rec.kind, **res}),
-                                indent=2) + "\n")
+        from simulator.report.files import StagedFile
+        with StagedFile(p) as staged:
+            staged.path.write_text(json.dumps(json_safe({"run": str(rec.path),
+                                                         "kind": rec.kind, **res}),
+                                              indent=2) + "\n")
         console.print(f"wrote {p}", markup=False, highlight=False)
     off = [n for n, j in parts if j["real_saturated"] != j["sim_saturated"]]
     if off:
