@@ -321,3 +321,122 @@ def test_prices_per_gpu_type_must_cover_the_axis(tmp_path):
     r = CliRunner().invoke(_app(), ["plan", str(sc), "--slo", "p99_tpot_ms<=200",
                                     "--gpus", "h100-80gb,h99", "--cost-per-gpu-hour", "2"])
     assert isinstance(r.exception, LatsimError) and "--gpus" in str(r.exception)
+
+
+# -- what the report says (binding SLO, units, rates, every run, progress) ----------------------
+
+class _ClosedForm:
+    """An executor whose runs are a closed form of the point, not a simulation: per
+    replica the load is rho = 0.6 x (rate / LAM) x 4 / replicas, P99 TTFT = 100 / (1 - rho)
+    ms (it explodes near saturation), P99 TPOT = 20 + 30 rho ms (it grows gently), and the
+    sampled arrivals realise 98.7% of the rate asked."""
+
+    workers = 1
+
+    def imap_unordered(self, tasks):
+        for i, (data, _seed, _dir, _prof) in enumerate(tasks):
+            rate = data["workload"]["arrival"]["rate"]
+            rho = 0.6 * (rate / LAM) * 4 / data["cluster"]["replicas"]
+            yield i, {"p99_ttft_ms": 100 / (1 - rho) if rho < 1 else 1e6,
+                      "p99_tpot_ms": 20 + 30 * rho, "offered_rate": 0.987 * rate,
+                      "output_throughput": 100.0}
+
+    def close(self):
+        pass
+
+
+CF_SLOS = ("p99_ttft_ms<=400", "p99_tpot_ms<=40")
+
+
+def _closed_form_plan(tmp_path, seeds=1):
+    d = mmc_dict(tmp_path, n=50)
+    pl = Planner(d, tmp_path, [parse_slo(s, ["P0", "P1"]) for s in CF_SLOS],
+                 [parse_axis("replicas=1:8")], seeds=seeds)
+    pl.executor.close()
+    pl.executor = _ClosedForm()
+    return pl
+
+
+def test_the_binding_slo_is_the_one_missed_first_as_the_load_grows(tmp_path):
+    """4 replicas (rho 0.6) meet both SLOs, 3 (rho 0.8) miss both: TTFT 500 ms (1.25x its
+    bound) further than TPOT 44 ms (1.1x). As the load on 4 replicas grows, TPOT is missed
+    first (rho > 2/3: above 1.11x the rate), TTFT only at rho > 0.75 (1.25x). The report's
+    binding SLO, its headroom line and the plot name the same one: TPOT (the report used
+    to name TTFT, from the smaller size, while the headroom line said TPOT)."""
+    from simulator.cli.plan import binding_slo
+    pl = _closed_form_plan(tmp_path)
+    plan = pl.search()
+    assert plan.chosen.params["cluster.replicas"] == 4
+    # Before any higher rate is run, the smaller size is the evidence: TTFT, the further miss.
+    assert plan.binding == "p99_ttft_ms<=400"
+    assert "with 3 replicas: p99_ttft_ms<=400 missed (500 ms); p99_tpot_ms<=40 missed (44 ms)" \
+        in plan.binding_detail
+    pl.headroom(plan, tol=0.02)
+    assert 1.09 < plan.headroom <= 1.112                  # rho 2/3 at 10/9 = 1.111x
+    assert plan.binding == plan.headroom_binding == "p99_tpot_ms<=40"
+    assert binding_slo(plan).text == "p99_tpot_ms<=40"
+    assert plan.binding_detail.startswith("missed first as the load grows: at 1.1")
+    assert "p99_tpot_ms<=40 missed (" in plan.binding_detail and " ms)" in plan.binding_detail
+
+
+def test_plan_report_says_units_and_the_rate_asked_and_realised(tmp_path):
+    from rich.console import Console
+
+    from simulator.cli.plan import print_plan
+    pl = _closed_form_plan(tmp_path)
+    plan = pl.search()
+    pl.headroom(plan, tol=0.02)
+    con = Console(width=400, record=True, file=open(tmp_path / "out.txt", "w"))
+    print_plan(con, plan, 2.0, 3, 1, len(pl.replicas))
+    text = con.export_text()
+    assert "(at 3.5 req/s asked, 3.45 req/s realised by the arrivals)" in text
+    asked, real = plan.headroom * LAM, plan.headroom * 0.987 * LAM
+    assert f"({asked:.3g} req/s asked, {real:.3g} realised)" in text
+    assert "missed (500 ms)" in text and "above it p99_tpot_ms<=40 is missed first" in text
+
+
+def test_evaluations_csv_holds_every_simulated_run(tmp_path):
+    """One row per simulated run (a configuration at a rate, one seed): as many rows as
+    the plan says it simulated, each with its seed, the rate asked and realised, and what
+    it was to the plan."""
+    import pandas as pd
+    pl = _closed_form_plan(tmp_path, seeds=2)
+    plan = pl.search()
+    pl.headroom(plan, tol=0.02)
+    write_plan(tmp_path / "out", plan, 2.0)
+    df = pd.read_csv(tmp_path / "out" / "evaluations.csv")
+    assert len(df) == plan.runs == 2 * len(plan.evaluations) > 2 * len(plan.curve)
+    assert sorted(set(df["seed"])) == [1, 2]                  # the scenario's seed, +1
+    np.testing.assert_allclose(df["offered_rate"], 0.987 * df["asked_rate"])
+    np.testing.assert_allclose(df["asked_rate"], LAM * df["rate_multiplier"])
+    assert set(df["role"]) >= {"chosen", "next smaller size", "search", "headroom"}
+    assert (df.loc[df["role"] == "chosen", "cluster.replicas"] == 4).all()
+    rho = 0.6 * df["rate_multiplier"] * 4 / df["cluster.replicas"]
+    np.testing.assert_allclose(df["p99_tpot_ms<=40"], 20 + 30 * rho)
+
+
+def test_plan_shows_its_progress_on_stderr(tmp_path, monkeypatch):
+    """Not a terminal: a line with the runs simulated so far (run's progress watcher, its
+    delays set to zero here so that the line comes at once)."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from simulator.cli.plan import plan_progress
+    from simulator.cli.run import RunProgress
+    monkeypatch.setattr(RunProgress, "DELAY_S", 0.0)
+    monkeypatch.setattr(RunProgress, "NOTE_S", 0.0)
+
+    class _Planner:
+        settled = 7
+    buf = io.StringIO()
+    watch = plan_progress(_Planner(), Console(file=buf, force_terminal=False))
+    try:
+        for _ in range(400):                 # the watcher looks every 0.25 s
+            if "runs simulated" in buf.getvalue():
+                break
+            time.sleep(0.05)
+    finally:
+        watch.close()
+    assert "latsim: plan: 7 runs simulated, " in buf.getvalue()

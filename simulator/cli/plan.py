@@ -206,10 +206,13 @@ def plan(
         if not pl.combos:
             raise LatsimError("no configuration in the search space can run (see the skipped "
                               "lines above)", source=str(scenario))
-        with console.status("searching..."):
+        watch = plan_progress(pl)
+        try:
             result = pl.search()
             if result.chosen is not None and headroom:
                 pl.headroom(result, tol=tol)
+        finally:
+            watch.close()
     finally:
         pl.close()
     from simulator.report.files import StagedDir
@@ -221,6 +224,17 @@ def plan(
     console.print(f"wrote {', '.join(str(f) for f in files)}")
     if result.chosen is None:
         raise typer.Exit(1)
+
+
+def plan_progress(pl, out: Optional[Console] = None):
+    """``run``'s progress watcher (``cli.run.RunProgress``) counting the plan's simulated
+    runs, on stderr: after two seconds a counter on a terminal, a line every ten seconds
+    otherwise. The total is not known ahead (the searches stop where they find)."""
+    from simulator.cli.run import RunProgress, err_console
+    watch = RunProgress("plan", None, out or err_console, count=lambda: pl.settled,
+                        unit="runs", verb="simulated")
+    watch("plan", None)
+    return watch
 
 
 def _gpu_name(name: str) -> str:
@@ -277,18 +291,19 @@ def print_plan(con: Console, plan, per_gpu_hour, n_runner_ups: int, combos: int,
         for c in ("configuration", "missed (worst value)"):
             t.add_column(c, overflow="fold")
         for _, ev in plan.best_per_combo:
-            t.add_row(config_text(ev), "; ".join(f"{s} ({_fmt(v)})" for s, v in ev.violations))
+            t.add_row(config_text(ev), _misses(ev, plan.slos))
         con.print(t)
         return
     per_hour, per_mtok = _costs(ch, per_gpu_hour)
     con.print(f"[bold green]chosen[/]: {config_text(ch)}: {ch.gpus} GPU(s), "
               f"${per_hour:,.2f}/hour, ${per_mtok:,.3f} per million output tokens "
-              f"(at {ch.mean('offered_rate'):.3g} req/s)")
+              f"(at {rate_text(ch)})")
     t = Table(title="SLOs", title_justify="left")
-    for c in ("SLO", "predicted", "bound", "used"):
-        t.add_column(c, justify="left" if c == "SLO" else "right")
+    for c in ("SLO", "predicted", "bound", "unit", "used"):
+        t.add_column(c, justify="left" if c in ("SLO", "unit") else "right")
     for s in plan.slos:
-        t.add_row(s.text, _fmt(ch.value(s)), _fmt(s.bound), f"{s.ratio(ch.value(s)):.0%}")
+        t.add_row(s.text, _fmt(ch.value(s)), _fmt(s.bound), s.unit,
+                  f"{s.ratio(ch.value(s)):.0%}")
     con.print(t)
     con.print(class_table(ch))
     if plan.headroom is not None:
@@ -299,9 +314,12 @@ def print_plan(con: Console, plan, per_gpu_hour, n_runner_ups: int, combos: int,
             ph, pm = _costs(top[0], per_gpu_hour)
             extra = f"; ${pm:,.3f} per million output tokens there"
         cap = "at least " if plan.headroom_capped else ""
+        asked = plan.headroom * ch.asked_rate
+        said = (f"{asked:.3g} req/s asked, {rate:.3g} realised" if asked == asked else
+                f"{rate:.3g} req/s")
         con.print(f"headroom: sustains {cap}{plan.headroom:.2f}x the scenario's rate "
-                  f"({rate:.3g} req/s) within the SLOs{extra}" +
-                  (f"; above it {plan.headroom_binding} is missed first"
+                  f"({said}) within the SLOs{extra}" +
+                  (f"; above it {plan.binding} is missed first"
                    if plan.headroom_binding else ""))
     con.print(f"binding SLO: [bold]{plan.binding or '-'}[/] ({plan.binding_detail})")
     if plan.runner_ups and n_runner_ups:
@@ -316,8 +334,24 @@ def print_plan(con: Console, plan, per_gpu_hour, n_runner_ups: int, combos: int,
     bad = [ev for _, ev in plan.best_per_combo if not ev.feasible]
     for ev in bad:
         where = " even at its largest size" if sizes > 1 else ""
-        con.print(f"[dim]infeasible{where}: {config_text(ev)}: " +
-                  "; ".join(f"{s} ({_fmt(v)})" for s, v in ev.violations) + "[/]")
+        con.print(f"[dim]infeasible{where}: {config_text(ev)}: " + _misses(ev, plan.slos)
+                  + "[/]")
+
+
+def _misses(ev, slos) -> str:
+    """``slo (value unit); ...`` for what a configuration missed."""
+    from simulator.planning.planner import value_text
+    return "; ".join(f"{t} ({value_text(t, v, slos)})" for t, v in ev.violations)
+
+
+def rate_text(ev) -> str:
+    """The arrival rate of a configuration's runs: the one asked for and the one its
+    sampled arrivals realise (they differ by sampling noise: 1,000 Poisson arrivals at
+    10 req/s span 100 s +- 3%)."""
+    real = ev.mean("offered_rate")
+    if ev.asked_rate == ev.asked_rate:
+        return f"{ev.asked_rate:.3g} req/s asked, {real:.3g} req/s realised by the arrivals"
+    return f"{real:.3g} req/s"
 
 
 def class_table(ev) -> Table:
@@ -363,16 +397,48 @@ def write_plan(out: Path, plan, per_gpu_hour) -> list[Path]:
     files = [out / "plan.json"]
     files[0].write_text(json.dumps(doc, indent=2, default=str,
                                    allow_nan=True).replace("NaN", "null") + "\n")
-    evs = {id(e): e for e in [*(ev for _, ev in plan.best_per_combo), *plan.curve, plan.below,
-                               plan.chosen, *plan.runner_ups] if e is not None}
-    recs = [{**e.params, "rate_multiplier": e.mult, "gpus": e.gpus,
-             "cost_per_hour": _costs(e, per_gpu_hour)[0], "feasible": e.feasible,
-             **{s.text: e.value(s) for s in plan.slos}} for e in evs.values()]
-    pd.DataFrame(recs).to_csv(out / "evaluations.csv", index=False)
+    pd.DataFrame(evaluation_rows(plan, per_gpu_hour)).to_csv(out / "evaluations.csv",
+                                                            index=False)
     files.append(out / "evaluations.csv")
     if plan.chosen is not None and len(plan.curve) >= 2:
         files.append(plot_curve(plan, out / "load_curve.png"))
     return files
+
+
+def binding_slo(plan):
+    """The SLO the plot marks as binding and puts the knee on: the plan's (planner module
+    doc: the one missed first as the load grows), the one report line and plot share."""
+    return next((s for s in plan.slos if s.text == plan.binding),
+                max(plan.slos, key=lambda s: s.ratio(plan.curve[-1].value(s))))
+
+
+def evaluation_rows(plan, per_gpu_hour) -> list[dict]:
+    """evaluations.csv: one row per simulated run (a configuration at a rate multiplier,
+    one seed), in the order they ran: its parameters, seed, the rate asked and realised,
+    GPUs and $/hour, each SLO's value in that run, whether the configuration met every
+    SLO over all its seeds (``feasible``) and what it was to the plan (``role``)."""
+    role = {}
+    for ev in plan.runner_ups:
+        role[id(ev)] = "runner-up"
+    if plan.below is not None:
+        role[id(plan.below)] = "next smaller size"
+    if plan.chosen is not None:
+        role[id(plan.chosen)] = "chosen"
+    for ev in plan.curve:
+        role.setdefault(id(ev), "load curve of the choice")
+    recs = []
+    for ev in plan.evaluations or [ev for _, ev in plan.best_per_combo]:
+        for j, row in enumerate(ev.rows):
+            row = row or {}
+            recs.append({**ev.params, "rate_multiplier": ev.mult,
+                         "seed": row.get("seed", math.nan), "asked_rate": ev.asked_rate,
+                         "offered_rate": row.get("offered_rate", math.nan), "gpus": ev.gpus,
+                         "cost_per_hour": _costs(ev, per_gpu_hour)[0],
+                         "feasible": ev.feasible,
+                         "role": role.get(id(ev), "search" if ev.mult == 1.0 else "headroom"),
+                         **{s.text: float(row.get(s.column, math.nan)) for s in plan.slos},
+                         "error": row.get("error", "")})
+    return recs
 
 
 def plot_curve(plan, path: Path) -> Path:
@@ -385,8 +451,7 @@ def plot_curve(plan, path: Path) -> Path:
     ch, curve, slos = plan.chosen, plan.curve, plan.slos
     base = ch.mean("offered_rate")
     xs = [e.mult * base for e in curve]
-    # The knee: on the metric closest to its bound at the highest load simulated.
-    bind = max(slos, key=lambda s: s.ratio(curve[-1].value(s)))
+    bind = binding_slo(plan)
     ki = knee(xs, [e.value(bind) for e in curve])
     ncol = min(len(slos), 2)
     nrow = -(-len(slos) // ncol)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 import typer
@@ -71,13 +71,18 @@ class RunProgress:
     """``simulate``'s progress callback for one run: says when the compiled loop is being
     compiled, and once the run has taken ``DELAY_S`` shows how many requests are settled
     (finished, rejected or cancelled), on stderr: a bar on a terminal, a line every
-    ``NOTE_S`` otherwise. ``close`` stops it."""
+    ``NOTE_S`` otherwise. ``close`` stops it. ``count``, ``unit`` and ``verb``: what to
+    count instead (``latsim plan``: runs simulated; ``n`` None when the total is not
+    known ahead)."""
 
     DELAY_S = 2.0
     NOTE_S = 10.0
 
-    def __init__(self, label: str, n: int, out: Console) -> None:
+    def __init__(self, label: str, n: Optional[int], out: Console, *,
+                 count: Optional[Callable[[], int]] = None, unit: str = "requests",
+                 verb: str = "settled") -> None:
         self.label, self.n, self.out = label, n, out
+        self._count, self.unit, self.verb = count, unit, verb
         self.rec = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -90,13 +95,16 @@ class RunProgress:
             self.out.print("latsim: compiling the event loop for this machine and these "
                            "sources (once: about 1-2 minutes; later runs load it in about "
                            "a second)", markup=False, highlight=False, soft_wrap=True)
-        if self._thread is None and self.n:
+        if self._thread is None and (self.n or self._count is not None):
             self._thread = threading.Thread(target=self._watch, daemon=True)
             self._thread.start()
 
     def settled(self) -> int:
         """Requests finished, rejected or cancelled so far (estimated from a sample of at
-        most ~100,000 requests, so that watching costs the run nothing)."""
+        most ~100,000 requests, so that watching costs the run nothing), or what
+        ``count`` counts."""
+        if self._count is not None:
+            return self._count()
         rec = self.rec
         step = max(1, self.n // 100_000)
         done = ~np.isnan(rec.last_delivered[::step]) | rec.rejected[::step] | \
@@ -112,7 +120,8 @@ class RunProgress:
             done = self.settled()
             if done and self.compiling:
                 self.compiling = False   # the loop runs: compiled (or loaded) by now
-            what = "compiling the event loop" if self.compiling and not done else "requests"
+            what = ("compiling the event loop" if self.compiling and not done else
+                    self.unit)
             if self.out.is_terminal:
                 if self._bar is None:
                     from rich.progress import (BarColumn, MofNCompleteColumn, Progress,
@@ -127,8 +136,9 @@ class RunProgress:
             elif elapsed - last_note >= self.NOTE_S:
                 last_note = elapsed
                 self.out.print(f"latsim: {self.label}: " + (
-                    f"compiling the event loop, {elapsed:,.0f} s" if what != "requests" else
-                    f"{done:,} of {self.n:,} requests settled, {elapsed:,.0f} s"),
+                    f"compiling the event loop, {elapsed:,.0f} s" if what != self.unit else
+                    (f"{done:,} of {self.n:,}" if self.n else f"{done:,}") +
+                    f" {self.unit} {self.verb}, {elapsed:,.0f} s"),
                     markup=False, highlight=False)
 
     def close(self) -> None:

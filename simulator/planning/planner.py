@@ -23,6 +23,12 @@ column (``p99_ttft_ms``, ``mean_t_queue_ms``, ``request_goodput`` ...), ``class`
 priority class of the workload (case-insensitive). With several seeds every seed must
 meet it. Every request must also complete (an implicit SLO, ``completed``).
 
+The binding SLO of a choice is the SLO it misses first as its load grows (one rule for
+the report, the headroom line and the load-curve plot): of its own runs at higher
+rates (the headroom search), the first that misses one; without those, the next smaller
+size; without that, the SLO closest to its bound. Of the SLOs one run misses, the one
+furthest past its bound. Without a choice: the SLO most configurations miss.
+
 Headroom: the highest multiple of the workload's rate the chosen configuration
 sustains within the SLOs, by bracketing (doubling) and then bisection to ``tol``
 (each round evaluates as many points inside the bracket as there are idle workers;
@@ -77,6 +83,7 @@ class Eval:
     rows: list
     slos: list
     cost_per_hour: float = math.nan
+    asked_rate: float = math.nan    # the scenario's rate x mult (NaN: a trace's own rate)
 
     def value(self, slo: SLOSpec) -> float:
         """The worst value over seeds (NaN when any seed lacks it)."""
@@ -130,6 +137,7 @@ class Plan:
     headroom_capped: bool = False
     headroom_binding: Optional[str] = None
     curve: list = field(default_factory=list)
+    evaluations: list = field(default_factory=list)  # every Eval simulated, in run order
     runs: int = 0
     space: int = 0
     skipped: list = field(default_factory=list)     # (params, reason) never simulated
@@ -207,6 +215,8 @@ class Planner:
     """Runs the search; see the module docstring. ``gpus``: GPU types to search (a
     roofline axis); ``prices``: $ per GPU-hour, one number or one per GPU type (None:
     configurations are compared by their GPU count)."""
+
+    settled = 0     # runs finished so far (the progress line reads it)
 
     def __init__(self, base: dict, base_dir: Path, slos: list, axes: list, *,
                  seeds: int = 1, executor: str = "local", workers: Optional[int] = None,
@@ -305,17 +315,20 @@ class Planner:
             data = self._point(params)
             sc = validate_scenario(data, source=f"search point {describe(params)}",
                                    base_dir=self.base_dir)
+            asked = asked_rate(sc) * mult
             if mult != 1.0:
                 data = scale_rate(data, sc, mult)
             prof = load_profile_for(sc, self.base_dir, self._profiles)
             todo.append(key)
             gpus, per_hour = self._size(sc, params)
-            self.cache[key] = Eval(params, mult, gpus, [None] * self.seeds, self.slos, per_hour)
+            self.cache[key] = Eval(params, mult, gpus, [None] * self.seeds, self.slos, per_hour,
+                                   asked)
             for j in range(self.seeds):
                 tasks.append((key, j, (data, self.seed0 + j, str(self.base_dir), prof)))
         for i, row in self.executor.imap_unordered([t[2] for t in tasks]):
             key, j, _ = tasks[i]
-            self.cache[key].rows[j] = row
+            self.cache[key].rows[j] = {**row, "seed": self.seed0 + j}
+            self.settled += 1
         self.runs += len(tasks)
         return [self.cache[(tuple(sorted((k, repr(v)) for k, v in p.items())), m)]
                 for p, m in configs]
@@ -346,6 +359,7 @@ class Planner:
                     transfer=self.transfer)
         _bind(plan, self)
         plan.runs = self.runs
+        plan.evaluations = list(self.cache.values())
         return plan
 
     def headroom(self, plan: Plan, tol: float = 0.05, max_mult: float = 64.0,
@@ -362,9 +376,6 @@ class Planner:
             ms = [lo + (hi - lo) * (k + 1) / (width + 1) for k in range(width)]
             lo, hi, _ = self._step(ch, ms, lo, hi)
         plan.headroom, plan.headroom_capped = lo, hi is None
-        if hi is not None:
-            bad = self.evaluate([(ch.params, hi)])[0]
-            plan.headroom_binding = max(bad.violations, key=lambda tv: self._ratio(*tv))[0]
         if curve:
             done = [m for m, _ in self._chosen_evals(ch)]
             fill = [f * lo for f in (0.25, 0.5, 0.75)]
@@ -374,7 +385,17 @@ class Planner:
                            if all(abs(m - d) > 0.03 * lo for d in done)])
         plan.curve = [ev for m, ev in sorted(self._chosen_evals(ch), key=lambda t: t[0])
                       if m <= 1.6 * lo]
+        # The SLO missed first as the load grows, now that higher rates have been run.
+        first = next((ev for _, ev in sorted(self._chosen_evals(ch), key=lambda t: t[0])
+                      if not ev.feasible), None)
+        if first is not None:
+            worst = self._worst(first.violations)
+            plan.binding = plan.headroom_binding = worst
+            plan.binding_detail = (
+                f"missed first as the load grows: at {first.mult:.3g}x the scenario's rate, "
+                + missed_text(first.violations, self.slos) + "; " + plan.binding_detail)
         plan.runs = self.runs
+        plan.evaluations = list(self.cache.values())
 
     def _step(self, ch: Eval, ms, lo: float, hi: Optional[float]):
         """Evaluate multipliers (increasing); the bracket moves to the last feasible one."""
@@ -390,6 +411,10 @@ class Planner:
     def _ratio(self, text: str, v: float) -> float:
         slo = next((s for s in self.slos if s.text == text), None)
         return slo.ratio(v) if slo else math.inf
+
+    def _worst(self, violations: list) -> Optional[str]:
+        """Of one run's ``(slo text, value)`` misses, the one furthest past its bound."""
+        return max(violations, key=lambda tv: self._ratio(*tv))[0] if violations else None
 
     def _chosen_evals(self, ch: Eval) -> list:
         """``(multiplier, Eval)`` of every run of the chosen configuration."""
@@ -427,9 +452,9 @@ def _bind(plan: Plan, planner: Planner) -> None:
         below = planner.evaluate([({**ch.params, REPLICAS: r[k - 1]}, 1.0)])[0]
         plan.below = below
         viol = below.violations
-        plan.binding = max(viol, key=lambda tv: planner._ratio(*tv))[0] if viol else None
-        plan.binding_detail = f"with {r[k - 1]} replicas: " + "; ".join(
-            f"{t} missed ({_fmt(v)})" for t, v in viol)
+        plan.binding = planner._worst(viol)
+        plan.binding_detail = (f"with {r[k - 1]} replica{'s' * (r[k - 1] > 1)}: "
+                               + missed_text(viol, plan.slos))
         return
     counts: dict = {}
     for _, ev in plan.best_per_combo:
@@ -454,6 +479,33 @@ def _fmt(v: float) -> str:
     if isinstance(v, int):
         return str(v)
     return "n/a" if v != v else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:,.3g}")
+
+
+def value_text(text: str, v, slos: list) -> str:
+    """A missed objective's value as a person reads it, with its unit: ``5,461 ms``,
+    ``3 request(s) unfinished`` (the implicit ``completed``)."""
+    if text == COMPLETED:
+        return f"{_fmt(v)} request(s) unfinished"
+    slo = next((s for s in slos if s.text == text), None)
+    unit = slo.unit if slo is not None else ""
+    return f"{_fmt(v)} {unit}".rstrip()
+
+
+def missed_text(violations: list, slos: list) -> str:
+    """``P0:p99_ttft_ms<=300 missed (5,461 ms); ...`` for one run's misses."""
+    return "; ".join("completed missed (" + value_text(t, v, slos) + ")" if t == COMPLETED
+                     else f"{t} missed ({value_text(t, v, slos)})" for t, v in violations)
+
+
+def asked_rate(sc) -> float:
+    """The arrival rate (req/s) a scenario asks for, when it names one (a synthetic
+    workload's ``arrival.rate``, a trace's ``rate``), else NaN: what the sampled arrivals
+    realise (``offered_rate``) differs from it by sampling noise."""
+    wl = sc.workload
+    if wl.kind == "synthetic":
+        return float(wl.arrival.rate)
+    rate = getattr(wl, "rate", None)
+    return float(rate) if rate else math.nan
 
 
 def knee(xs: list, ys: list) -> Optional[int]:

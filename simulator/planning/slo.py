@@ -36,6 +36,11 @@ class SLOSpec:
     bound: float
     column: str
 
+    @property
+    def unit(self) -> str:
+        """The unit of the metric's values, as a report prints them."""
+        return unit_of(self.metric)
+
     def ok(self, v: float) -> bool:
         """True when ``v`` meets the objective (NaN never does)."""
         return v == v and _OPS[self.op](v, self.bound)
@@ -47,6 +52,17 @@ class SLOSpec:
         if self.op[0] == "<":
             return v / self.bound if self.bound else math.inf
         return self.bound / v if v > 0 else math.inf
+
+
+def unit_of(metric: str) -> str:
+    """``ms`` for a latency, ``req/s`` or ``tok/s`` for a rate, ``requests`` for a count."""
+    if metric.endswith("_ms"):
+        return "ms"
+    if metric in ("request_throughput", "request_goodput"):
+        return "req/s"
+    if metric.endswith("_throughput"):
+        return "tok/s"
+    return "requests" if metric == "good_requests" else ""
 
 
 def class_names_of(scenario) -> list[str]:
