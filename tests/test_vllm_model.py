@@ -12,6 +12,7 @@ from simulator.config.scenario import validate_scenario
 from simulator.cost import build_cost_model, profile_search_dirs
 from simulator.errors import LatsimError
 from simulator.loops.simulate import simulate
+from simulator.report.metrics import requests_table
 from simulator.wire import frontend as F
 from simulator.workload.base import Workload
 
@@ -95,7 +96,11 @@ def test_frontend_adds_its_closed_form_to_ttft_and_sits_in_t_net_and_t_stream():
     for on in (False, True):
         sc = make_scenario(engine=_engine(frontend=fe if on else None,
                                           max_num_batched_tokens=4096))
-        recs[on] = simulate(sc, 0, workload=wl, profile=_const_decode_profile()).rec
+        res = simulate(sc, 0, workload=wl, profile=_const_decode_profile())
+        recs[on] = res.rec
+        t = requests_table(res)
+        parts = t.t_net + t.t_queue + t.t_prefill + t.t_decode + t.t_stream
+        np.testing.assert_allclose(parts, t.e2el, rtol=0, atol=1e-12)
     off, on = recs[False], recs[True]
     req = (1.0 + 0.04) / 1000 + p * 1.5e-6
     resp = (0.04 + 0.1) / 1000
@@ -157,6 +162,8 @@ def test_vllm_preset_is_vllm_v015_defaults():
     sizes = vllm_capture_sizes(1024)
     assert sizes[:4] == (1, 2, 4, 8) and sizes[-1] == 512 and len(sizes) == 3 + 31 + 17
     assert vllm_capture_sizes(256)[-1] == 512 and vllm_capture_sizes(8)[-1] == 16
+    # The resolved scenario (what ``--out`` echoes) reads back to the same engine.
+    assert validate_scenario(o.model_dump(mode="json")).engine == o.engine
     # Without the preset nothing changes: the default engine is latsim's.
     plain = _vllm_scenario()
     del plain["engine"]["preset"]

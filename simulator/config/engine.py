@@ -141,9 +141,13 @@ class EngineConfig(StrictModel):
     def _dump(self, handler):
         # Off, it is not written (a scenario without it echoes as it did before).
         d = handler(self)
+        # With a preset every other key is kept, so that the echo reads back the same
+        # (an explicit ``async_scheduling: false`` would otherwise take the preset's).
         if isinstance(d, dict):
-            for key, off in (("speculative", None), ("preset", None), ("frontend", None),
-                             ("async_scheduling", False)):
+            keys = (("speculative", None),) if self.preset is not None else \
+                (("speculative", None), ("preset", None), ("frontend", None),
+                 ("async_scheduling", False))
+            for key, off in keys:
                 if getattr(self, key) == off:
                     d.pop(key, None)
         return d
