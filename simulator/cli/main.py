@@ -1,7 +1,8 @@
 """The ``latsim`` command line (typer): the app, its entry point and error handling.
 
 The commands live in their own modules (``simulator.cli.run``, ``.engine``, ``.plan``,
-``.serve``, ...) and ``_mount`` registers them here, in the order ``--help`` lists them.
+``.serve``, ...); ``COMMANDS`` names them here, in the order ``--help`` lists them, and a
+command's module is imported only when that command runs (or shows its help).
 
 Every user error (bad scenario, trace, profile, flag or path, unknown policy) is a
 ``LatsimError``, found before any work starts: printed on one line to stderr, exit code
@@ -14,13 +15,91 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import MutableMapping
 from typing import List, Optional
 
 import typer
+import typer.core
+import typer.main
 
 from simulator.errors import LatsimError, error_line, one_line
 
+# Every command, in the order ``latsim --help`` lists them: (name, module, attribute).
+# A command's module (and what it imports: pandas, numba, the web stack) is imported
+# only when that command is resolved, so ``latsim --version`` and ``latsim run --help``
+# start in a fraction of a second; ``latsim --help`` imports them all (it shows every
+# command's own help line).
+COMMANDS = (("run", "simulator.cli.run", "run"), ("profile", "simulator.cli.engine", "profile"),
+            ("validate", "simulator.cli.engine", "validate"),
+            ("sweep", "simulator.cli.plan", "sweep"), ("plan", "simulator.cli.plan", "plan"),
+            ("report", "simulator.cli.report", "report"),
+            ("serve", "simulator.cli.serve", "serve"), ("bench", "simulator.cli.serve", "bench"),
+            ("data", "simulator.cli.data", "data"),
+            ("policies", "simulator.cli.policies", "policies"),
+            ("fit", "simulator.cli.fidelity", "fit"),
+            ("calibrate", "simulator.cli.fidelity", "calibrate"),
+            ("cost", "simulator.cli.cost", "cost"), ("trace", "simulator.cli.trace", "trace_app"))
+GROUP_HELP = {"trace": "Summarise and convert request traces."}   # sub-apps' help lines
+
+
+def _load_command(name: str):
+    """The click command ``name`` as typer makes it from its function (or sub-app), built
+    the moment it is needed."""
+    import importlib
+    module, attr = next((m, a) for n, m, a in COMMANDS if n == name)
+    fn = getattr(importlib.import_module(module), attr)
+    one = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    one.callback()(lambda: None)
+    if isinstance(fn, typer.Typer):
+        one.add_typer(fn, name=name, help=GROUP_HELP.get(name))
+    else:
+        one.command(name)(fn)
+    return typer.main.get_command(one).commands[name]
+
+
+class _LazyCommands(MutableMapping):
+    """A group's ``commands`` mapping whose entries are built on first lookup: every name
+    is there (for ``--help``, suggestions on a typo), only a looked-up one is imported."""
+
+    def __init__(self, names) -> None:
+        self._names, self._built = list(names), {}
+
+    def __getitem__(self, name):
+        if name not in self._built:
+            if name not in self._names:
+                raise KeyError(name)
+            self._built[name] = _load_command(name)
+        return self._built[name]
+
+    def __setitem__(self, name, cmd) -> None:
+        self._names += [] if name in self._names else [name]
+        self._built[name] = cmd
+
+    def __delitem__(self, name) -> None:
+        self._names.remove(name)
+        self._built.pop(name, None)
+
+    def __iter__(self):
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _LazyGroup(typer.core.TyperGroup):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        lazy = _LazyCommands(n for n, _, _ in COMMANDS)
+        for name, cmd in self.commands.items():
+            lazy[name] = cmd
+        self.commands = lazy
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(self.commands)
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  cls=_LazyGroup,
                   help="latsim: latency simulator and capacity planner for LLM serving.")
 
 
@@ -46,37 +125,6 @@ def _root(
     Exit codes: 0 ok; 1 the command ran but did not do all that was asked (requests
     that never finished, no configuration meeting the SLOs, ...); 2 bad input (one
     'latsim: error:' line on stderr)."""
-
-
-def _mount() -> None:
-    """Register every command, in the order ``latsim --help`` lists them."""
-    from simulator.cli.cost import cost
-    from simulator.cli.data import data
-    from simulator.cli.engine import profile, validate
-    from simulator.cli.plan import plan, sweep
-    from simulator.cli.policies import policies
-    from simulator.cli.report import report
-    from simulator.cli.run import run
-    from simulator.cli.serve import bench, serve
-    from simulator.cli.trace import trace_app
-    app.command("run")(run)
-    app.command("profile")(profile)
-    app.command("validate")(validate)
-    app.command("sweep")(sweep)
-    app.command("plan")(plan)
-    app.command("report")(report)
-    app.command("serve")(serve)
-    app.command("bench")(bench)
-    app.command("data")(data)
-    app.command("policies")(policies)
-    from simulator.cli.fidelity import calibrate, fit
-    app.command("fit")(fit)
-    app.command("calibrate")(calibrate)
-    app.command("cost")(cost)
-    app.add_typer(trace_app, name="trace", help="Summarise and convert request traces.")
-
-
-_mount()
 
 
 INTERNAL_ERROR = 70   # a bug, not the input: EX_SOFTWARE

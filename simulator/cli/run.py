@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -105,6 +104,7 @@ class RunProgress:
         ``count`` counts."""
         if self._count is not None:
             return self._count()
+        import numpy as np
         rec = self.rec
         step = max(1, self.n // 100_000)
         done = ~np.isnan(rec.last_delivered[::step]) | rec.rejected[::step] | \
@@ -230,6 +230,7 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
     with about(str(scenario)):
         capacity = kv_capacity_blocks(sc)
     # Same traffic for every policy: build the workload once from the seed.
+    import numpy as np   # here, not at the top: ``latsim run --help`` needs no numpy
     wl_rng = np.random.default_rng(np.random.SeedSequence(s).spawn(4)[0])
     with about(str(scenario)):
         wl = build_workload(sc.workload, wl_rng, base)
@@ -308,6 +309,7 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
 
 def _settle_frame(res):
     """The columns ``metrics.unfinished`` reads, without building the whole table."""
+    import numpy as np
     import pandas as pd
     rec = res.rec
     return pd.DataFrame({"finished": ~np.isnan(rec.last_delivered), "rejected": rec.rejected,

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import numpy as np
-import pandas as pd
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from simulator.errors import LatsimError
-from simulator.report.files import StagedFile, check_out_file
-from simulator.workload.base import Workload
-from simulator.workload.traces import TraceWorkload, build_trace, summarize_workload
+# numpy, pandas, pydantic and the trace readers are imported where used: ``latsim trace
+# --help`` needs none of them.
+if TYPE_CHECKING:
+    from simulator.workload.base import Workload
 
 trace_app = typer.Typer(help="Inspect and convert request traces (Azure, Mooncake, Vidur, CSV).",
                         no_args_is_help=True)
@@ -52,6 +50,9 @@ def load_trace(path: Path, fmt: Optional[str] = None, *, speedup: Optional[float
                rate: Optional[float] = None, window: Optional[str] = None,
                limit: Optional[int] = None, sort: bool = False, seed: int = 0) -> Workload:
     """Read ``path`` as a ``kind: trace`` workload with these options (CLI paths: from cwd)."""
+    import numpy as np
+    from pydantic import ValidationError
+    from simulator.workload.traces import TraceWorkload, build_trace
     fields = {"path": str(path), "format": fmt, "speedup": speedup, "rate": rate,
               "window": _window(window), "limit": limit, "sort": sort}
     try:
@@ -66,6 +67,7 @@ def load_trace(path: Path, fmt: Optional[str] = None, *, speedup: Optional[float
 
 
 def _fmt(x, digits: int = 3) -> str:
+    import numpy as np
     if isinstance(x, float) and math.isnan(x):
         return "-"
     if isinstance(x, (int, np.integer)):
@@ -103,6 +105,7 @@ def summarize(
     sort: bool = typer.Option(False, help="sort out-of-order timestamps (with a warning)"),
 ) -> None:
     """Print a trace's count, span, rate, burstiness and token percentiles."""
+    from simulator.workload.traces import summarize_workload
     wl = load_trace(path, format, window=window, limit=limit, sort=sort)
     console = Console()
     console.print(f"[bold]{path}[/bold] ({wl.meta['format']})", soft_wrap=True, highlight=False)
@@ -113,6 +116,8 @@ def write_canonical(wl: Workload, out: Path) -> None:
     """Write ``wl`` as the canonical CSV (full float precision, so it reads back exactly),
     staged in a hidden file renamed over ``out`` at the end (``StagedFile``): an
     interrupted write or a full disk leaves no half-written trace behind."""
+    import pandas as pd
+    from simulator.report.files import StagedFile
     hashes = ([" ".join(map(str, h)) for h in wl.hash_ids] if wl.hash_ids is not None
               else [""] * len(wl))
     df = pd.DataFrame({"arrival_s": wl.arrival_s, "prompt_tokens": wl.prompt_tokens,
@@ -136,6 +141,7 @@ def convert(
                                "is replaced"),
 ) -> None:
     """Write the canonical CSV: arrival_s, prompt_tokens, output_tokens, priority, prefix_hashes."""
+    from simulator.report.files import check_out_file
     check_out_file(out, force=force, reading=(path,))
     wl = load_trace(path, format, speedup=speedup, rate=rate, window=window, limit=limit, sort=sort)
     write_canonical(wl, out)

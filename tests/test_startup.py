@@ -1,0 +1,96 @@
+"""Start-up: ``latsim --version`` and ``latsim run --help`` import no command's heavy
+modules (pandas, numba, matplotlib, torch, the web stack), and the lazily built commands
+are exactly the ones typer builds from the command functions (same help, same options).
+Structural checks only; the timing is ``benchmarks/startup.py``."""
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from conftest import REPO
+
+HEAVY = ("pandas", "numba", "matplotlib", "torch", "fastapi", "uvicorn", "simulator.kernel")
+
+
+def _modules_after(code: str) -> dict:
+    """Which of ``HEAVY`` are imported after ``code`` runs in a fresh interpreter."""
+    probe = (code + "\nimport json, sys\n"
+             f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]), file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    return {"out": r.stdout, "heavy": json.loads(r.stderr.strip().splitlines()[-1])}
+
+
+def _cli(args) -> str:
+    return ("from simulator.cli.main import main\ntry:\n"
+            f"    main({list(args)!r})\nexcept SystemExit:\n    pass")
+
+
+def test_importing_the_cli_imports_no_heavy_module():
+    assert _modules_after("import simulator.cli.main")["heavy"] == []
+    assert _modules_after("import simulator.cli")["heavy"] == []
+
+
+@pytest.mark.parametrize("args", [["--version"], ["run", "--help"], ["cost", "--help"],
+                                  ["trace", "--help"]])
+def test_version_and_help_import_no_heavy_module(args):
+    r = _modules_after(_cli(args))
+    assert r["heavy"] == [], args
+    assert ("latsim 0." in r["out"]) if args == ["--version"] else ("Usage:" in r["out"] and "--help" in r["out"])
+
+
+def test_a_command_imports_only_when_it_runs():
+    # latsim run --help imports simulator.cli.run, not the other commands' modules.
+    probe = _cli(["run", "--help"]) + (
+        "\nimport json, sys\nprint(json.dumps(sorted(m for m in sys.modules "
+        "if m.startswith('simulator.cli.'))), file=sys.stderr)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    loaded = json.loads(r.stderr.strip().splitlines()[-1])
+    assert loaded == ["simulator.cli.common", "simulator.cli.main", "simulator.cli.run"]
+
+
+def _eager_app() -> typer.Typer:
+    """The app as typer builds it with every command registered up front (how main.py
+    registered them before the commands were loaded lazily)."""
+    from simulator.cli import main as m
+    app = typer.Typer(add_completion=False, no_args_is_help=True,
+                      pretty_exceptions_enable=False, help=m.app.info.help)
+    app.callback()(m._root)
+    for name, module, attr in m.COMMANDS:
+        fn = getattr(importlib.import_module(module), attr)
+        if isinstance(fn, typer.Typer):
+            app.add_typer(fn, name=name, help=m.GROUP_HELP[name])
+        else:
+            app.command(name)(fn)
+    return app
+
+
+def test_lazy_commands_have_the_eager_help_and_options():
+    from simulator.cli.main import COMMANDS, app
+    eager = _eager_app()
+    runner = CliRunner()
+    cases = [[]] + [[name] for name, _, _ in COMMANDS] + [["trace", "summarize"],
+                                                          ["trace", "convert"]]
+    for args in cases:
+        a = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "120"})
+        b = runner.invoke(eager, [*args, "--help"], env={"COLUMNS": "120"})
+        assert a.exit_code == b.exit_code == 0, (args, a.output)
+        assert a.output == b.output, args
+    # the root help lists every command, in COMMANDS' order
+    out = runner.invoke(app, ["--help"], env={"COLUMNS": "120"}).output
+    at = [out.index(f"│ {name} ") for name, _, _ in COMMANDS]
+    assert at == sorted(at)
+
+
+def test_a_typo_still_suggests_the_command():
+    r = subprocess.run([sys.executable, "-m", "simulator.cli", "rn"], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2
+    assert "No such command 'rn'. Did you mean 'run'?" in r.stderr
