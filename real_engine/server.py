@@ -114,6 +114,8 @@ class _Getter:
 
     async def get(self, timeout: Optional[float]):
         """The next item, or ``_Getter`` itself if ``timeout`` s passed first."""
+        if self.task is None and not self.q.empty():
+            return self.q.get_nowait()     # no task, no timer: the common case under load
         if timeout is None and self.task is None:
             return await self.q.get()
         if self.task is None:
@@ -239,11 +241,18 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
     """SSE frames, one per token (and ``: ping`` comments after ``heartbeat_s`` of
     silence); under ``degrade``, once the send buffer is full, the rest as one frame.
     At ``deadline`` the request is cancelled and the stream ends with an error event.
-    Cancels the request if the generator is torn down early."""
+    Cancels the request if the generator is torn down early.
+
+    The frames of every token already queued are written together, in one write: an
+    event loop that fell behind the engine (many streams, one write and one wake-up
+    each per token) then catches up by writing fewer, larger chunks, instead of
+    staying behind with every other request (``/health`` included) queued behind it.
+    Each frame is still its own SSE event, so what a client parses is unchanged."""
     done = False
     getter = _Getter(st.q)
     degrade = loop_.backpressure == "degrade"
     held: Optional[list] = None          # degraded: the text not streamed yet
+    pending = None                       # an end marker met while taking queued tokens
     try:
         n = 0
         while True:
@@ -252,7 +261,10 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
                 left = deadline.left()
                 expires = heartbeat_s is None or left <= heartbeat_s
                 wait = max(0.0, left) if expires else heartbeat_s
-            tok = await getter.get(wait) if wait is None or wait > 0 else _Getter
+            if pending is not None:
+                tok, pending = pending, None
+            else:
+                tok = await getter.get(wait) if wait is None or wait > 0 else _Getter
             if tok is _Getter:
                 if expires:
                     # Freed before the error event is written: that write may block.
@@ -270,19 +282,29 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
                        else error_body(tok.message, 500))
                 yield "data: " + json.dumps(err) + "\n\n"
                 return
-            n += 1
-            if held is None and degrade and st.buffered >= loop_.buffer_frames:
-                held = []
-                loop_.degraded += 1
-            if held is not None:
-                held.append(detokenize(tok))
-                loop_.consumed(st)
-                continue
-            f = _frame(chunk(cid, created, p.model, detokenize(tok), n == 1, n == p.max_tokens,
-                             chat))
-            yield f
-            # Starlette asks for the next frame only after this one was written.
-            loop_.consumed(st, len(f))
+            batch = []
+            while True:
+                n += 1
+                if held is None and degrade and st.buffered >= loop_.buffer_frames:
+                    held = []
+                    loop_.degraded += 1
+                if held is not None:
+                    held.append(detokenize(tok))
+                    loop_.consumed(st)
+                else:
+                    batch.append(_frame(chunk(cid, created, p.model, detokenize(tok), n == 1,
+                                              n == p.max_tokens, chat)))
+                if st.q.empty():
+                    break
+                tok = st.q.get_nowait()
+                if tok is _DONE or tok is _ABORT or isinstance(tok, Failed):
+                    pending = tok
+                    break
+            if batch:
+                yield "".join(batch)
+                # Starlette asks for the next chunk only after this one was written.
+                for f in batch:
+                    loop_.consumed(st, len(f))
         if held:
             f = _frame(chunk(cid, created, p.model, "".join(held), n == len(held), True, chat))
             yield f

@@ -436,3 +436,69 @@ def test_metrics_are_prometheus_text_with_vllms_names_and_move_with_requests():
         assert m["latsim:frames_written_total"] == 6          # the streamed one's frames
         with _server(_engine(policy="fifo")) as s2, httpx.Client(base_url=s2.url) as c2:
             assert parse(c2.get("/metrics").text)["vllm:generation_tokens_total"] == 0
+
+
+# -- the event loop under load ------------------------------------------------------------
+
+def test_health_and_metrics_answer_while_the_engine_is_held_mid_step():
+    """The event loop never waits on the engine thread: with a step held at a barrier
+    (provably mid-step: the step has started and cannot end until the test lets it),
+    /health and /metrics are answered, and a stream gets the tokens handed over before
+    the barrier. Structural: no duration is asserted, only that the answers come while
+    the engine is still held."""
+    eng = _engine()
+    real, entered, release, calls = eng.step, threading.Event(), threading.Event(), []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 4:             # prefill, then 2 decodes handed over first
+            entered.set()
+            assert release.wait(SAFETY_S), "the test never released the step"
+        return real()
+    eng.step = step
+    from real_engine.metrics import parse
+    with _server(eng) as s, httpx.Client(base_url=s.url, timeout=SAFETY_S) as c:
+        with c.stream("POST", "/v1/completions",
+                      json={"prompt": "a b", "max_tokens": 8, "stream": True}) as r:
+            p, got = SseParser(), []
+            lines = r.iter_lines()
+            while len(got) < 3:
+                e = p.feed(next(lines))
+                if e is not None and e.data is not None:
+                    got.append(e)
+            assert entered.wait(SAFETY_S) and not release.is_set()
+            with httpx.Client(base_url=s.url, timeout=SAFETY_S) as c2:
+                assert c2.get("/health").status_code == 200
+                m = parse(c2.get("/metrics").text)
+                assert m["vllm:generation_tokens_total"] == 3 and not release.is_set()
+            release.set()
+            rest = [e for e in (p.feed(ln) for ln in lines) if e is not None]
+        assert rest[-1].done and len(got) + sum(e.data is not None and not e.done
+                                                for e in rest) == 8
+
+
+def test_tokens_already_queued_are_written_in_one_chunk():
+    """A stream that fell behind the engine (k tokens queued when it wakes) writes them in
+    one chunk, not k: one write and one wake-up of the event loop instead of k each, so a
+    loop serving many streams catches up rather than keeping every other request, /health
+    included, queued behind a backlog. The SSE a client parses is unchanged: k events."""
+    from real_engine.engineloop import _DONE, EngineLoop, _Stream
+    from real_engine.openai_api import Parsed
+    from real_engine.server import _stream
+    el = EngineLoop(_engine())
+
+    async def run():
+        st = _Stream(0, asyncio.get_running_loop(), 0.0, 2)
+        for t in (11, 12, 13, 14, 15):
+            st.q.put_nowait(t)
+        st.q.put_nowait(_DONE)
+        st.delivered = 5
+        p = Parsed([1, 2], 5, True, 0, "tiny")
+        return [c async for c in _stream(el, st, "cmpl-x", 0, p, False, heartbeat_s=15.0)], st
+    chunks, st = asyncio.run(run())
+    assert len(chunks) == 2 and chunks[-1] == "data: [DONE]\n\n"
+    p = SseParser()
+    texts = [json.loads(e.data)["choices"][0]["text"]
+             for e in (p.feed(ln) for ln in chunks[0].split("\n")) if e is not None]
+    assert texts == [" t11", " t12", " t13", " t14", " t15"]
+    assert st.written == 5 and el.frames == 5       # each frame counted as written

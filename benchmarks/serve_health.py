@@ -1,0 +1,107 @@
+"""How long ``GET /health`` of ``latsim serve`` takes while a burst of streams runs.
+
+Starts ``latsim serve --model tiny`` on a free loopback port in its own process, opens
+``--streams`` streamed completions at once (raw sockets, one asyncio client in another
+process, so the client's own work does not share the server's GIL), and meanwhile a
+third process times ``GET /health`` on a kept-alive connection every 20 ms. Prints the
+probe's median, p99 and max and how many streams completed. A wall-clock figure: it
+depends on the machine and its load (run it on a quiet one), which is why it is here and
+not in the tests (``tests/test_serve_api.py`` checks the same structurally: /health is
+answered while the engine is held mid-step).
+
+    python benchmarks/serve_health.py --streams 300 --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+async def _one(port: int, body: bytes) -> bool:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+            + body)
+    data = b""
+    while True:
+        d = await r.read(65536)
+        if not d:
+            break
+        data += d
+    w.close()
+    return b"[DONE]" in data
+
+
+def _burst(port: int, n: int, prompt: int, max_tokens: int, out) -> None:
+    body = json.dumps({"prompt": "w " * prompt, "max_tokens": max_tokens,
+                       "stream": True}).encode()
+
+    async def main():
+        return await asyncio.gather(*(_one(port, body) for _ in range(n)))
+    t0 = time.perf_counter()
+    done = asyncio.run(main())
+    out.put((sum(done), time.perf_counter() - t0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", type=int, default=300)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    a = ap.parse_args()
+    from serveproc import get_when_up, serve_process, stop
+    proc, port = serve_process({}, "--model", "tiny", "--max-num-seqs", str(a.max_num_seqs),
+                               "--num-blocks", "4096")
+    try:
+        assert get_when_up(port, "/health").status_code == 200
+        q1, q2 = mp.Queue(), mp.Queue()
+        burst = mp.Process(target=_burst, args=(port, a.streams, a.prompt, a.max_tokens, q1))
+        burst.start()
+        probe = mp.Process(target=_probe_until, args=(port, burst.pid, q2))
+        probe.start()
+        done, wall = q1.get()
+        burst.join()
+        times = q2.get()
+        probe.join()
+    finally:
+        stop(proc)
+    times.sort()
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+    print(f"{a.streams} streams x {a.max_tokens} tokens: {done} completed in {wall:.2f} s; "
+          f"/health x{len(times)}: median {statistics.median(times) * 1e3:.1f} ms, "
+          f"p99 {p99 * 1e3:.1f} ms, max {times[-1] * 1e3:.1f} ms")
+
+
+def _probe_until(port: int, pid: int, out) -> None:
+    """Time ``GET /health`` every 20 ms until process ``pid`` (the burst) has exited."""
+    import os
+
+    import httpx
+    times = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+        c.get("/health")
+        while True:
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                break
+            t0 = time.perf_counter()
+            r = c.get("/health")
+            times.append(time.perf_counter() - t0)
+            assert r.status_code == 200
+            time.sleep(0.02)
+    out.put(times)
+
+
+if __name__ == "__main__":
+    main()
