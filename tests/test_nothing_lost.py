@@ -167,10 +167,12 @@ def cli(argv, capsys) -> tuple[int, str, str]:
 
 
 def one_error_line(err: str) -> str:
+    """The one error line, the last on stderr (progress lines may come before it)."""
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("latsim: error: "), err
+    errors = [ln for ln in lines if ln.startswith("latsim: error")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
     assert "Traceback" not in err and "internal error" not in err
-    return lines[0]
+    return errors[0]
 
 
 def _tree(d: Path) -> dict:
