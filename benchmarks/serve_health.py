@@ -75,11 +75,15 @@ def main() -> None:
         probe.join()
     finally:
         stop(proc)
-    times.sort()
+    start = times[0][1] if times else 0.0
+    worst = sorted(times, reverse=True)[:3]
+    times = sorted(t for t, _ in times)
     p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
     print(f"{a.streams} streams x {a.max_tokens} tokens: {done} completed in {wall:.2f} s; "
           f"/health x{len(times)}: median {statistics.median(times) * 1e3:.1f} ms, "
-          f"p99 {p99 * 1e3:.1f} ms, max {times[-1] * 1e3:.1f} ms")
+          f"p99 {p99 * 1e3:.1f} ms, max {times[-1] * 1e3:.1f} ms; worst at "
+          + ", ".join(f"{(t0 - start):.1f} s ({t * 1e3:.0f} ms)" for t, t0 in worst)
+          + " into the burst")
 
 
 def _probe_until(port: int, pid: int, out) -> None:
@@ -97,7 +101,7 @@ def _probe_until(port: int, pid: int, out) -> None:
                 break
             t0 = time.perf_counter()
             r = c.get("/health")
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0, t0))
             assert r.status_code == 200
             time.sleep(0.02)
     out.put(times)
