@@ -26,6 +26,8 @@ the constants below did not change across the v0.1x series):
   (``cost.roofline.constants.VLLM_GRAPH_BUCKETS``: up to 256, the constants vector holds
   at most 40), so a decode batch of 257..512 is priced eagerly there: not yet this list.
 
+The GPU is the roofline's ``model.cost.gpu`` (its catalogue memory); with another cost
+model, ``engine.kv.gpu_memory_gb`` (80 if not given) decides, and no name (so not an A100).
 A preset fills defaults only: any key the scenario states itself wins (``--set`` too).
 For SGLang, state what differs: ``async_scheduling: false`` is closest to its
 overlap scheduler being off (SGLang's ``--enable-overlap-schedule`` is on by default,

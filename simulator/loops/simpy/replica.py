@@ -53,6 +53,7 @@ from simulator.model.scheduling import SchedulerState, Seq, StepPlan
 from simulator.model.scheduling import epoch as E
 from simulator.model.scheduling.asyncsched import sees
 from simulator.model.scheduling.progress import admission_times
+from simulator.model.scheduling.queues import heads_suffice
 
 # The rules this loop asks on every step and arrival, as plain functions (a compiled
 # call's dispatch costs more than their few comparisons).
@@ -149,14 +150,16 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self._async = async_sched
         self._inbox: list[SimSeq] = []
         self._decided_at = -math.inf
+        self._step_end = -math.inf   # when the last step ended (nothing in flight after)
         self.epochs = mode == "auto" and self.fast and not async_sched
         # Per-request stream models (``clientstream``) need the per-request mode.
         self._streams = streams
         if streams and self.fast:
             raise ValueError("per-request streams need mode='slow'")
         # Aging reorders the queue as time passes, so a blocked head can change without
-        # any event; epochs then run only while nobody waits.
-        self._aging = policy.time_dependent
+        # any event; epochs then run only while nobody waits. So does a key of a policy's
+        # own (``queues.heads_suffice``): an arrival may go before a blocked head.
+        self._aging = policy.time_dependent or not heads_suffice(policy)
         # fast-mode decoder state
         self.ticks = 0
         self._finish_heap: list[tuple[int, int, int, SimSeq]] = []
@@ -358,7 +361,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 if self.util is not None:
                     self.util.step(dt, nd, ctx_sum, chunks)
                 yield env.timeout(dt)
-                t = env.now
+                t = self._step_end = env.now
                 if self.fast:
                     if nd:
                         self._decode_fast(t, 1, t, None)
@@ -376,8 +379,10 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
     def _see_arrivals(self) -> None:
         """Async scheduling: move into the waiting queue the arrivals the decision now
         sees (``asyncsched.sees``): those that came by the previous decision, or all of
-        them when the engine had nothing planned ahead (nothing running or waiting)."""
-        idle = not (self.decoding or self.prefilling or len(self.waiting) or self.swapped)
+        them when the engine had nothing planned ahead: no step ended just now (it
+        waited: idle, or every decoder blocked on its client), or nothing to run."""
+        idle = (self.env.now != self._step_end
+                or not (self.decoding or self.prefilling or len(self.waiting) or self.swapped))
         keep = []
         for s in self._inbox:
             if _sees(s.enqueued, self._decided_at, idle):
