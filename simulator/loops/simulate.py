@@ -38,6 +38,7 @@ from simulator.model.kv.prefixkeys import WorkloadKeys
 from simulator.wire.network import ConnectionPools, H2Connections, NetworkTiming, Topology
 from simulator.report.recorder import Recorder
 from simulator.config.engine import engine_policy
+from simulator.model.scheduling.view import class_table
 from simulator.wire.frontend import FrontendTiming
 from simulator.wire.stream import StreamTiming
 from simulator.loops.compiled import (COMPILE_MIN_REQUESTS, Handback, kernel_reason,
@@ -269,6 +270,7 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     eng = scenario.engine
     pname = policy or eng.policy
     pol = engine_policy(eng, pname)
+    pol.classes = class_table(scenario)     # what a plug-in's order_key sees of a class
     n_rep = scenario.cluster.replicas
     capacity = kv_capacity_blocks(scenario)
     bs = eng.kv.block_size

@@ -19,14 +19,17 @@ from simulator.model.policies.fifo import fill_whole_prompts
 from simulator.model.policies.priority_aging import aging_key
 from simulator.model.policies.static import fill_static
 from simulator.model.scheduling.policy import REQUEUE_ARRIVAL, REQUEUE_FRONT
-from simulator.model.scheduling.queues import goes_before, progress
+from simulator.model.scheduling.queues import goes_before, heads_suffice, progress
 
 FILLS = (fill_whole_prompts, fill_chunked, fill_static)
 ORDERS = (None, aging_key, fair_key)          # None: arrival order (one FIFO)
 
 
 def policy_ids(policy):
-    """``(fill id, order id)`` of a policy whose kernels the compiled loop knows, or None."""
+    """``(fill id, order id)`` of a policy whose kernels the compiled loop knows, or None
+    (also for one whose order is not followed by the classes' heads: ``heads_suffice``)."""
+    if not heads_suffice(policy):
+        return None
     fill = next((i for i, k in enumerate(FILLS) if k is policy.fill_kernel), None)
     order = next((i for i, k in enumerate(ORDERS) if k is policy.order_kernel), None)
     return None if fill is None or order is None else (fill, order)

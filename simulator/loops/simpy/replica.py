@@ -53,6 +53,7 @@ from simulator.model.scheduling import SchedulerState, Seq, StepPlan
 from simulator.model.scheduling import epoch as E
 from simulator.model.scheduling.asyncsched import sees
 from simulator.model.scheduling.progress import admission_times
+from simulator.model.scheduling.queues import heads_suffice
 
 # The rules this loop asks on every step and arrival, as plain functions (a compiled
 # call's dispatch costs more than their few comparisons).
@@ -156,8 +157,9 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         if streams and self.fast:
             raise ValueError("per-request streams need mode='slow'")
         # Aging reorders the queue as time passes, so a blocked head can change without
-        # any event; epochs then run only while nobody waits.
-        self._aging = policy.time_dependent
+        # any event; epochs then run only while nobody waits. So does a key of a policy's
+        # own (``queues.heads_suffice``): an arrival may go before a blocked head.
+        self._aging = policy.time_dependent or not heads_suffice(policy)
         # fast-mode decoder state
         self.ticks = 0
         self._finish_heap: list[tuple[int, int, int, SimSeq]] = []

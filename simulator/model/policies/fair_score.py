@@ -32,11 +32,13 @@ from pydantic import Field
 from simulator.kernel import kernel
 from simulator.model.policies.chunked import ChunkParams, fill_chunked
 from simulator.model.scheduling.policy import REQUEUE_RESUMED, Policy, register_policy
+from simulator.model.scheduling.queues import arrival_ordered
 
 # Indices of the order parameters (``FairScorePolicy.order_params``).
 F_SCALE, F_CAP, F_WAIT, F_VIP, F_PROGRESS = range(5)
 
 
+@arrival_ordered      # within a class the longer wait never has the higher key
 @kernel
 def fair_key(prio, enq, progress, now, p):
     """The queue order of ``fair_score``: minus the seed's score (lower key first)."""

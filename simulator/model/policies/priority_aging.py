@@ -18,8 +18,10 @@ from pydantic import Field
 from simulator.kernel import kernel
 from simulator.model.policies.chunked import ChunkParams, fill_chunked
 from simulator.model.scheduling.policy import REQUEUE_ARRIVAL, Policy, register_policy
+from simulator.model.scheduling.queues import arrival_ordered
 
 
+@arrival_ordered      # within a class the longer wait never has the higher key
 @kernel
 def aging_key(prio, enq, progress, now, p):
     """The queue order of ``priority_aging``: ``prio - floor(wait / aging_s)`` with

@@ -23,6 +23,29 @@ candidates with ``out_cand[j]`` tokens each; ``more`` is True when the rule used
 candidates it was given without a limit stopping it, so the executor offers more (all
 of them if it must) and asks again. A rule is pure, so asking again is safe; offering
 candidates a few at a time keeps a step's cost independent of the queue's length.
+
+The order key's contract. A policy orders the waiting queue by a key, lower first, ties
+to the earlier arrival (then, among equals, a request requeued at the front first):
+
+- ``order_key(self, req) -> float``, a plain method, is a plug-in's way: ``req`` is a
+  ``view.Waiting`` (read-only: ``priority``, ``class_name``, ``slo_ttft_s`` /
+  ``slo_tpot_s`` / ``slo_e2el_s`` where the scenario gives them, ``enqueued``,
+  ``prompt_tokens``, ``remaining_prefill``, ``output_tokens``, ``generated``,
+  ``progress``, ``ttft_deadline``, and ``now`` / ``waited``). Every waiting request is
+  compared, within and across classes, whatever ``by_class`` says. A key that reads
+  ``now`` or ``waited`` must set ``time_dependent = True`` (it is then recomputed at
+  every decision); any other key is computed once, when a request joins the queue.
+  Shortest prompt first: ``return req.prompt_tokens``; last in, first out: ``return
+  -req.enqueued``; earliest TTFT deadline: ``return req.ttft_deadline`` (a class
+  without a TTFT target needs a number of its own there: None is not a key).
+  Such a policy runs on the SimPy loop and the real engine (the compiled loop knows
+  only the built-in keys).
+- ``order_kernel(prio, enq, progress, now, p)``, a ``@kernel`` of numbers (``p``: the
+  policy's ``order_params``), is the built-in policies' way, also run compiled. One
+  declared ``queues.arrival_ordered`` (within a class an earlier arrival never has a
+  higher key) over ``by_class`` FIFOs has only the classes' heads compared; any other
+  kernel has every request compared, as ``order_key``.
+- neither: arrival order (the requeue rule decides where a preempted request waits).
 """
 from __future__ import annotations
 
@@ -89,6 +112,7 @@ class Policy:
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     fill_kernel: ClassVar[Any] = None       # the fill rule (a @kernel)
     order_kernel: ClassVar[Any] = None      # the queue's order key (a @kernel)
+    order_key: ClassVar[Any] = None         # or a method of a view.Waiting (module doc)
     requeue: ClassVar[int] = REQUEUE_FRONT
     by_class: ClassVar[bool] = False        # one FIFO per priority class (else one FIFO)
     time_dependent: ClassVar[bool] = False  # the order changes with time alone (aging)
@@ -100,6 +124,9 @@ class Policy:
         cs = getattr(self.params, "chunk_size", None)
         self.chunk_size = int(cs) if cs is not None else limits.max_num_batched_tokens
         self._order = np.asarray(self.order_params(), dtype=np.float64)
+        # priority -> view.ClassInfo (name, SLO) for ``order_key``; a simulation fills it
+        # from the scenario (``view.class_table``), the real engine knows none.
+        self.classes: dict = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.limits}, {self.params!r})"
