@@ -188,6 +188,15 @@ def _lifo_kernel(prio, enq, progress, now, p):
     return -enq
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _forget_test_policies():
+    """The policies these tests register leave the registry with the module."""
+    yield
+    from simulator.model.scheduling.policy import POLICIES
+    for name in [n for n in POLICIES if n.startswith("t_")]:
+        del POLICIES[name]
+
+
 def _policy(name, key=None, by_class=False, kern=None, timed=False):
     """A chunked policy ordered by ``key`` (an ``order_key`` method) or ``kern`` (an
     order kernel of its own), registered once under ``name``."""
