@@ -216,3 +216,20 @@ def test_token_budget_chunks_a_long_prompt():
         assert pre[budget] == pytest.approx(sum(cost.step_time(0, 0, 0, c) for c in chunks),
                                             rel=1e-12)
     assert pre[1024] > pre[8192]
+
+
+def test_async_arrival_behind_blocked_streams_is_seen_at_once():
+    """Nothing is in flight while every decoder waits on its client (``backpressure:
+    block``: a 0.08 Mbit/s client drains one 1000-byte frame per 0.1 s, its 4000-byte
+    buffer is full after four 10 ms steps): the engine waits, so a request arriving then
+    is seen by the next decision and scheduled on arrival (it waited for no step)."""
+    wl = Workload(arrival_s=np.array([0.0, 0.5]), prompt_tokens=np.array([64, 64]),
+                  output_tokens=np.array([400, 2]), priority=np.zeros(2, int),
+                  client=np.array([0, 1]))
+    sc = make_scenario(engine=_engine(async_scheduling=True),
+                       network={**ZERO_NET, "clients": 2},
+                       stream={"frame_overhead_bytes": 1000, "bytes_per_token": 0,
+                               "downlink_mbps": 0.08, "buffer_bytes": 4000,
+                               "backpressure": "block"})
+    rec = simulate(sc, 0, workload=wl, profile=_const_decode_profile()).rec
+    np.testing.assert_allclose(rec.scheduled, rec.enqueued, rtol=0, atol=0)
