@@ -48,6 +48,24 @@ def test_a_missing_profile_is_refused_by_the_model_check(tmp_path, monkeypatch):
     assert "\n" not in msg
 
 
+def test_sweep_points_find_the_profile_from_any_working_directory(tmp_path, monkeypatch):
+    # Each grid point is checked as the file is: relative to the scenario, so a sweep
+    # of a scenario naming its model runs from outside the repository too.
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from simulator.cli.main import app
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "sw"
+    r = CliRunner().invoke(app, ["sweep", str(QUICKSTART), "--set", "model.name=llama-3-8b",
+                                 "--set", "workload.num_requests=20", "--grid",
+                                 "engine.max_num_seqs=16,32", "--workers", "1",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, (r.output[-1500:], r.exception)
+    df = pd.read_csv(out / "results.csv")
+    assert len(df) == 2 and (df["completed"] == 20).all()
+
+
 def test_run_from_the_repository_root_refuses_another_models_profile(tmp_path):
     out = tmp_path / "x"
     r = latsim("run", "scenarios/quickstart.yaml", "--set", "model.name=llama-2-70b",

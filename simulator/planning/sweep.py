@@ -364,7 +364,8 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     for i, params in enumerate(points):
         data = point_scenario(base, params, runs)
         try:
-            sc = validate_scenario(data, source=f"grid point {describe(params)}")
+            sc = validate_scenario(data, source=f"grid point {describe(params)}",
+                                   base_dir=base_dir)
         except LatsimError as e:
             raise LatsimError(str(e)) from None
         profile = load_profile_for(sc, base_dir, cache)
