@@ -6,8 +6,10 @@ A step is given as ``--prefill NxL`` (N prompts of L tokens prefilled whole in o
 step) and/or ``--decode B@C`` (B sequences decoding one token each at context C);
 both make a mixed step. The answer is the step's milliseconds and its terms
 (compute, memory, communication, overhead and the finer ones), as text or one JSON
-object (``--json``). User errors (unknown GPU or model, a TP or PP the model cannot
-be split into, a model that does not fit, a malformed step) are one line, exit 2.
+object (``--json``). ``--steps FILE`` prices many steps with the model set up once
+(``simulator.cli.costbatch``; the Python API: ``simulator.cost.step_ms``). User errors
+(unknown GPU or model, a TP or PP the model cannot be split into, a model that does not
+fit, a malformed step) are one line, exit 2.
 """
 from __future__ import annotations
 
@@ -20,27 +22,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from simulator.cost.steps import (check_step, cost_model, named, parse_decode, parse_prefill,
+                                  price, step_args)
 from simulator.errors import LatsimError
 
 console = Console()
-
-
-def parse_prefill(text: str) -> tuple[int, int]:
-    """``NxL`` -> (N prompts, L tokens each); ``L`` alone is one prompt."""
-    m = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?(\d+)\s*", text or "")
-    if not m or int(m.group(2)) < 1 or (m.group(1) is not None and int(m.group(1)) < 1):
-        raise LatsimError("must look like NxL (N prompts of L tokens, e.g. 4x512)",
-                          source="--prefill", value=text, has_value=True)
-    return int(m.group(1) or 1), int(m.group(2))
-
-
-def parse_decode(text: str) -> tuple[int, int]:
-    """``B@C`` -> (B sequences, context C)."""
-    m = re.fullmatch(r"\s*(\d+)\s*@\s*(\d+)\s*", text or "")
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise LatsimError("must look like B@C (B sequences at context C, e.g. 16@1024)",
-                          source="--decode", value=text, has_value=True)
-    return int(m.group(1)), int(m.group(2))
 
 
 def parse_spec(text: str) -> dict:
@@ -88,7 +74,7 @@ def spec_report(cm, spec: dict, model_cost, prefill: Optional[tuple],
         raise LatsimError(speculative_cost_error("profile"), source="--spec")
     draft = None
     if spec["method"] == "draft":
-        draft = _named("--spec", lambda: draft_cost_model(spec["draft_model"], model_cost, cm,
+        draft = named("--spec", lambda: draft_cost_model(spec["draft_model"], model_cost, cm,
                                                           [Path.cwd()]))
     sp = Speculative(spec["method"], spec["k"], spec["acceptance"], draft, spec["draft_model"])
     chunks = [(prefill[1], 0, True)] * prefill[0] if prefill else []
@@ -105,95 +91,15 @@ def spec_report(cm, spec: dict, model_cost, prefill: Optional[tuple],
             "speedup": base / ((verify + dms) / tokens)}
 
 
-def _roofline(model: str, gpu: str, tp: int, pp: int, weight_dtype: str, kv_dtype: str,
-              calibrate: Optional[Path]):
-    from simulator.cost import catalog
-    from simulator.cost.roofline.constants import KV_DTYPES, WEIGHT_DTYPES
-    from simulator.cost.roofline.model import (RooflineCostModel, load_calibration_profile,
-                                               model_arch)
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise LatsimError(f"must be one of {', '.join(WEIGHT_DTYPES)}", source="--weight-dtype",
-                          value=weight_dtype, has_value=True)
-    if kv_dtype not in KV_DTYPES:
-        raise LatsimError(f"must be one of {', '.join(KV_DTYPES)}", source="--kv-dtype",
-                          value=kv_dtype, has_value=True)
-    spec = _named("--gpu", lambda: catalog.gpu(gpu))
-    arch = _named("--model", lambda: model_arch(model, [Path.cwd()]))
-    for flag, v in (("--tp", tp), ("--pp", pp)):
-        if v < 1:
-            raise LatsimError("must be a positive integer", source=flag, value=v, has_value=True)
-    try:
-        catalog.check_parallelism(arch, tp, pp)
-    except LatsimError as e:
-        flag = "--pp" if "'pp'" in str(e) else "--tp"
-        raise LatsimError(re.sub(r"^field '[^']*': ", "", str(e)), source=flag) from None
-    profile, src = None, ""
-    if calibrate is not None:
-        profile, src = load_calibration_profile(str(calibrate), [Path.cwd()])
-    return RooflineCostModel(arch, spec, tp, pp, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                             profile=profile, profile_source=src)
-
-
-def _named(flag: str, lookup):
-    """A catalogue lookup whose error names the flag instead of the catalogue field."""
-    try:
-        return lookup()
-    except LatsimError as e:
-        raise LatsimError(re.sub(r"^field '[^']*': ", "", str(e)), source=flag) from None
-
-
-def _measured(profile: Path, kind: str, model: Optional[str]):
-    from simulator.cost import load_profile
-    from simulator.cost.fitted import FittedCostModel
-    from simulator.cost.profile import ProfileCostModel
-    if not profile.exists():
-        raise LatsimError("file not found", source=str(profile), field="--profile")
-    prof = load_profile(profile)
-    if model is not None:
-        _check_profile_model(prof, model, profile)
-    if kind == "fitted":
-        return FittedCostModel(prof), prof
-    if kind == "profile":
-        return ProfileCostModel(prof), prof
-    raise LatsimError("must be fitted or profile (roofline: leave --profile out)",
-                      source="--kind", value=kind, has_value=True)
-
-
-def _check_profile_model(prof: dict, model: str, path: Path) -> None:
-    """``--model`` with ``--profile``: the profile must be of that model."""
-    from simulator.config.model import ModelShape, _profile_model_check
-    from simulator.cost.roofline.model import model_arch
-    arch = _named("--model", lambda: model_arch(model, [Path.cwd()]))
-    shape = ModelShape(name=arch.name, n_layers=arch.layers, d_model=arch.hidden,
-                       n_heads=arch.heads, n_kv_heads=arch.kv_heads, head_dim=arch.head_dim,
-                       params_b=arch.param_count() / 1e9)
-    try:
-        _profile_model_check(model, shape, str(path.resolve()), [])
-    except Exception as e:  # noqa: BLE001 - a pydantic error carrying our message
-        ctx = getattr(e, "context", None) or {}
-        raise LatsimError(str(ctx.get("msg", e)).replace("model.name", "--model")
-                          .replace("model.cost: {kind: roofline, gpu: ..., calibrate:",
-                                   "latsim cost --gpu ... --calibrate").rstrip("}"),
-                          source=str(path)) from None
-
-
 def step_report(cm, prefill: Optional[tuple], decode: Optional[tuple]) -> dict:
     """One step's milliseconds and terms from a cost model (the JSON ``latsim cost``
     prints); the roofline model adds its breakdown and memory plan."""
-    chunks = [(prefill[1], 0, True)] * prefill[0] if prefill else []
-    nd, ctx = decode if decode else (0, 0)
+    nd, ctx, _, chunks = step_args(prefill, decode)
     out: dict = {"step": {"prefill": {"prompts": prefill[0], "tokens": prefill[1]} if prefill
                           else None,
                           "decode": {"batch": nd, "context": ctx} if decode else None}}
-    plan = None
-    if hasattr(cm, "memory_plan"):
-        # Whether the step fits the GPUs at all, before timing it (a step of a hundred
-        # million tokens is refused here, not after minutes of arithmetic).
-        plan = cm.memory_plan(max_num_batched_tokens=max(nd + sum(c[0] for c in chunks), 1),
-                              max_num_seqs=max(nd + len(chunks), 1))
-        if not plan.fits:
-            raise LatsimError(plan.reason)
-    ms = cm.step_time(nd, ctx, nd * ctx, chunks) * 1000.0
+    plan = check_step(cm, prefill, decode)
+    ms = price(cm, prefill, decode)
     out["ms"] = ms
     desc = cm.describe()
     if hasattr(cm, "breakdown"):
@@ -239,9 +145,26 @@ def cost(
     spec: Optional[str] = typer.Option(None, "--spec", help="speculative decoding what-if "
                                        "for the --decode step: k=4,acceptance=0.7[,draft="
                                        "llama-3.2-1b] (no draft: n-gram)"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (with --steps: "
+                                 "one per line)"),
+    steps: Optional[str] = typer.Option(None, "--steps", help="price many steps: a CSV with "
+                                        "prefill and/or decode columns (NxL, B@C), or JSON "
+                                        "lines (.jsonl, or - for stdin); one CSV row per "
+                                        "step out"),
+    out: Optional[Path] = typer.Option(None, "--out", help="with --steps: write the rows to "
+                                       "this file instead of stdout"),
+    force: bool = typer.Option(False, "--force", help="--out may name an existing file: it is "
+                               "replaced"),
+    terms: bool = typer.Option(False, "--terms", help="with --steps: add the roofline's terms "
+                               "(compute, memory, communication, overhead, bound) to each row"),
 ) -> None:
     """Time one engine step (roofline estimate from datasheets, or a profile's model)."""
+    config = dict(model=model, gpu=gpu, tp=tp, pp=pp, weight_dtype=weight_dtype,
+                  kv_dtype=kv_dtype, calibrate=calibrate, profile=profile, kind=kind)
+    if steps is not None or out is not None or force or terms:
+        from simulator.cli.costbatch import cost_batch
+        return cost_batch(steps, out, force, as_json, terms, config,
+                          {"--prefill": prefill, "--decode": decode, "--spec": spec})
     pre = parse_prefill(prefill) if prefill is not None else None
     dec = parse_decode(decode) if decode is not None else None
     if pre is None and dec is None:
@@ -250,23 +173,9 @@ def cost(
     if sp is not None and dec is None:
         raise LatsimError("speculative decoding is a what-if on a decode step: give --decode "
                           "B@C", source="--spec")
-    if profile is not None:
-        if gpu is not None or calibrate is not None:
-            raise LatsimError("--profile times the step with the profile's own model; --gpu "
-                              "and --calibrate belong to the roofline (leave --profile out)",
-                              source="--profile")
-        cm, _ = _measured(profile, kind, model)
-        mcost = SimpleNamespace(kind=kind)
-    else:
-        if kind != "fitted":
-            raise LatsimError("chooses the model of a --profile: give --profile", source="--kind",
-                              value=kind, has_value=True)
-        if model is None or gpu is None:
-            raise LatsimError("the roofline needs --model and --gpu (or give --profile)",
-                              source="latsim cost")
-        cm = _roofline(model, gpu, tp, pp, weight_dtype, kv_dtype, calibrate)
-        _check_context(cm.arch, pre, dec)
-        mcost = SimpleNamespace(kind="roofline", gpu=cm.spec.name, tp=tp)
+    cm = cost_model(**config)
+    mcost = (SimpleNamespace(kind=kind) if profile is not None else
+             SimpleNamespace(kind="roofline", gpu=cm.spec.name, tp=tp))
     rep = step_report(cm, pre, dec)
     if sp is not None:
         rep["speculative"] = spec_report(cm, sp, mcost, pre, dec)
@@ -274,15 +183,6 @@ def cost(
         print(json.dumps(rep, default=_jsonable, allow_nan=False))
         return
     print_report(rep)
-
-
-def _check_context(arch, pre: Optional[tuple], dec: Optional[tuple]) -> None:
-    """A step's prompts and decode contexts may not exceed the model's longest context
-    (``max_position_embeddings``): no server runs them (one-line error naming the option)."""
-    from simulator.cost import catalog
-    for opt, tokens, what in (("--prefill", pre[1] if pre else 0, "a prompt of"),
-                              ("--decode", dec[1] if dec else 0, "a context of")):
-        catalog.check_context(arch, tokens, what, source=opt)
 
 
 def _jsonable(v):

@@ -16,7 +16,7 @@ from simulator.config.registry import COST_MODELS
 from simulator.cost.profile import ProfileCostConfig, ProfileCostModel, load_profile, resolve_profile_path
 
 __all__ = ["ProfileCostConfig", "ProfileCostModel", "load_profile", "build_cost_model",
-           "profile_search_dirs"]
+           "profile_search_dirs", "step_ms"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,3 +70,11 @@ def profile_path_of(cfg) -> str | None:
 def build_cost_model(cfg, rng, base_dirs, profile: dict | None = None):
     """The cost model a ``model.cost`` config describes."""
     return COST_MODELS.build(cfg, rng, base_dirs, profile=profile)
+
+
+def step_ms(prefill=None, decode=None, **config):
+    """Milliseconds of one engine step, or of arrays of steps, priced as ``latsim cost``
+    prices them (``simulator.cost.steps.step_ms``: the arguments and an example there
+    and in README)."""
+    from simulator.cost.steps import step_ms as _step_ms
+    return _step_ms(prefill, decode, **config)
