@@ -204,6 +204,85 @@ def read_text(path, *, max_bytes: int, what: str = "file", field: str | None = N
                           field=field) from None
 
 
+HEAD_BYTES = 1 << 16   # how much of a table is checked for text before a parser reads it
+
+
+def check_text_file(path, *, max_bytes: int, what: str = "file", field: str | None = None):
+    """``check_file``'s checks, then the first ``HEAD_BYTES`` must be UTF-8 without NUL
+    bytes: a binary file is refused before a parser (which would read it whole) sees it.
+    Returns the ``Path``."""
+    p = check_file(path, max_bytes=max_bytes, what=what, field=field)
+    try:
+        with open(p, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    except OSError as e:
+        raise LatsimError(f"cannot read the {what}: {e.strerror or e}", source=str(p),
+                          field=field) from None
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise LatsimError(f"not a text file (a NUL byte at offset {nul:,}): expected a "
+                          f"UTF-8 {what}", source=str(p), field=field)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # Not merely a character cut at the end of the head:
+        if len(head) < HEAD_BYTES or e.reason != "unexpected end of data":
+            raise _not_utf8(p, head, e, what, field) from None
+    return p
+
+
+def _not_utf8(p, raw: bytes, e: UnicodeDecodeError, what: str, field,
+              offset: bool = True) -> "LatsimError":
+    where = f" at offset {e.start:,}" if offset else ""   # a parser's chunk: no file offset
+    return LatsimError(f"not a UTF-8 text file (byte 0x{raw[e.start]:02x}{where}): expected "
+                       f"a UTF-8 {what}", source=str(p), field=field)
+
+
+def present(path) -> bool:
+    """Whether ``path`` names anything, a broken or looping symbolic link included
+    (``Path.exists`` says False for those, so a file that is there but cannot be read
+    would be skipped as missing rather than refused)."""
+    import os
+    return os.path.lexists(path)
+
+
+def read_json(path, *, max_bytes: int, what: str = "JSON file", field: str | None = None,
+              mapping: bool = True):
+    """A JSON file's value (``read_text``'s checks first); invalid or too deeply nested
+    JSON is a one-line ``LatsimError``, and so is a top-level value that is not an
+    object when ``mapping``."""
+    import json
+    text = read_text(path, max_bytes=max_bytes, what=what, field=field)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LatsimError(f"invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}",
+                          source=str(path), field=field) from None
+    except RecursionError:
+        raise LatsimError("invalid JSON: nested too deeply", source=str(path),
+                          field=field) from None
+    if mapping and not isinstance(data, dict):
+        raise LatsimError(f"must be a JSON object (a {what})", source=str(path), field=field,
+                          value=data, has_value=True)
+    return data
+
+
+def read_csv(path, *, max_bytes: int, what: str = "table", field: str | None = None, **kw):
+    """A CSV file as a ``DataFrame`` (``check_text_file``'s checks first, then pandas
+    with ``kw``); an empty, malformed or non-UTF-8 file is a one-line ``LatsimError``."""
+    import pandas as pd
+    p = check_text_file(path, max_bytes=max_bytes, what=what, field=field)
+    try:
+        return pd.read_csv(p, **kw)
+    except pd.errors.EmptyDataError:
+        raise LatsimError(f"the {what} is empty", source=str(p), field=field) from None
+    except UnicodeDecodeError as e:
+        raise _not_utf8(p, e.object, e, what, field, offset=False) from None
+    except (pd.errors.ParserError, ValueError, OverflowError, OSError) as e:
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise LatsimError(f"cannot read the {what}: {msg}", source=str(p), field=field) from None
+
+
 def available_memory() -> int | None:
     """Bytes of memory a new allocation can get now: ``MemAvailable`` on Linux, else the
     physical memory, else None (unknown)."""

@@ -497,3 +497,269 @@ def test_generated_profiles(tmp_path_factory, edits):
     (d / "s.yaml").write_text(yaml.safe_dump(s))
     code, _, err = run_cli(["run", d / "s.yaml"])
     assert_outcome(code, err)
+
+
+# -- issue 28's classes of bad input, each across the commands that read it ---------------
+#
+# Each case builds its input in tmp_path and must end in one ``latsim: error:`` line
+# (exit 2) holding the words given: the file and field named, never a traceback (the
+# tests run with LATSIM_DEBUG), an exit 0 or a hang.
+
+import json as _json  # noqa: E402
+import os as _os  # noqa: E402
+
+RUN28 = REPO / "data" / "h200-refbench" / "runs" / "load50-fifo"
+
+
+def _results_folder(tmp: Path) -> Path:
+    """A small `latsim run --out` folder (requests.csv, summary.json, timeseries.csv)."""
+    out = tmp / "res"
+    code, _, err = run_cli(["run", _ok_scenario(tmp), "--out", out])
+    assert code == 0, err
+    return out
+
+
+def _pipe(p: Path) -> None:
+    p.unlink()
+    _os.mkfifo(p)
+
+
+def _loop(p: Path) -> None:
+    p.unlink()
+    _os.symlink(p.name + ".b", p)
+    _os.symlink(p.name, p.with_name(p.name + ".b"))
+
+
+def _folder(p: Path) -> None:
+    p.unlink()
+    p.mkdir()
+
+
+NOT_WHAT_THEY_CLAIM = {"pipe": (_pipe, "is not a regular file"),
+                       "link-loop": (_loop, "Too many levels of symbolic links"),
+                       "folder": (_folder, "is a folder"),
+                       "latin1": (lambda p: p.write_bytes(p.read_bytes() + b"caf\xe9\n"),
+                                  "not a UTF-8 text file (byte 0xe9")}
+
+
+@pytest.mark.parametrize("how", sorted(NOT_WHAT_THEY_CLAIM))
+@pytest.mark.parametrize("name", ["requests.csv", "summary.json", "timeseries.csv"])
+def test_report_refuses_a_results_file_that_is_not_one(tmp_path, name, how):
+    """A pipe (report blocked forever on it), a link loop or a folder (skipped as
+    missing, exit 0), latin-1 bytes where a results file should be: one line naming
+    the file."""
+    res = _results_folder(tmp_path)
+    edit, words = NOT_WHAT_THEY_CLAIM[how]
+    edit(res / name)
+    code, _, err = run_cli(["report", res])
+    assert_outcome(code, err, bad=True)
+    assert f"{res / name}: " in err and words in err, err
+
+
+@pytest.mark.parametrize("summary, field", [
+    ({"policy": [1, 2]}, "policy"), ({"policy": "fifo", "overall": [1]}, "overall"),
+    ({"policy": "fifo", "per_class": "x"}, "per_class"), ({"fifo": [1, 2, 3]}, "fifo"),
+    ("deep", None)])
+def test_report_refuses_a_summary_of_the_wrong_shape(tmp_path, summary, field):
+    """summary.json sections of the wrong JSON type (were used or ignored: exit 0), or
+    JSON nested 10^5 deep (a RecursionError, exit 70)."""
+    res = _results_folder(tmp_path)
+    sj = res / "summary.json"
+    sj.write_text("[" * 100_000 + "]" * 100_000 if summary == "deep" else
+                  _json.dumps(summary))
+    code, _, err = run_cli(["report", res])
+    assert_outcome(code, err, bad=True)
+    assert f"{sj}: " in err, err
+    assert (f"field '{field}'" in err) if field else ("nested too deeply" in err), err
+
+
+@pytest.mark.parametrize("col, value, words", [
+    ("ttft", 1e300, "no run spans more than 1e11 s (got 1e+300)"),
+    ("e2el", -5.0, "in [0, 1e+11] (got -5.0)"), ("tpot", "inf", "finite"),
+    ("first_token", -1e300, "a time in seconds")])
+def test_report_refuses_latencies_no_run_can_have(tmp_path, col, value, words):
+    """A latency of 1e300 s or a negative one (a plot spanning 10^300 or below 0, exit
+    0): one line naming the file, the column and row, and the value."""
+    import pandas as pd
+    res = _results_folder(tmp_path)
+    df = pd.read_csv(res / "requests.csv")
+    df[col] = df[col].astype(object)
+    df.loc[3, col] = value
+    df.to_csv(res / "requests.csv", index=False)
+    code, _, err = run_cli(["report", res])
+    assert_outcome(code, err, bad=True)
+    assert f"field '{col} (row 4)'" in err and words in err, err
+
+
+def test_sweep_tables_with_impossible_latencies_are_refused(tmp_path):
+    import pandas as pd
+    t = tmp_path / "sweep.csv"
+    pd.DataFrame({"point": [0, 1], "workload.arrival.rate": [1.0, 2.0], "seed": [1, 1],
+                  "median_ttft_ms": [10.0, 12.0], "p99_ttft_ms": [20.0, 1e300],
+                  "median_tpot_ms": [5.0, 5.0], "p99_tpot_ms": [6.0, -1.0]}).to_csv(t, index=False)
+    code, _, err = run_cli(["report", t])
+    assert_outcome(code, err, bad=True)
+    assert "field 'p99_ttft_ms (row 2)'" in err and "1e+300" in err, err
+
+
+@pytest.mark.parametrize("value, tag", [
+    ("!!binary MjA=", "!!binary"), ("!!python/object:os.system ls", "!!python/object:os.system"),
+    ("!!timestamp 2001-12-14", "!!timestamp"), ("!!set {20: null}", "!!set"),
+    ("!!omap [a: 1]", "!!omap"), ("!!pairs [a: 1]", "!!pairs"), ("!local 20", "!local")])
+def test_yaml_tags_that_smuggle_another_type_are_refused(tmp_path, value, tag):
+    """A tag where an integer goes (``!!binary`` built bytes; ``!!set`` a set ...): one
+    line naming the field, the line and the tag; in a scenario and in --set alike."""
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    text = yaml.safe_dump(d).replace("num_requests: 20", f"num_requests: {value}")
+    p = tmp_path / "s.yaml"
+    p.write_text(text)
+    code, _, err = run_cli(["run", p])
+    assert_outcome(code, err, bad=True)
+    assert "field 'workload.num_requests'" in err and f"YAML tag {tag} at line" in err, err
+    code, _, err = run_cli(["run", _ok_scenario(tmp_path), "--set",
+                            f"workload.num_requests={value}"])
+    assert_outcome(code, err, bad=True)
+    assert f"YAML tag {tag}" in err, err
+
+
+def test_an_unquoted_date_is_text_not_a_datetime():
+    """``name: 2024-01-01`` is the name it reads as (the loader builds no datetime)."""
+    from simulator.config.yamlfile import safe_yaml
+    assert safe_yaml("name: 2024-01-01\nseed: 3\n", "s.yaml") == {"name": "2024-01-01",
+                                                                 "seed": 3}
+
+
+_PROFILE_EDITS = {
+    "meta.model": ([1, 2], "must be a mapping"), "meta.model.n_layers": ("thirty", "whole"),
+    "meta.model.n_heads": (0, "whole number in [1"), "meta.model.d_model": (1e30, "1e+07"),
+    "meta.model.n_kv_heads": (64, "at most n_heads"), "meta.peak_tflops": ("many", "number"),
+    "meta.hardware": ([1], "must be text"), "engine.graph_batch_buckets": (["a"], "batch sizes"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(_PROFILE_EDITS))
+@pytest.mark.parametrize("cmd", ["fit", "cost", "run"])
+def test_profiles_with_wrong_types_or_impossible_values(tmp_path, cmd, field):
+    """A list where meta.model goes, text where numbers go, zero heads, a 10^30-wide
+    model: refused by the profile's one check (``check_profile``) in fit, cost --profile
+    and a scenario's fitted model alike (were AttributeError / ValueError /
+    ZeroDivisionError, exit 70, or silently used)."""
+    value, words = _PROFILE_EDITS[field]
+    prof = _json.loads(PROFILE.read_text())
+    node = prof
+    keys = field.split(".")
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = value
+    p = tmp_path / "p.json"
+    p.write_text(_json.dumps(prof))
+    if cmd == "fit":
+        argv = ["fit", p]
+    elif cmd == "cost":
+        argv = ["cost", "--profile", p, "--decode", "8@1000"]
+    else:
+        d = make_scenario_dict()
+        d["workload"]["num_requests"] = 20
+        d["model"]["cost"] = {"kind": "fitted", "path": str(p)}
+        s = tmp_path / "s.yaml"
+        s.write_text(yaml.safe_dump(d))
+        argv = ["run", s]
+    code, _, err = run_cli(argv)
+    assert_outcome(code, err, bad=True)
+    assert f"field '{field}'" in err and words in err, err
+
+
+def _servegen(tmp: Path, rows: str, pmf_in: str = "{100: 0.5, 300: 0.5}") -> Path:
+    f = tmp / "sg"
+    f.mkdir()
+    (f / "chunk-1-trace.csv").write_text(rows)
+    (f / "chunk-1-dataset.json").write_text(_json.dumps(
+        {"0": {"input_tokens": pmf_in, "output_tokens": "{50: 1.0}", "reason_ratio": "{}"}}))
+    d = make_scenario_dict()
+    d["workload"] = {"kind": "servegen", "path": str(f), "window": [0, 600]}
+    s = tmp / "s.yaml"
+    s.write_text(yaml.safe_dump(d))
+    return s
+
+
+@pytest.mark.parametrize("rows, pmf, words", [
+    ("0,0.05,1.0,Weibull,0.001,1.0\n", "{100: 1.0}", "column 'shape': a Weibull shape below"),
+    ("0,0.05,1.0,Gamma,1e-300,1.0\n", "{100: 1.0}", "column 'shape': a Gamma shape below"),
+    ("0,0.05,1.0,Gamma,1.0,1.0\n", "{-100: 1.0}", "whole number >= 1 (got -100)"),
+    ("0,0.05,1.0,Gamma,1.0,1.0\n", "{0: 0.5, 20: 0.5}", "whole number >= 1 (got 0)"),
+    ("0,0.05,1.0,Gamma,1.0,1.0\n", "{2.5: 1.0}", "whole number >= 1 (got 2.5)")])
+def test_servegen_numbers_a_sampler_cannot_hold(tmp_path, rows, pmf, words):
+    """A Weibull shape of 0.001 (math.gamma overflowed: exit 70), a Gamma shape whose
+    gaps all underflow to 0, negative, zero or fractional token counts in a pmf (were
+    clipped to 1 token, silently): one line naming the file and the field."""
+    code, _, err = run_cli(["run", _servegen(tmp_path, rows, pmf)])
+    assert_outcome(code, err, bad=True)
+    assert words in err, err
+
+
+def test_a_gamma_burstiness_below_what_floating_point_holds_is_refused(tmp_path):
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    d["workload"]["arrival"] = {"kind": "gamma", "rate": 5.0, "burstiness": 0.001}
+    s = tmp_path / "s.yaml"
+    s.write_text(yaml.safe_dump(d))
+    code, _, err = run_cli(["run", s])
+    assert_outcome(code, err, bad=True)
+    assert "workload.arrival.burstiness" in err and "0.01" in err, err
+
+
+def test_class_shares_whose_sum_overflows_still_split_evenly():
+    """Two shares of 1e308 (their sum is inf: numpy refused the probabilities, exit 70)
+    are equal weights."""
+    import numpy as np
+    from simulator.workload.classes import PriorityClass, assign_classes
+    cls = [PriorityClass(name="a", share=1e308), PriorityClass(name="b", share=1e308)]
+    p = assign_classes(cls, 20_000, np.random.default_rng(1))
+    assert abs((p == 0).mean() - 0.5) < 0.02   # binomial sd 0.0035 at n = 20,000
+
+
+@pytest.mark.parametrize("stamps, ok", [
+    (["2023-11-16 18:15:46.68+00:00", "2023-11-16 18:15:47.1", "2023-11-16 18:15:48+00:00"],
+     False),
+    (["2023-11-16 18:15:46.68", "2023-11-16 18:15:47.1Z", "2023-11-16 18:15:48"], False),
+    (["2023-11-16T18:15:46Z", "2023-11-16T10:15:47-08:00", "2023-11-16T19:15:48+01:00"], True),
+    (["2023-11-16 18:15:46", "9999-12-31 23:59:59"], False)])
+def test_time_stamps_with_mixed_time_zones(tmp_path, stamps, ok):
+    """Stamps with and without a zone mixed (pandas raised 'Mixed timezones', exit 70):
+    one line naming the line; stamps all with zones, of different offsets, are instants
+    compared in UTC (1 s apart each here); a year-9999 stamp is beyond a trace's span
+    (it overflowed the nanosecond cast)."""
+    t = tmp_path / "t.csv"
+    t.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 + "".join(f"{s},100,10\n" for s in stamps))
+    code, out, err = run_cli(["trace", "summarize", t])
+    if ok:
+        assert code == 0, err
+        from simulator.workload.tracereaders import read_trace
+        assert list(read_trace(t).time_s) == [0.0, 1.0, 2.0]
+    else:
+        assert_outcome(code, err, bad=True)
+        assert f"{t}:3: column 'TIMESTAMP'" in err, err
+
+
+@pytest.mark.parametrize("body, words", [
+    ("import sys\nsys.exit(0)\n", "called sys.exit(0) while being imported"),
+    ("import sys\nsys.exit('bye')\n", "called sys.exit('bye')"),
+    ("class E(BaseException):\n    pass\nraise E('x')\n", "failed to load: E: x")])
+@pytest.mark.parametrize("cmd", ["run", "sweep"])
+def test_a_plugin_that_exits_while_imported_is_a_bad_input(tmp_path, body, words, cmd):
+    """sys.exit(0) in a plug-in's import ended latsim with exit 0 having written
+    nothing: it is now one line naming the plug-in file, exit 2."""
+    (tmp_path / "plug.py").write_text(body)
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    d["plugins"] = ["plug.py"]
+    s = tmp_path / "s.yaml"
+    s.write_text(yaml.safe_dump(d))
+    argv = ["run", s, "--out", tmp_path / "o"] if cmd == "run" else \
+        ["sweep", s, "--grid", "seed=1,2", "--out", tmp_path / "o"]
+    code, _, err = run_cli(argv)
+    assert_outcome(code, err, bad=True)
+    assert f"plug-in {tmp_path / 'plug.py'} {words}" in err, err
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())

@@ -9,6 +9,8 @@ log ``iterations.csv``. Most are read directly (fast); a few go through the CLI.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 
@@ -76,6 +78,37 @@ def folder_instead(path):
     path.mkdir()
 
 
+def pipe_instead(path):
+    """A named pipe where the file was: reading it would block forever (no writer)."""
+    path.unlink()
+    os.mkfifo(path)
+
+
+def link_loop(path):
+    """A symbolic link to a link back to it: 'too many levels of symbolic links'."""
+    path.unlink()
+    os.symlink(path.name + ".b", path)
+    os.symlink(path.name, path.with_name(path.name + ".b"))
+
+
+def latin1_bytes(path):
+    """A row with a latin-1 'é' (byte 0xe9): not UTF-8."""
+    path.write_bytes(path.read_bytes() + "caf\xe9\n".encode("latin-1"))
+
+
+def contradicting_log(df):
+    """Every step's decode count and contexts taken from another step: the log no longer
+    fits the run's trace and tokens (as a log of another run)."""
+    for c in ("n_decode", "max_decode_context", "sum_decode_context", "n_prefill_seqs"):
+        df[c] = df[c].sample(frac=1.0, random_state=0).to_numpy()
+
+
+def shifted_log(df):
+    """Every step 0.5 s later: every first token off by 0.5 s, the counts all right."""
+    df["start_s"] += 0.5
+    df["end_s"] += 0.5
+
+
 def swap_rows(a, b, cols=None):
     """Rows ``a`` and ``b`` swapped (in ``cols`` only, when given)."""
     def fn(df):
@@ -132,7 +165,7 @@ CASES = {
     "requests-two-policies": ("requests.csv", frame(two_policies), "policy (row 8)",
                               ["more than one serving policy", "chunked"]),
     # trace.csv
-    "trace-is-a-folder": ("trace.csv", folder_instead, None, ["cannot read trace"]),
+    "trace-is-a-folder": ("trace.csv", folder_instead, None, ["is a folder, not a trace"]),
     "trace-header-only": ("trace.csv", header_only, None, ["no requests"]),
     "trace-duplicate-id": ("trace.csv", set_cell("request_id", 6, 5), "request_id (row 7)",
                            ["duplicate request_id", "row 6", "got 5"]),
@@ -193,11 +226,33 @@ CASES = {
     "iterations-text-running": ("iterations.csv", set_cell("n_running", 7, "many"),
                                 "n_running (row 8)", ["not a number", "many"]),
     "iterations-is-a-folder": ("iterations.csv", folder_instead, None,
-                               ["cannot read the step log"]),
+                               ["is a folder, not a step log"]),
     "iterations-header-only": ("iterations.csv", header_only, None, ["no steps"]),
+    # A step log that contradicts the run: refused, saying how far off (check_step_log).
+    "iterations-contradict-every-step": ("iterations.csv", frame(contradicting_log), None,
+                                         ["contradicts the run's trace and tokens",
+                                          "of 3,158 steps (99%)", "prefill sequence counts"]),
+    "iterations-shifted": ("iterations.csv", frame(shifted_log), None,
+                           ["first tokens of 230 of 230 requests (100%)", "0.5 s off",
+                            "over 1% is refused"]),
     "iterations-missing-column": ("iterations.csv", drop_column("n_decode"), "n_decode",
                                   ["missing columns: n_decode"]),
 }
+
+
+# Files that are not what they claim, in each of the folder's files: refused by the one
+# vetting of the folder's files before any is read (recorded._vet_files).
+for _name, _what in (("trace.csv", "trace"), ("requests.csv", "requests"),
+                     ("tokens.csv", "tokens"), ("iterations.csv", "step log")):
+    _stem = _name.split(".")[0]
+    CASES[f"{_stem}-is-a-pipe"] = (_name, pipe_instead, None,
+                                   ["is not a regular file", f"not a {_what}"])
+    CASES[f"{_stem}-is-a-link-loop"] = (_name, link_loop, None,
+                                        ["Too many levels of symbolic links"])
+    CASES[f"{_stem}-latin1"] = (_name, latin1_bytes, None,
+                                ["not a UTF-8 text file (byte 0xe9"])
+CASES["other-json-is-a-pipe"] = ("notes.json", lambda p: os.mkfifo(p), None,
+                                 ["is not a regular file"])   # the digest reads it
 
 
 def _break(tmp_path, case):
@@ -353,3 +408,68 @@ def test_a_run_whose_request_ids_do_not_follow_arrival_order_validates_alike(tmp
     assert out[0]["real"] == out[1]["real"]
     assert out[0]["errors"] == out[1]["errors"]
     assert out[0]["step_errors"] == out[1]["step_errors"]
+
+
+# -- a `latsim bench --out` folder's summary.json ----------------------------------------
+
+def bench_like(tmp_path):
+    """A bench-format folder (requests.csv with rid, arrival, first_token, ...; no
+    tokens.csv, so its P50/P99 come from summary.json) made from the published run."""
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    read_recorded_run(RUN).requests_table().to_csv(folder / "requests.csv", index=False)
+    keys = {f"{q}_{m}_ms": 1.0 + i for i, (q, m) in enumerate(
+        (q, m) for m in ("ttft", "tpot", "itl", "e2el") for q in ("median", "p99"))}
+    (folder / "summary.json").write_text(json.dumps({"overall": keys}))
+    return folder
+
+
+def test_a_bench_folder_reads_its_summary(tmp_path):
+    run = read_recorded_run(bench_like(tmp_path))
+    assert run.kind == "bench" and run.real["median_ttft_ms"] == 1.0
+    assert run.real["p99_e2el_ms"] == 8.0
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[1, 2]", ["must be a JSON object", "got [1, 2]"]),
+    ('{"overall": [1, 2]}', ["field 'overall'", "must be a JSON object", "got [1, 2]"]),
+    ('{"overall": "fast"}', ["field 'overall'", "got 'fast'"]),
+    ("[" * 100_000 + "]" * 100_000, ["invalid JSON: nested too deeply"]),
+    ('{"overall": {"median_ttft_ms": NaN', ["invalid JSON at line 1"]),
+    (b'{"overall": "caf\xe9"}', ["not a UTF-8 text file (byte 0xe9 at offset 16)"]),
+    ("pipe", ["is not a regular file", "not a bench summary"]),
+    ("loop", ["Too many levels of symbolic links"]),
+], ids=["list", "overall-list", "overall-text", "deep", "cut", "latin1", "pipe", "loop"])
+def test_a_bench_summary_that_is_not_one_is_refused(tmp_path, text, words):
+    """summary.json of the wrong JSON type, too deep, not UTF-8, or a pipe / link loop
+    where the file should be: one line naming it (before: an AttributeError, a
+    RecursionError, or a read blocked forever on the pipe)."""
+    folder = bench_like(tmp_path)
+    sj = folder / "summary.json"
+    if text == "pipe":
+        pipe_instead(sj)
+    elif text == "loop":
+        link_loop(sj)
+    elif isinstance(text, bytes):
+        sj.write_bytes(text)
+    else:
+        sj.write_text(text)
+    with pytest.raises(LatsimError) as e:
+        read_recorded_run(folder)
+    msg = str(e.value)
+    assert msg.startswith(str(sj) + ":") and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("case", ["requests-is-a-pipe", "iterations-is-a-link-loop",
+                                  "iterations-contradict-every-step"])
+def test_cli_calibrate_refuses_a_folder_file_that_is_not_one(tmp_path, case):
+    """Through the CLI: exit 2 and one line, no profile written (a pipe used to block
+    calibrate forever; a contradicting step log used to be calibrated on)."""
+    folder, name, field, words = _break(tmp_path, case)
+    out = tmp_path / "out.json"
+    code, text = latsim("calibrate", SCEN, "--run", folder, "--out", out, "--no-sim")
+    assert code == 2, text
+    _check_message(_one_error_line(text), folder, name, field, words)
+    assert not out.exists()

@@ -21,13 +21,14 @@ from typing import Optional
 from simulator import cost as _cost  # noqa: F401  cost models
 from simulator import workload as _workload  # noqa: F401  arrivals, lengths, synthetic
 from simulator.cluster import routers as _routers  # noqa: F401  replica routers
-from simulator.errors import LatsimError
+from simulator.errors import LatsimError, about, check_file, present
 from simulator.model import policies as _policies  # noqa: F401  scheduling policies
 from simulator.workload import servegen as _servegen  # noqa: F401  kind: servegen
 from simulator.workload import inference_perf as _ip  # noqa: F401  kind: inference_perf
 from simulator.workload import traces as _traces  # noqa: F401  kind: trace
 
 ENTRY_POINT_GROUP = "latsim.plugins"
+MAX_PLUGIN_BYTES = 16 * 2**20   # a plug-in is a few KB of Python; this only stops a wrong file
 _loaded_entry_points = False
 
 
@@ -40,9 +41,21 @@ def _entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             ep.load()
-        except Exception as e:  # a broken third-party plug-in: say which, in one line
-            raise LatsimError(f"plug-in entry point {ep.name!r} ({ep.value}) failed to "
-                              f"load: {type(e).__name__}: {e}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # a broken third-party plug-in: say which, in one line
+            raise LatsimError(f"plug-in entry point {ep.name!r} ({ep.value}) "
+                              f"{_failure(e)}") from None
+
+
+def _failure(e: BaseException) -> str:
+    """What went wrong importing a plug-in, for its one-line error. ``sys.exit`` (or any
+    ``SystemExit``) is named as such: left alone it would end latsim with that status
+    (0: 'success') having written nothing."""
+    if isinstance(e, SystemExit):
+        return (f"called sys.exit({e.code!r}) while being imported (a plug-in module may "
+                "only define and register its classes)")
+    return f"failed to load: {type(e).__name__}: {e}"
 
 
 def load_plugins(names, base_dir: Optional[Path] = None, source: str = "<scenario>") -> None:
@@ -61,9 +74,11 @@ def load_plugins(names, base_dir: Optional[Path] = None, source: str = "<scenari
                 path = Path(name)
                 if not path.is_absolute() and base_dir is not None:
                     path = Path(base_dir) / path
-                if not path.is_file():
+                if not present(path):
                     raise LatsimError("plug-in file not found", source=source, field=field,
                                       value=name, has_value=True)
+                # A regular file (not a folder, a pipe or a loop of links), named as such.
+                check_file(path, max_bytes=MAX_PLUGIN_BYTES, what="plug-in (.py file)")
                 mod_name = f"latsim_plugin_{path.stem}_{abs(hash(str(path.resolve())))}"
                 if mod_name in sys.modules:
                     continue
@@ -71,14 +86,17 @@ def load_plugins(names, base_dir: Optional[Path] = None, source: str = "<scenari
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[mod_name] = module
                 try:
-                    spec.loader.exec_module(module)
+                    with about(f"plug-in {path}"):   # its own LatsimError names it too
+                        spec.loader.exec_module(module)
                 except BaseException:
                     del sys.modules[mod_name]
                     raise
             else:
-                importlib.import_module(name)
-        except LatsimError:
+                with about(f"plug-in {name}"):
+                    importlib.import_module(name)
+        except (LatsimError, KeyboardInterrupt):
             raise
-        except Exception as e:
-            raise LatsimError(f"plug-in failed to load: {type(e).__name__}: {e}",
-                              source=source, field=field, value=name, has_value=True) from None
+        except BaseException as e:   # SystemExit too: the run goes on only as an error
+            where = path if name.endswith(".py") else name
+            raise LatsimError(f"plug-in {where} {_failure(e)}", source=source,
+                              field=field) from None

@@ -1,5 +1,6 @@
-"""Reading a scenario file safely: a size cap, YAML without alias bombs, numbers that
-fit the event loops, and ``--set`` overrides applied to the parsed tree."""
+"""Reading a scenario file safely: a size cap, YAML without alias bombs, plain values
+only (no tag that smuggles in another type), numbers that fit the event loops, and
+``--set`` overrides applied to the parsed tree."""
 from __future__ import annotations
 
 import copy
@@ -70,6 +71,42 @@ def _distinct_nodes(root) -> int:
 
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
+# The plain types a scenario is made of: strings, numbers, booleans, null, lists and
+# mappings (with ``<<`` merges). Every other tag the safe loader knows builds another
+# Python type that no field takes and no error message quotes well: ``!!binary``
+# (bytes), ``!!timestamp`` (a datetime), ``!!set``, ``!!omap`` / ``!!pairs`` (lists of
+# tuples); ``!!python/...`` and local ``!tags`` are never built.
+_CORE = "tag:yaml.org,2002:"
+PLAIN_TAGS = frozenset(_CORE + t for t in ("str", "int", "float", "bool", "null", "map",
+                                            "seq", "merge"))
+
+
+def _check_plain_tags(root) -> None:
+    """Refuse a node tagged as anything but a plain type (``PLAIN_TAGS``), naming the
+    field it is at (``a.b[2].c``), its line and the tag."""
+    from yaml.nodes import MappingNode, ScalarNode, SequenceNode
+    seen: set[int] = set()
+    stack = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.tag not in PLAIN_TAGS:
+            tag = node.tag[len(_CORE):] if node.tag.startswith(_CORE) else node.tag
+            tag = tag if tag.startswith("!") else "!!" + tag
+            raise LatsimError(f"YAML tag {tag} at line {node.start_mark.line + 1} is not "
+                              "allowed: a scenario holds plain values (text, numbers, "
+                              "true/false, lists, mappings); write the value without the "
+                              "tag", field=path or None)
+        if isinstance(node, SequenceNode):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(node.value))
+        elif isinstance(node, MappingNode):
+            for k, v in node.value:
+                name = str(k.value) if isinstance(k, ScalarNode) else "?"
+                stack.append((k, path or name))
+                stack.append((v, f"{path}.{name}" if path else name))
+
 
 def _check_unique_keys(root) -> None:
     """A mapping that names a key twice is refused (YAML would keep the last silently:
@@ -90,9 +127,15 @@ def _check_unique_keys(root) -> None:
 
 class BoundedLoader(_BaseLoader):  # type: ignore[misc, valid-type]
     """YAML's safe loader that refuses a document whose aliases expand it by more than
-    ``MAX_ALIAS_EXPANSION`` nodes, or refer to themselves, or that names a key twice in
-    one mapping: the node graph is checked after composition, before anything is built
-    from it."""
+    ``MAX_ALIAS_EXPANSION`` nodes, or refer to themselves, that names a key twice in
+    one mapping, or that tags a value as another type than a plain one (``!!binary``,
+    ``!!set``, ...): the node graph is checked after composition, before anything is
+    built from it. An unquoted date (``2024-01-01``) is read as the text it is, not as
+    a datetime no field takes."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in rules if tag != _CORE + "timestamp"]
+        for first, rules in _BaseLoader.yaml_implicit_resolvers.items()}
 
     def get_single_node(self):
         """The document's node graph, refused when its aliases expand it too far or a
@@ -105,6 +148,7 @@ class BoundedLoader(_BaseLoader):  # type: ignore[misc, valid-type]
                                   f"the limit of {MAX_ALIAS_EXPANSION:,} (a 'billion laughs' "
                                   "file?)")
             _check_unique_keys(node)
+            _check_plain_tags(node)
         return node
 
 

@@ -108,7 +108,14 @@ def hardware_of(profile: dict) -> tuple[dict, str]:
 
 
 def _model_shape(profile: dict) -> dict:
+    """The model's dimensions from ``meta.model`` (checked by ``profile.check_profile``):
+    its mapping, or the catalogued model it names; Llama-3-8B's where it says none."""
     m = (profile.get("meta") or {}).get("model") or {}
+    if isinstance(m, str):
+        from simulator.cost import catalog
+        a = catalog.model(m)
+        m = {"n_layers": a.layers, "d_model": a.hidden, "n_heads": a.heads,
+             "n_kv_heads": a.kv_heads, "head_dim": a.head_dim, "ffn": a.ffn, "vocab": a.vocab}
     L = int(m.get("n_layers", 32))
     d = int(m.get("d_model", 4096))
     hq = int(m.get("n_heads", 32))

@@ -181,6 +181,7 @@ def check_profile(data, source: str) -> dict:
     if meta is not None and not isinstance(meta, dict):
         raise LatsimError("must be a mapping", source=source, field="meta", value=meta,
                           has_value=True)
+    _check_meta(meta or {}, source)
     eng = data.setdefault("engine", {})
     if not isinstance(eng, dict):
         raise LatsimError("must be a mapping", source=source, field="engine",
@@ -194,8 +195,83 @@ def check_profile(data, source: str) -> dict:
         if v is not None and not _finite_in(v, lo, hi):
             raise LatsimError(f"must be a finite number in [{lo:g}, {hi:g}]", source=source,
                               field=f"engine.{key}", value=v, has_value=True)
+    if eng.get("cuda_graphs") is not None and not isinstance(eng["cuda_graphs"], bool):
+        raise LatsimError("must be true or false", source=source, field="engine.cuda_graphs",
+                          value=eng["cuda_graphs"], has_value=True)
+    buckets = eng.get("graph_batch_buckets")
+    if buckets is not None and not (isinstance(buckets, list) and all(
+            _whole_in(b, 1, _MAX_SIZE) for b in buckets)):
+        raise LatsimError("must be a list of batch sizes (whole numbers >= 1)", source=source,
+                          field="engine.graph_batch_buckets", value=buckets, has_value=True)
     _check_stored_fit((meta or {}).get("fit"), source)
     return data
+
+
+# ``meta.model``'s dimensions, whole numbers in [1, _MAX_DIM]: the largest published
+# models' are below 10^6 (a 256k vocabulary, a 73,728-wide MLP), so one of 10^7 or more
+# is a broken field; the bound also keeps the fit's FLOP counts (layers x d_model x
+# ffn ...) far inside float range.
+_MAX_DIM = 1e7
+_MODEL_DIMS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab")
+# Other ``meta`` facts the cost models read: text, or numbers in (lowest, highest].
+_META_TEXT = ("hardware", "gpu", "dtype", "weight_dtype", "kv_dtype")
+_META_NUMBERS = {"peak_tflops": (0.0, 1e6), "hbm_gbs": (0.0, 1e7)}   # TFLOP/s, GB/s
+_META_COUNTS = {"sms": 1e5, "tp": 1e5, "pp": 1e5, "tensor_parallel": 1e5,
+                "pipeline_parallel": 1e5}
+
+
+def _whole_in(v, lo: float, hi: float) -> bool:
+    return _finite_in(v, lo, hi) and float(v).is_integer()
+
+
+def _check_meta(meta: dict, source: str) -> None:
+    """The ``meta`` facts a cost model reads have the type and range they must have:
+    ``meta.model`` a mapping of positive whole dimensions (``n_kv_heads`` at most
+    ``n_heads``; without ``head_dim``, ``d_model`` at least ``n_heads``) or a catalogued
+    model's name; the hardware and dtype names text; peak rates positive numbers; SM,
+    tensor- and pipeline-parallel counts whole numbers >= 1 (one-line errors naming
+    the field)."""
+    def bad(field, why, v):
+        return LatsimError(why, source=source, field=f"meta.{field}", value=v, has_value=True)
+
+    m = meta.get("model")
+    if isinstance(m, str):
+        from simulator.cost import catalog
+        try:
+            catalog.model(m)
+        except LatsimError:
+            raise bad("model", "names no catalogued model (give its dimensions as a mapping: "
+                      "n_layers, d_model, n_heads, ...)", m) from None
+    elif m is not None:
+        if not isinstance(m, dict):
+            raise bad("model", "must be a mapping of the model's dimensions (n_layers, "
+                      "d_model, n_heads, ...) or a catalogued model's name", m)
+        for k in _MODEL_DIMS:
+            if m.get(k) is not None and not _whole_in(m[k], 1, _MAX_DIM):
+                raise bad(f"model.{k}", f"must be a whole number in [1, {_MAX_DIM:.0e}]", m[k])
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise bad("model.name", "must be text", m["name"])
+        if m.get("params") is not None and not _finite_in(m["params"], 1.0, 1e15):
+            raise bad("model.params", "must be a number of parameters in [1, 1e15]",
+                      m["params"])
+        heads, kv = m.get("n_heads"), m.get("n_kv_heads")
+        if heads is not None and kv is not None and kv > heads:
+            raise bad("model.n_kv_heads", f"must be at most n_heads ({heads})", kv)
+        if (m.get("head_dim") is None and heads is not None and m.get("d_model") is not None
+                and m["d_model"] < heads):
+            raise bad("model.n_heads", f"is above d_model ({m['d_model']}): the head size "
+                      "d_model / n_heads would be 0 (give head_dim)", heads)
+    for k in _META_TEXT:
+        if meta.get(k) is not None and not isinstance(meta[k], str):
+            raise bad(k, "must be text", meta[k])
+    for k, (lo, hi) in _META_NUMBERS.items():
+        v = meta.get(k)
+        if v is not None and not (_finite_in(v, lo, hi) and v > lo):
+            raise bad(k, f"must be a number in ({lo:g}, {hi:g}]", v)
+    for k, hi in _META_COUNTS.items():
+        v = meta.get(k)
+        if v is not None and not _whole_in(v, 1, hi):
+            raise bad(k, f"must be a whole number in [1, {hi:g}]", v)
 
 
 def _check_stored_fit(fit, source: str) -> None:

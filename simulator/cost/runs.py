@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from simulator.errors import LatsimError, one_line
+from simulator.errors import LatsimError
 from simulator.report.percentile import pct_ms
 from simulator.model.policies.chunked import fill_chunked
 from simulator.model.policies.priority_aging import aging_key
@@ -94,19 +94,17 @@ def plain_value(v):
     return v.item() if isinstance(v, np.generic) else v
 
 
+MAX_TABLE_BYTES = 4 * 2**30   # a run's table (the refbench ones: a few MB)
+
+
 def read_table(path, need, what: str) -> pd.DataFrame:
     """A CSV file that must hold the columns ``need``: a one-line ``LatsimError`` naming
     the file when it is missing, unreadable (not text, not CSV, a folder) or lacks a
     column (the first missing one as the field)."""
+    from simulator.errors import read_csv
     path = Path(path)
-    try:
-        df = pd.read_csv(path)
-    except FileNotFoundError:
-        raise LatsimError("file not found", source=str(path)) from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError,
-            OSError) as e:
-        raise LatsimError(f"cannot read {what}: {one_line(str(e), 80)}",
-                          source=str(path)) from None
+    # A regular UTF-8 text file (not a pipe, a loop of links or a folder), then CSV.
+    df = read_csv(path, max_bytes=MAX_TABLE_BYTES, what=what)
     missing = [c for c in need if c not in df.columns]
     if missing:
         raise LatsimError(f"missing columns: {', '.join(missing)}", source=str(path),

@@ -25,7 +25,6 @@ load curve). The drawing helpers (CDF panel, stacked bars, colours, units) live 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Union
@@ -43,6 +42,8 @@ from simulator.report.plotkit import (LATENCIES, LOAD_LABELS, STAGES, binned, bl
                       policy_color, save, stacked_bars, sweep_axes)
 from simulator.report.plots_traffic import (cluster_frames, plot_cluster,  # noqa: F401
                                            plot_utilization_curve)
+from simulator.report.readers import (check_requests, check_sweep, check_timeseries, is_there,
+                                      read_summary, read_table)
 
 __all__ = ["Run", "Results", "read_requests", "load_results", "plot_latency_cdfs",
            "breakdown_at", "plot_breakdown", "plot_timeseries", "find_knee", "load_knees",
@@ -75,28 +76,23 @@ class Results(dict):
 RunsLike = Union[Results, Mapping[str, Run], Mapping[str, pd.DataFrame], pd.DataFrame]
 
 
-def _read_csv(p: Path) -> pd.DataFrame:
-    try:
-        return pd.read_csv(p)
-    except (OSError, ValueError) as e:
-        raise LatsimError(f"cannot read CSV: {e}", source=str(p)) from None
+def _read_csv(p: Path, what: str = "table") -> pd.DataFrame:
+    return read_table(p, what)
+
+
+def _read_series(p: Path) -> Optional[pd.DataFrame]:
+    """A time series, checked (``readers.check_timeseries``); None when absent."""
+    return check_timeseries(p, _read_csv(p, "time series")) if is_there(p) else None
 
 
 def read_requests(p: Union[str, Path]) -> pd.DataFrame:
     """A per-request table (requests.csv, validate's real-/sim-<policy>.csv); the derived
     latency columns are computed from the timestamps if the file lacks them."""
-    df = _read_csv(Path(p))
+    df = _read_csv(Path(p), "per-request table")
     if df.empty:
         raise LatsimError("no requests in it", source=str(p))
-    for c in ("ttft", "tpot", "e2el", "arrival", "first_token", "last_token"):
-        if c in df.columns:
-            v = pd.to_numeric(df[c], errors="coerce")
-            bad = v.isna() & df[c].notna()
-            if bad.any():
-                i = int(bad.to_numpy().nonzero()[0][0])
-                raise LatsimError("not a number", source=str(p), field=f"{c} (row {i + 1})",
-                                  value=df[c].iloc[i], has_value=True)
-            df[c] = v
+    # Times and latencies as numbers a run can hold (``readers.check_requests``).
+    check_requests(p, df)
     if not {"ttft", "tpot", "e2el"} <= set(df.columns):
         need = {"arrival", "enqueued", "scheduled", "first_token", "last_token",
                 "first_delivered", "last_delivered", "output_tokens"}
@@ -104,6 +100,7 @@ def read_requests(p: Union[str, Path]) -> pd.DataFrame:
             raise LatsimError("not a per-request table: needs ttft, tpot, e2el or the "
                               f"timestamps ({', '.join(sorted(need))})", source=str(p))
         add_derived(df)
+        check_requests(f"{p} (latencies from its timestamps)", df)
     return df
 
 
@@ -116,29 +113,18 @@ def load_results(results_dir: Union[str, Path]) -> Results:
     d = Path(results_dir)
     if not d.is_dir():
         raise LatsimError("results folder not found", source=str(d))
-    summary = {}
-    if (d / "summary.json").exists():
-        try:
-            summary = json.loads((d / "summary.json").read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise LatsimError(f"invalid JSON: {e}", source=str(d / "summary.json")) from None
-        if not isinstance(summary, dict):
-            raise LatsimError("must be a JSON object (as `latsim run --out` writes it)",
-                              source=str(d / "summary.json"), value=summary, has_value=True)
+    summary = read_summary(d / "summary.json") if is_there(d / "summary.json") else {}
     runs: dict[str, Run] = {}
-    if (d / "requests.csv").exists():
+    if is_there(d / "requests.csv"):
         name = str(summary.get("policy", "run"))
-        ts = d / "timeseries.csv"
-        runs[name] = Run(read_requests(d / "requests.csv"),
-                         _read_csv(ts) if ts.exists() else None, summary)
+        runs[name] = Run(read_requests(d / "requests.csv"), _read_series(d / "timeseries.csv"),
+                         summary)
     else:
         files = {p.name[len("requests-"):-4]: p for p in sorted(d.glob("requests-*.csv"))}
         order = [k for k in summary if k in files] + [k for k in files if k not in summary]
         for k in order:
-            ts = d / f"timeseries-{k}.csv"
-            sk = summary.get(k, {})
-            runs[k] = Run(read_requests(files[k]), _read_csv(ts) if ts.exists() else None,
-                          sk if isinstance(sk, dict) else {})
+            runs[k] = Run(read_requests(files[k]), _read_series(d / f"timeseries-{k}.csv"),
+                          summary.get(k, {}))
     if not runs:
         raise LatsimError("no requests.csv or requests-<policy>.csv here (is it a "
                           "`latsim run --out` folder?)", source=str(d))
@@ -382,7 +368,7 @@ def plot_run(out_dir: Union[str, Path]) -> list[Path]:
     if not d.is_dir():
         raise LatsimError("results folder not found", source=str(d))
     written: list[Path] = []
-    if (d / "requests.csv").exists() or any(d.glob("requests-*.csv")):
+    if is_there(d / "requests.csv") or any(d.glob("requests-*.csv")):
         res = load_results(d)
         for name, fn in (("latency_cdfs", plot_latency_cdfs), ("breakdown", plot_breakdown)):
             fn(res, d / f"{name}.png")
@@ -394,13 +380,13 @@ def plot_run(out_dir: Union[str, Path]) -> list[Path]:
             plot_cluster(res, d / "cluster.png")
             written.append(d / "cluster.png")
     for name in ("sweep.csv", "results.csv"):
-        if (d / name).exists() and (name == "sweep.csv" or (d / "sweep.yaml").exists()):
+        if is_there(d / name) and (name == "sweep.csv" or is_there(d / "sweep.yaml")):
             written.append(plot_sweep(d / name, d / "load_curve.png"))
             break
     for vd in (d / "validate", d):
         for real in sorted(vd.glob("real-*.csv")):
             sim = vd / f"sim-{real.name[5:]}"
-            if sim.exists():
+            if is_there(sim):
                 p = vd / f"fidelity-{real.name[5:-4]}.png"
                 plot_fidelity(read_requests(real), read_requests(sim), p,
                               title=f"Simulator fidelity, policy {real.name[5:-4]}")
@@ -419,13 +405,14 @@ def plot_sweep(sweep_csv: Union[str, Path], path: Optional[Path] = None) -> Path
     p = Path(sweep_csv)
     if not p.exists():
         raise LatsimError("file not found", source=str(p))
-    df = _read_csv(p)
+    df = table = _read_csv(p, "sweep table")
     if "error" in df:
         df = df[df["error"].isna()]
     try:
         x, group, extra = sweep_axes(df)
     except LatsimError as e:
         raise LatsimError(str(e), source=str(p)) from None
+    check_sweep(p, table, x, [f"{q}_{m}_ms" for q in ("median", "p99") for m in ("ttft", "tpot")])
     if extra:
         parts = ([df[group].astype(str)] if group else []) + [
             c + "=" + df[c].astype(str) for c in extra]

@@ -79,6 +79,10 @@ def assign_classes(classes: list[PriorityClass], n: int, rng: np.random.Generato
     if len(classes) == 1:
         return np.full(n, prios[0], dtype=np.int64)
     shares = np.array([c.share for c in classes], dtype=float)
+    with np.errstate(over="ignore"):
+        total = shares.sum()
+    if not np.isfinite(total):   # relative weights of 1e308 each: their sum overflows
+        shares = shares / shares.max()
     return prios[rng.choice(len(classes), size=n, p=shares / shares.sum())]
 
 

@@ -39,14 +39,15 @@ from pydantic import Field, model_validator
 from simulator.config.strict import StrictModel
 
 from simulator.config.registry import ARRIVALS
+from simulator.workload.arrivals import GAMMA_MIN_SHAPE
 
 DIURNAL_KNOTS = 1440   # knots per period of the diurnal shape (one a minute for a day)
 
 
 class _Profile(StrictModel):
     rate: float = Field(gt=0, description="scale of the rate curve (req/s; see kind)")
-    burstiness: float = Field(1.0, gt=0, description="gap shape in rescaled time: 1 = Poisson, "
-                              "<1 burstier (gamma gaps)")
+    burstiness: float = Field(1.0, ge=GAMMA_MIN_SHAPE, description="gap shape in rescaled "
+                              "time: 1 = Poisson, <1 burstier (gamma gaps; at least 0.01)")
 
 
 class StepRate(_Profile):

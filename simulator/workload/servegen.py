@@ -43,6 +43,7 @@ from simulator.config.strict import StrictModel
 from simulator.errors import LatsimError, check_memory, read_text
 from simulator.config.registry import WORKLOADS
 from simulator.workload.base import Workload
+from simulator.workload.arrivals import GAMMA_MIN_SHAPE
 from simulator.workload.classes import (ClassList, PriorityClass, add_system_prompts,
                                         assign_classes, class_names)
 
@@ -50,6 +51,14 @@ WINDOW_S = 600.0  # ServeGen's arrival windows
 MAX_FILE_BYTES = 256 * 2**20   # a client's trace CSV or dataset JSON (the real ones: KBs)
 MAX_TOKENS = 10**9
 _TRACE_RE = re.compile(r"chunk-(\d+)-trace\.csv$")
+# The smallest gap shapes whose draws floating point holds. Weibull gaps are
+# scale * (-ln U)^(1/c), rescaled by 1/Gamma(1 + 1/c): below c = 0.02, Gamma(1 + 1/c) and
+# Gamma(1 + 2/c) (the gap CV) overflow past c = 2/171, and (-ln U)^(1/c) overflows for the
+# largest draws. Gamma gaps are drawn as Y * U^(1/k), which underflows to exactly 0 with
+# probability e^(-745 k): 0.06% at k = 0.01, half the gaps at k = 0.001.
+MIN_SHAPE = {"Gamma": GAMMA_MIN_SHAPE, "Weibull": 0.02}
+SHAPE_WHY = {"Gamma": "its gaps underflow to 0: e^(-745 k) of them",
+             "Weibull": "Gamma(1 + 1/shape) overflows"}
 
 
 class ServeGenWorkload(StrictModel):
@@ -106,6 +115,12 @@ def read_windows(folder: Path, client: int, first: int, count: int) -> list[tupl
         if rate > 0 and (cells[3] not in ("Gamma", "Weibull") or not shape > 0):
             raise LatsimError(f"column 'pattern': expected Gamma or Weibull with shape > 0 "
                               f"(got {cells[3]!r}, {cells[4]!r})", source=f"{path}:{k + 1}")
+        low = MIN_SHAPE.get(cells[3], 0.0)
+        if rate > 0 and shape < low:
+            raise LatsimError(f"column 'shape': a {cells[3]} shape below {low:g} cannot be "
+                              f"sampled in floating point ({SHAPE_WHY[cells[3]]}; the published "
+                              f"fits' smallest: Gamma 0.012, Weibull 0.19) (got {cells[4]!r})",
+                              source=f"{path}:{k + 1}")
         try:
             scale = float(cells[5] or 0)
         except ValueError:
@@ -196,6 +211,15 @@ class _Pmfs:
                 raise LatsimError(f"expected a dict-literal pmf string under {column!r} "
                                   f"(token count -> probability)", source=str(self.path),
                                   field=f"{key}.{column}") from None
+            # A token count is a whole number of at least 1 (it was clipped to 1 before:
+            # a pmf of -100 tokens silently became one of 1-token requests).
+            bad = (vals < 1) | (vals != np.floor(vals))
+            if bad.any() and (p[bad] > 0).any():
+                v = vals[bad & (p > 0)][0]
+                raise LatsimError("a token count must be a whole number >= 1",
+                                  source=str(self.path), field=f"{key}.{column}",
+                                  value=int(v) if float(v).is_integer() else float(v),
+                                  has_value=True)
             self.cache[(key, column)] = (vals, p / p.sum()) if len(p) and p.sum() > 0 else None
         return self.cache[(key, column)]
 
@@ -205,7 +229,7 @@ class _Pmfs:
             pmf = self._parse(int(self.starts[j]), column)
             if pmf is not None:
                 vals, p = pmf
-                return np.maximum(np.rint(vals[rng.choice(len(vals), size=n, p=p)]), 1).astype(np.int64)
+                return vals[rng.choice(len(vals), size=n, p=p)].astype(np.int64)
         raise LatsimError(f"every {column} pmf is empty", source=str(self.path))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import json
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,9 @@ def _parse_hashes(cells, lines: np.ndarray, path: Path, column: str) -> Optional
         except ValueError:
             raise cell_error(path, int(line), column,
                              f"expected space-separated integers (got {cell!r})") from None
+        except OverflowError:   # a hash id is an int64, as the prefix cache keys it
+            raise cell_error(path, int(line), column, "a hash id must fit 64 bits (got "
+                             f"{cell!r})") from None
         any_hash = True
     return out if any_hash else None
 
@@ -256,24 +260,58 @@ def check_hash_blocks(hash_ids: list, prompt: np.ndarray, lines: np.ndarray, pat
             f" = {need[i]} ({block} tokens per block)" + (f"; {more} more rows disagree" if more else ""))
 
 
+# A time of day followed by a zone: 'Z', '+05:00', '-0800' or '+01' (not a date's '-16').
+_ZONED = re.compile(r"\d:\d\d(?::\d\d(?:[.,]\d+)?)?\s*(?:Z|[+-]\d\d(?::?\d\d)?)$", re.I)
+
+
+def wall_clock_seconds(cells: pd.Series, lines: np.ndarray, path: Path,
+                       column: str) -> np.ndarray:
+    """Wall-clock time stamps (ISO 8601) as seconds from the earliest: a wall clock has
+    no natural origin. Stamps with a zone (``Z``, ``+05:00``) are instants and may mix
+    offsets (a log that crossed a daylight-saving change): they are compared in UTC. A
+    stamp without a zone among stamps with one has no instant to compare (whose local
+    time is it?): an error naming its line, as is a stamp that is no date-time, and
+    a span beyond ``MAX_TIME_S``."""
+    text = cells.astype(str).str.strip()
+    zoned = text.str.contains(_ZONED).to_numpy()
+    if zoned.any() and not zoned.all():
+        i = int(np.argmax(zoned != zoned[0]))
+        raise cell_error(path, int(lines[i]), column, (
+            f"a time stamp {'with' if zoned[i] else 'without'} a time zone (got "
+            f"{text.iloc[i]!r}) among ones {'without' if zoned[i] else 'with'} one (line "
+            f"{int(lines[0])}: {text.iloc[0]!r}): give every stamp a zone, or none"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            stamps = pd.to_datetime(text, format="ISO8601", errors="coerce",
+                                    utc=bool(zoned.all()))
+        except (ValueError, OverflowError) as e:   # not expected after the check above
+            raise cell_error(path, None, column, f"cannot read the time stamps: {e}") from None
+    bad = stamps.isna().to_numpy()
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise cell_error(path, int(lines[i]), column, f"not a date-time "
+                         f"'YYYY-MM-DD HH:MM:SS.fff' (got {text.iloc[i]!r})")
+    # Differences in seconds at whatever unit pandas parsed the stamps at (it picks one
+    # from the digits given): never cast to nanoseconds, which overflow past 2262.
+    delta = stamps - stamps.min()
+    time_s = delta.dt.total_seconds().to_numpy(float)
+    far = time_s > MAX_TIME_S
+    if far.any():
+        i = int(np.argmax(far))
+        raise cell_error(path, int(lines[i]), column, f"{time_s[i]:.3g} s after the "
+                         f"earliest stamp, over the {MAX_TIME_S:.0e} s a trace may span "
+                         f"(got {text.iloc[i]!r})")
+    return time_s
+
+
 def _read_tabular(path: Path, fmt: str, block: int, max_bytes: int) -> RawTrace:
     df = _read_csv_frame(path, max_bytes)
     tcol, pcol, ocol = COLUMNS[fmt]
     _require(list(df.columns), COLUMNS[fmt], path, fmt)
     lines = np.arange(len(df), dtype=np.int64) + 2  # header is line 1
     if fmt == "azure":
-        stamps = pd.to_datetime(df[tcol], format="ISO8601", errors="coerce")
-        bad = stamps.isna().to_numpy()
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise cell_error(path, int(lines[i]), tcol, f"not a date-time "
-                             f"'YYYY-MM-DD HH:MM:SS.fff' (got {df[tcol].iloc[i]!r})")
-        # In nanoseconds whatever unit pandas parsed them at (it picks one from the
-        # digits given: milliseconds for '.fff', so counting them as nanoseconds would
-        # shrink the trace's clock 1000 times).
-        ns = stamps.dt.as_unit("ns").astype("int64").to_numpy()
-        # No natural origin for a wall clock: the trace's clock starts at its earliest row.
-        time_s = (ns - ns.min()) / 1e9
+        time_s = wall_clock_seconds(df[tcol], lines, path, tcol)
     else:
         time_s = numeric(df[tcol].to_numpy(object), lines, path, tcol, integer=False, minimum=0,
                          maximum=MAX_TIME_S)

@@ -21,7 +21,6 @@ value, before any work.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from simulator.cost.runs import latency_metrics, numeric_column, read_run, read_table
-from simulator.errors import LatsimError, one_line
+from simulator.errors import LatsimError, check_text_file, one_line, present, read_json
 from simulator.report.percentile import pct_ms
 
 
@@ -186,9 +185,28 @@ def _refbench_missing(folder: Path) -> None:
         return      # the bench reader says what is wrong with it
     if "request_id" in cols and "rid" not in cols:
         for name in ("trace.csv", "tokens.csv"):
-            if not (folder / name).exists():
+            if not present(folder / name):
                 raise LatsimError("file not found (a refbench run folder holds trace.csv, "
                                   "requests.csv and tokens.csv)", source=str(folder / name))
+
+
+MAX_RUN_FILE_BYTES = 4 * 2**30   # a recorded run's table (the refbench ones: a few MB)
+# A run folder's files, by what each holds (as errors name them).
+RUN_FILES = {"trace.csv": "trace", "requests.csv": "requests", "tokens.csv": "tokens",
+             "iterations.csv": "step log", "summary.json": "bench summary"}
+
+
+def _vet_files(folder: Path) -> None:
+    """Every file of the folder that is read (the run's tables, its summary and, for the
+    digest, every other ``.csv`` / ``.json``) is a regular UTF-8 text file: a named pipe
+    (which would block the read forever), a loop of links, a folder or binary bytes
+    where one should be is a one-line ``LatsimError`` naming it, before anything is read."""
+    names = dict.fromkeys([*RUN_FILES, *sorted(p.name for p in folder.glob("*.csv")),
+                           *sorted(p.name for p in folder.glob("*.json"))])
+    for name in names:
+        if present(folder / name):
+            check_text_file(folder / name, max_bytes=MAX_RUN_FILE_BYTES,
+                            what=RUN_FILES.get(name, "run file"))
 
 
 def read_recorded_run(folder: str | Path) -> RecordedRun:
@@ -203,9 +221,10 @@ def read_recorded_run(folder: str | Path) -> RecordedRun:
     folder = Path(folder)
     if not folder.is_dir():
         raise LatsimError("run folder not found", source=str(folder), field="--run")
-    if (folder / "trace.csv").exists() and (folder / "tokens.csv").exists():
+    _vet_files(folder)
+    if present(folder / "trace.csv") and present(folder / "tokens.csv"):
         return _read_refbench(folder)
-    if (folder / "requests.csv").exists():
+    if present(folder / "requests.csv"):
         _refbench_missing(folder)
         return _read_bench(folder)
     raise LatsimError("not a recorded run: needs trace.csv, requests.csv and tokens.csv "
@@ -283,6 +302,38 @@ def _read_requests(path: Path, trace: pd.DataFrame) -> pd.DataFrame:
     return reqs
 
 
+# A step log recorded with the run replays against its trace and tokens without a
+# mismatch: 0 in each shipped run (load50-fifo's 3,158 steps, load90-chunked's 2,008, and
+# either cut short at any point), since the replay is the engine's own scheduling rule.
+# Past this share of steps (or of first tokens) off, the log is not the run's (another
+# run's, edited, shuffled): a profile calibrated on it would fit step times to the
+# wrong steps. The leeway is for a log whose recording ends inside a step.
+MAX_STEP_LOG_MISMATCH = 0.01
+
+
+def check_step_log(check: dict, source, first_tokens: int) -> None:
+    """Refuse a step log that contradicts the run (``runs.read_run``'s replay check
+    ``check``: steps whose decode side or prefill sequence count the trace and tokens do
+    not give, first tokens not at the end of the step that finished the prompt) beyond
+    ``MAX_STEP_LOG_MISMATCH``, saying how far off it is."""
+    steps = max(int(check.get("steps", 0)), 1)
+    parts = []
+    for key, what, base in (("decode_mismatches", "decode counts or contexts", steps),
+                            ("prefill_seq_mismatches", "prefill sequence counts", steps),
+                            ("first_token_mismatches", "first tokens", max(first_tokens, 1))):
+        n = int(check.get(key, 0))
+        if n > MAX_STEP_LOG_MISMATCH * base:
+            unit = "steps" if base is steps else "requests"
+            parts.append(f"{what} of {n:,} of {base:,} {unit} ({n / base:.0%})")
+    if parts:
+        off = float(check.get("first_token_max_abs_s") or 0.0)
+        raise LatsimError(
+            "the step log contradicts the run's trace and tokens: " + "; ".join(parts)
+            + (f" differ (first tokens up to {off:.3g} s off)" if off else " differ")
+            + f" (a log of this run has none; over {MAX_STEP_LOG_MISMATCH:.0%} is refused)",
+            source=str(source))
+
+
 def _read_refbench(folder: Path) -> RecordedRun:
     trace = _read_trace(folder / "trace.csv")
     reqs = _read_requests(folder / "requests.csv", trace)
@@ -326,12 +377,13 @@ def _read_refbench(folder: Path) -> RecordedRun:
     out = trace["output_tokens"].to_numpy(np.int64)
     steps = None
     notes = []
-    if (folder / "iterations.csv").exists():
+    if present(folder / "iterations.csv"):
         try:
             steps = read_run(folder)
         except (KeyError, ValueError, AttributeError) as e:
             raise LatsimError(f"cannot rebuild the step log: {one_line(str(e), 80)}",
                               source=str(folder / "iterations.csv")) from None
+        check_step_log(steps.check, folder / "iterations.csv", int((count > 0).sum()))
     else:
         notes.append("no iterations.csv: steps rebuilt by replaying the policy")
     if (count < out).any():
@@ -386,7 +438,7 @@ def _read_bench(folder: Path) -> RecordedRun:
     enq = col("enqueued")
     server = bool(np.isfinite(enq).any())
     tok = None
-    if (folder / "tokens.csv").exists():
+    if present(folder / "tokens.csv"):
         tok = _read_tokens(folder / "tokens.csv", set(rids.tolist()))
         if tok.empty:
             raise LatsimError("the run has no tokens", source=str(folder / "tokens.csv"))
@@ -436,11 +488,13 @@ def _bench_real(folder: Path, df: pd.DataFrame, tok, arrival: dict) -> dict:
         return latency_metrics(arrival, tok[tok["rid"].isin(keep)],
                                dict(zip(df["rid"].tolist(), df["output_tokens"].tolist())))
     sj = folder / "summary.json"
-    if sj.exists():
-        try:
-            s = json.loads(sj.read_text()).get("overall") or {}
-        except (json.JSONDecodeError, AttributeError):
-            raise LatsimError("invalid JSON", source=str(sj)) from None
+    if present(sj):
+        s = read_json(sj, max_bytes=MAX_RUN_FILE_BYTES, what="bench summary").get("overall")
+        if s is None:
+            s = {}
+        if not isinstance(s, dict):
+            raise LatsimError("must be a JSON object (as `latsim bench --out` writes it)",
+                              source=str(sj), field="overall", value=s, has_value=True)
         keys = [f"{q}_{m}_ms" for m in METRICS for q in ("median", "p99")]
         if all(isinstance(s.get(k), (int, float)) for k in keys):
             return {k: float(s[k]) for k in keys}
