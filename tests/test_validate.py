@@ -103,12 +103,10 @@ def test_simulator_with_real_step_times_reproduces_the_real_run(policy):
     host = max(b["start"] - a["end"] for a, b in zip(st, st[1:]) if a["busy_after"])
     assert 0 < host < 20 * TICK
     assert gap.max() <= host + 1e-12, (gap.max(), host)
-    assert np.count_nonzero(gap[:, 0]) == 0 or gap[:, 0].max() <= host + 1e-12
 
 
 def _hand_profile(path):
     """A hand-written profile of the tiny model (its values only set the clock here)."""
-    from conftest import REPO as _  # noqa: F401
     def row(ms, **k):
         return {**k, "ms": ms, "p10": ms * 0.98, "p90": ms * 1.02, "n": 5}
     tiny = {"name": "tiny", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,
