@@ -94,3 +94,20 @@ def test_a_typo_still_suggests_the_command():
                        text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2
     assert "No such command 'rn'. Did you mean 'run'?" in r.stderr
+
+
+def test_a_cold_kernel_cache_is_announced_on_the_simpy_path(tmp_path):
+    # A fresh cache folder: the SimPy path compiles the step-cost and KV-rule kernels
+    # (seconds) and says so, as the compiled path does for its loop; the next run loads
+    # them and prints nothing about compiling.
+    import os
+    env = {**os.environ, "LATSIM_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("LATSIM_NO_JIT", None)
+    args = [sys.executable, "-m", "simulator.cli", "run", "scenarios/quickstart.yaml",
+            "--loop", "simpy", "--set", "workload.num_requests=30"]
+    first = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "latsim: compiling the simulator's kernels for this machine" in first.stderr
+    second = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "compiling" not in second.stderr

@@ -22,9 +22,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from simulator.cost.steps import (check_step, cost_model, named, parse_decode, parse_prefill,
-                                  price, step_args)
 from simulator.errors import LatsimError
+# simulator.cost.steps (the cost models, numba) is imported where a step is priced:
+# ``latsim cost --help`` needs none of it.
 
 console = Console()
 
@@ -68,6 +68,7 @@ def spec_report(cm, spec: dict, model_cost, prefill: Optional[tuple],
     """The decode step with and without speculative decoding: step ms, and ms per
     output token (the step over the tokens a sequence gets from it: 1, or the i.i.d.
     expectation ``(1 - a^(k+1)) / (1 - a)``)."""
+    from simulator.cost.steps import named
     from simulator.model.speculative import (Speculative, draft_cost_model, expected_tokens,
                                              speculative_cost_error)
     if not hasattr(cm, "verify_time"):
@@ -94,6 +95,7 @@ def spec_report(cm, spec: dict, model_cost, prefill: Optional[tuple],
 def step_report(cm, prefill: Optional[tuple], decode: Optional[tuple]) -> dict:
     """One step's milliseconds and terms from a cost model (the JSON ``latsim cost``
     prints); the roofline model adds its breakdown and memory plan."""
+    from simulator.cost.steps import check_step, price, step_args
     nd, ctx, _, chunks = step_args(prefill, decode)
     out: dict = {"step": {"prefill": {"prompts": prefill[0], "tokens": prefill[1]} if prefill
                           else None,
@@ -159,6 +161,7 @@ def cost(
                                "(compute, memory, communication, overhead, bound) to each row"),
 ) -> None:
     """Time one engine step (roofline estimate from datasheets, or a profile's model)."""
+    from simulator.cost.steps import cost_model, parse_decode, parse_prefill
     config = dict(model=model, gpu=gpu, tp=tp, pp=pp, weight_dtype=weight_dtype,
                   kv_dtype=kv_dtype, calibrate=calibrate, profile=profile, kind=kind)
     if steps is not None or out is not None or force or terms:

@@ -61,9 +61,32 @@ def _duration(secs: float) -> str:
 def compiled_loop_cached() -> bool:
     """Whether the compiled event loop's machine code is cached for these sources (so a
     run loads it in about a second instead of compiling it)."""
+    return _cached("*/loop.run-*.nbi")
+
+
+def kernels_cached() -> bool:
+    """Whether the kernels every run calls, on either loop, are cached for these sources:
+    the step-cost physics and the KV rules (compiled on first use: on the SimPy path
+    about 10 s, while the run sets up, otherwise silently). True when nothing compiles
+    (numba off)."""
+    from simulator import kernel
+    return not kernel.ENABLED or _cached("*/physics.step_ms-*.nbi", "*/rules.*.nbi")
+
+
+def _cached(*patterns: str) -> bool:
+    """Whether the kernel cache holds a file matching each pattern (``compiled_loop_cached``)."""
     from simulator import kernel
     d = getattr(kernel, "CACHE_DIR", None)
-    return d is not None and any(Path(d).glob("*/loop.run-*.nbi"))
+    return d is not None and all(any(Path(d).glob(p)) for p in patterns)
+
+
+def announce_kernels(out: Console) -> None:
+    """The compiled path's progress line, for the kernels every run compiles when the
+    cache is cold (once per machine and sources)."""
+    if not kernels_cached():
+        out.print("latsim: compiling the simulator's kernels for this machine and these "
+                  "sources (once: about 10-20 s; later runs load them in about a second)",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 class RunProgress:
@@ -248,6 +271,7 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
                                                     profile_search_dirs(base)))
     # Said once every input is checked: an error is then the only line on the screen.
     console.print(kv_capacity_line(sc, capacity), highlight=False)
+    announce_kernels(err_console)
     staged = StagedDir(out) if out is not None else None
     multi = len(runs) > 1
     outs, why_not = {}, {}
