@@ -758,8 +758,52 @@ def test_a_plugin_that_exits_while_imported_is_a_bad_input(tmp_path, body, words
     s = tmp_path / "s.yaml"
     s.write_text(yaml.safe_dump(d))
     argv = ["run", s, "--out", tmp_path / "o"] if cmd == "run" else \
-        ["sweep", s, "--grid", "seed=1,2", "--out", tmp_path / "o"]
+        ["sweep", s, "--grid", "workload.arrival.rate=2,4", "--out", tmp_path / "o"]
     code, _, err = run_cli(argv)
     assert_outcome(code, err, bad=True)
     assert f"plug-in {tmp_path / 'plug.py'} {words}" in err, err
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+@pytest.fixture(scope="module")
+def _a_sweep(tmp_path_factory):
+    """A finished two-point sweep (its scenario, its folder), copied by each case."""
+    tmp = tmp_path_factory.mktemp("sweep28")
+    s = _ok_scenario(tmp)
+    out = tmp / "sw"
+    code, _, err = run_cli(["sweep", s, "--grid", "workload.arrival.rate=2,4", "--out", out])
+    assert code == 0, err
+    return s, out
+
+
+@pytest.mark.parametrize("how", sorted(NOT_WHAT_THEY_CLAIM) + ["deep", "binary-tag"])
+@pytest.mark.parametrize("name", ["results.csv", "sweep.yaml"])
+def test_sweep_resume_refuses_a_table_that_is_not_one(tmp_path, _a_sweep, name, how,
+                                                      monkeypatch):
+    """``sweep --resume`` over a results table or sweep record that is a pipe (it
+    blocked), a link loop (started over, exit 0), a folder or latin-1 bytes (exit 70),
+    YAML nested 10^5 deep (RecursionError, exit 70) or tagged !!binary: one line naming
+    the file, before any point runs."""
+    import shutil
+    monkeypatch.setenv("LATSIM_DEBUG", "1")
+    s, src = _a_sweep
+    out = tmp_path / "sw"
+    shutil.copytree(src, out)
+    p = out / name
+    if how == "deep":
+        if name != "sweep.yaml":
+            pytest.skip("YAML only")
+        p.write_text("[" * 100_000 + "]" * 100_000)
+        words = "nesting depth"   # the C parser stops at 1,000 levels
+    elif how == "binary-tag":
+        if name != "sweep.yaml":
+            pytest.skip("YAML only")
+        p.write_text("grid: !!binary aGVsbG8=\n")
+        words = "YAML tag !!binary"
+    else:
+        edit, words = NOT_WHAT_THEY_CLAIM[how]
+        edit(p)
+    code, _, err = run_cli(["sweep", s, "--grid", "workload.arrival.rate=2,4", "--out", out,
+                            "--resume"])
+    assert_outcome(code, err, bad=True)
+    assert f"{p}: " in err and words in err, err

@@ -39,14 +39,15 @@ import pandas as pd
 import yaml
 
 from simulator.config.scenario import validate_scenario
-from simulator.config.yamlfile import INT_LIMIT, parse_override
-from simulator.errors import LatsimError
+from simulator.config.yamlfile import INT_LIMIT, parse_override, safe_yaml
+from simulator.errors import LatsimError, present, read_text
 from simulator.planning.executors import load_profile_for, make_executor
 from simulator.report.files import StagedDir, StagedFile, check_out_dir
 
 SHORTHANDS = {"replicas": "cluster.replicas", "router": "cluster.router",
               "policy": "engine.policy"}
 RESULTS_CSV = "results.csv"
+MAX_TABLE_BYTES = 2**30   # a sweep's table or record read back by --resume (rows: KBs)
 SWEEP_OUTPUTS = (RESULTS_CSV, "results.parquet", "sweep.yaml")   # what a sweep writes
 
 
@@ -218,8 +219,10 @@ class ResultsTable:
         return tuple(row.get(k, "") for k in self.keys) + (row.get("seed", ""),)
 
     def load(self) -> None:
-        """Read what an earlier run wrote, dropping a last line cut short by a kill."""
-        text = self.path.read_text()
+        """Read what an earlier run wrote, dropping a last line cut short by a kill (a
+        regular UTF-8 text file: a pipe, a link loop, a folder or binary bytes there is a
+        one-line error, ``errors.read_text``)."""
+        text = read_text(self.path, max_bytes=MAX_TABLE_BYTES, what="sweep table")
         if text and not text.endswith("\n"):
             text = text[: text.rfind("\n") + 1]
             self.path.write_text(text)
@@ -353,7 +356,7 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
                           "to start again", source=str(path))
     keys = [a.key for a in axes]
     table = ResultsTable(path, keys)
-    if resume and path.exists():
+    if resume and present(path):   # a link loop is there too: refused, not started over
         table.load()
         _check_same_sweep(out_dir / "sweep.yaml", axes, base)
     elif path.exists():
@@ -463,12 +466,12 @@ def _check_same_sweep(spec: Path, axes: list, base: dict) -> None:
     """``--resume`` continues the sweep its folder holds: the same grid over the same
     scenario (more or fewer seeds are fine), else its rows would be matched to other
     points by index."""
-    if not spec.exists():
+    if not present(spec):
         return
-    try:
-        old = yaml.safe_load(spec.read_text()) or {}
-    except (yaml.YAMLError, OSError, UnicodeDecodeError):
-        old = {}
+    # Read as a scenario is (regular UTF-8 text, bounded YAML of plain values): a file
+    # that is not one is named as such, not taken for another sweep's record.
+    old = safe_yaml(read_text(spec, max_bytes=MAX_TABLE_BYTES, what="sweep record"),
+                    str(spec)) or {}
     new = yaml.safe_load(yaml.safe_dump({"grid": {a.key: list(a.values) for a in axes},
                                          "scenario": base}, sort_keys=False))
     if not isinstance(old, dict) or any(old.get(k) != new[k] for k in ("grid", "scenario")):
