@@ -381,7 +381,9 @@ def run_profile(model: str | ModelConfig = "tiny", device: str = "cpu",
                    "eager_steps": "any step with a prefill chunk, and decode steps beyond the "
                                   "graph buckets" if engine.use_graphs else "all",
                    "bookkeeping_ms": comp["bookkeeping_ms"],
-                   "graph_batch_buckets": graphs and list(engine.graphs.batch_buckets),
+                   # None without graphs: the profile loader refuses anything but a list
+                   # of batch sizes there (``False`` was written on CPU, then refused).
+                   "graph_batch_buckets": list(engine.graphs.batch_buckets) if graphs else None,
                    "graph_page_buckets": graphs and "pages of 64 tokens: 4, 6, 8, 12, 16, 24, "
                                                     "... (x1.5, x1.33)",
                    "step_components": comp},
