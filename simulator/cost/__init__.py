@@ -6,6 +6,9 @@
 - ``roofline``: the same physics model with its constants from the GPU and model
   catalogues and default efficiencies, optionally calibrated to a few measured rows
   (``roofline``).
+
+``step_ms`` prices engine steps outside a simulation, as ``latsim cost`` does
+(``steps``: the model set up once, then one ``step_time`` call per step).
 """
 from __future__ import annotations
 
