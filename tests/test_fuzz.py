@@ -807,3 +807,23 @@ def test_sweep_resume_refuses_a_table_that_is_not_one(tmp_path, _a_sweep, name, 
                             "--resume"])
     assert_outcome(code, err, bad=True)
     assert f"{p}: " in err and words in err, err
+
+
+@pytest.mark.parametrize("where", ["engine.aging_s", "policies"])
+def test_an_aging_interval_the_int64_key_cannot_hold_is_refused(tmp_path, where):
+    """priority_aging floors wait / aging_s into an int64 in the compiled loop: at
+    aging_s 1e-300 a 5 s wait is 5e300 classes (numba saturates it at -2^63, Python's
+    int does not). Refused at the field, below a microsecond."""
+    import math
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    if where == "engine.aging_s":
+        d["engine"].update(policy="priority_aging", aging_s=1e-300)
+    else:
+        d["policies"] = [{"policy": "priority_aging", "aging_s": 1e-300}]
+    s = tmp_path / "s.yaml"
+    s.write_text(yaml.safe_dump(d))
+    code, _, err = run_cli(["run", s])
+    assert_outcome(code, err, bad=True)
+    assert "aging_s" in err and "0.000001" in err, err
+    assert 5.0 / 1e-300 > 2.0**63 and 1e11 / 1e-6 < 2.0**63 and not math.isinf(5.0 / 1e-300)

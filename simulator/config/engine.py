@@ -8,7 +8,7 @@ from pydantic import (Field, ValidationError, field_validator,
                       model_serializer, model_validator)
 
 from simulator.errors import LatsimError
-from simulator.model.policies.priority_aging import DEFAULT_AGING_S
+from simulator.model.policies.priority_aging import DEFAULT_AGING_S, MIN_AGING_S
 from simulator.model.scheduling import check_policy_name, make_policy, policy_class
 from simulator.config.strict import StrictModel
 from simulator.wire.frontend import FrontendConfig
@@ -121,7 +121,7 @@ class EngineConfig(StrictModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
     chunk_size: Optional[int] = Field(None, ge=1, description="max prefill chunk (default: "
                                       "budget), for policies that chunk")
-    aging_s: float = Field(DEFAULT_AGING_S, gt=0, description="priority_aging: one class per aging_s "
+    aging_s: float = Field(DEFAULT_AGING_S, ge=MIN_AGING_S, description="priority_aging: one class per aging_s "
                            "waited (its default)")
     kv: KVConfig = Field(default_factory=KVConfig)
     speculative: Optional[SpeculativeConfig] = Field(None, description="speculative "

@@ -28,6 +28,7 @@ from simulator.config.wire import NetworkConfig, StreamConfig  # noqa: F401  (pa
 from simulator.errors import LatsimError, read_text
 from simulator.config.pluginfield import plugin
 from simulator.config.registry import WORKLOADS
+from simulator.model.policies.priority_aging import MIN_AGING_S
 from simulator.model.scheduling import check_policy_name
 from simulator.workload.classes import SLO
 from simulator.config.cluster import ClusterConfig
@@ -186,7 +187,7 @@ class PolicyRun(StrictModel):
     max_num_seqs: Optional[int] = Field(None, ge=1)
     max_num_batched_tokens: Optional[int] = Field(None, ge=1)
     chunk_size: Optional[int] = Field(None, ge=1)
-    aging_s: Optional[float] = Field(None, gt=0)
+    aging_s: Optional[float] = Field(None, ge=MIN_AGING_S)   # as engine.aging_s
     kv: Optional[dict[str, Any]] = Field(None, description="engine.kv fields to change for "
                                          "this run (e.g. preemption, gpu_memory_gb)")
     cluster: Optional[dict[str, Any]] = Field(None, description="cluster fields to change "

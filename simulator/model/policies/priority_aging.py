@@ -34,11 +34,16 @@ def aging_key(prio, enq, progress, now, p):
 
 # Seconds of waiting worth one priority class when nothing says otherwise.
 DEFAULT_AGING_S = 30.0
+# The shortest aging interval: the compiled key floors wait / aging_s into an int64, and
+# a microsecond keeps a wait of 1e11 s (no run spans more) at 1e17 classes, below 2^63
+# (at 1e-300 the compiled key saturated at -2^63 for every waiting request while the
+# SimPy loop's Python ints did not: the two loops ordered the queue differently).
+MIN_AGING_S = 1e-6
 
 
 class AgingParams(ChunkParams):
-    aging_s: Optional[float] = Field(None, gt=0, description="seconds of waiting worth one "
-                                     "priority class (default: engine.aging_s)")
+    aging_s: Optional[float] = Field(None, ge=MIN_AGING_S, description="seconds of waiting "
+                                     "worth one priority class (default: engine.aging_s)")
 
 
 @register_policy("priority_aging")
