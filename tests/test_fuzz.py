@@ -827,3 +827,19 @@ def test_an_aging_interval_the_int64_key_cannot_hold_is_refused(tmp_path, where)
     assert_outcome(code, err, bad=True)
     assert "aging_s" in err and "0.000001" in err, err
     assert 5.0 / 1e-300 > 2.0**63 and 1e11 / 1e-6 < 2.0**63 and not math.isinf(5.0 / 1e-300)
+
+
+def test_a_deep_profile_of_a_named_model_is_named_as_the_profile(tmp_path):
+    """JSON nested 10^5 deep as the profile of a scenario naming its model: the model
+    check read it first and its RecursionError blamed 'the scenario'; now the profile's
+    own reader names it."""
+    p = tmp_path / "deep.json"
+    p.write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    d["model"] = {"name": "llama3-8b", "cost": {"kind": "profile", "path": str(p)}}
+    s = tmp_path / "s.yaml"
+    s.write_text(yaml.safe_dump(d))
+    code, _, err = run_cli(["run", s])
+    assert_outcome(code, err, bad=True)
+    assert f"{p}: invalid JSON: nested too deeply" in err, err

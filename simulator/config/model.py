@@ -91,8 +91,8 @@ def _profile_model_check(name: Optional[str], shape: "ModelShape", path: str, di
         raise _field_error("cost.path", _bare(e), path) from None
     try:
         meta = json.loads(found.read_text()).get("meta") or {}
-    except (ValueError, OSError, AttributeError):
-        return      # ... and an unreadable one
+    except (ValueError, OSError, AttributeError, RecursionError):
+        return      # ... and an unreadable one (JSON nested too deeply too)
     m = meta.get("model")
     if not isinstance(m, dict):
         return
