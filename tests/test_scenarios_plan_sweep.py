@@ -72,7 +72,9 @@ def test_plan_runs_on_every_scenario(path, tmp_path):
     assert doc["chosen"]["config"]["cluster.replicas"] == 1
     assert doc["chosen"]["violations"] == {}
     ev = pd.read_csv(out / "evaluations.csv")
-    assert len(ev) == runs and ev["feasible"].all()
+    # One row per simulated run: each combination's binary search over 1:2 ran 2, then 1.
+    assert len(ev) == doc["runs"] == 2 * runs
+    assert (ev.groupby("cluster.replicas").size() == runs).all() and ev["feasible"].all()
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
