@@ -843,3 +843,19 @@ def test_a_deep_profile_of_a_named_model_is_named_as_the_profile(tmp_path):
     code, _, err = run_cli(["run", s])
     assert_outcome(code, err, bad=True)
     assert f"{p}: invalid JSON: nested too deeply" in err, err
+
+
+def test_a_deep_model_config_is_named_as_the_config(tmp_path):
+    """A model.name config.json nested 10^5 deep: its reader names it (the scenario
+    loader's RecursionError said 'the scenario is nested too deeply')."""
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = 20
+    d["model"] = {"name": str(m / "config.json"), "cost": {"kind": "roofline", "gpu": "h200"}}
+    s = tmp_path / "s.yaml"
+    s.write_text(yaml.safe_dump(d))
+    code, _, err = run_cli(["run", s])
+    assert_outcome(code, err, bad=True)
+    assert "nested too deeply" in err and "config.json" in err, err

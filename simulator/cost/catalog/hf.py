@@ -227,6 +227,8 @@ def read_config(path: str | Path) -> tuple[Any, str]:
     except json.JSONDecodeError as e:
         raise LatsimError(f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                           source=str(p)) from None
+    except RecursionError:   # nested 10^5 deep: name this file, not the scenario
+        raise LatsimError("not valid JSON: nested too deeply", source=str(p)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise LatsimError(f"cannot read: {e}", source=str(p)) from None
     return cfg, str(p)
