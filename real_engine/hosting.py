@@ -38,6 +38,10 @@ def listen_socket(host: str = "127.0.0.1", port: int = 0,
     if send_buffer_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(send_buffer_bytes))
     sock.bind((host, port))
+    # Listening at once: a client that connects while the engine is still being built
+    # (the banner names the port before uvicorn starts) waits in the backlog instead of
+    # being refused. uvicorn's own listen() later only resets the backlog.
+    sock.listen(2048)
     return sock
 
 

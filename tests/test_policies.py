@@ -102,8 +102,8 @@ def test_a_users_policy_module_runs_and_is_reported(tmp_path):
 def test_a_missing_plugin_is_a_one_line_error(tmp_path):
     data = make_scenario().model_dump(mode="json")
     data["plugins"] = ["nosuch_module_xyz"]
-    with pytest.raises(LatsimError, match="field 'plugins\\[0\\]': plug-in failed to load: "
-                                          "ModuleNotFoundError"):
+    with pytest.raises(LatsimError, match="field 'plugins\\[0\\]': plug-in nosuch_module_xyz failed "
+                                          "to load: ModuleNotFoundError"):
         validate_scenario(data, source="s.yaml")
     data["plugins"] = ["missing.py"]
     with pytest.raises(LatsimError, match="plug-in file not found"):

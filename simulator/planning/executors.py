@@ -154,13 +154,17 @@ class LocalExecutor:
         """Shut the pool down; ``abort`` cancels queued tasks and stops running ones."""
         if self._pool is None:
             return
-        for f in self._pending:
-            f.cancel()
-        procs = list((getattr(self._pool, "_processes", None) or {}).values())
-        self._pool.shutdown(wait=not abort, cancel_futures=True)
         if abort:
-            for p in procs:
+            # Stop the workers first and let the pool fail what is left: cancelling
+            # queued futures before the workers die makes Python 3.11's pool thread raise
+            # InvalidStateError on them (a traceback after Ctrl-C's one line).
+            for p in list((getattr(self._pool, "_processes", None) or {}).values()):
                 p.terminate()
+            self._pool.shutdown(wait=True)
+        else:
+            for f in self._pending:
+                f.cancel()
+            self._pool.shutdown(wait=True, cancel_futures=True)
         self._pool = None
 
 
