@@ -14,9 +14,14 @@ from conftest import REPO, make_scenario_dict
 LATSIM = [sys.executable, "-m", "simulator.cli"]
 
 
+# A safety net for a hung command only, never a speed bound: a cold compile of the
+# compiled loop took 250 s of a 300 s limit at load average 12 on two cores.
+CLI_TIMEOUT_S = 900
+
+
 def latsim(*args, cwd=REPO):
     return subprocess.run([*LATSIM, *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+                          timeout=CLI_TIMEOUT_S)
 
 
 def _write(tmp_path: Path, data, name="s.yaml") -> Path:
