@@ -170,14 +170,10 @@ def fit(
 
 # -- shared: runs, scenarios, tables --------------------------------------------------------
 
-def load_cases(scenario: Path, runs: List[Path], label: Optional[str], set_=None,
-               label_option: str = "--policy"):
-    """The scenario and each run folder as ``RunCase`` s (the policy run that served each,
-    or the one ``label`` names: the option ``label_option``), checked before any work;
-    returns ``(cases, scenario, base_dir)``."""
+def _one_server_scenario(scenario: Path, set_):
+    """The scenario (after ``--set``) a recorded run is replayed under, and its folder:
+    one replica, as a recorded run is one server."""
     from simulator.config.scenario import load_scenario
-    from simulator.cost.calibration import RunCase, match_policy, read_recorded_run
-    from simulator.cost.calibration.settings import slot_check
     if not scenario.exists():
         raise LatsimError("file not found", source=str(scenario), field="SCENARIO")
     sc, base = load_scenario(scenario, set_)
@@ -185,6 +181,17 @@ def load_cases(scenario: Path, runs: List[Path], label: Optional[str], set_=None
         raise LatsimError("a recorded run is one server: the scenario must have one replica",
                           source=str(scenario), field="cluster.replicas",
                           value=sc.cluster.replicas, has_value=True)
+    return sc, base
+
+
+def load_cases(scenario: Path, runs: List[Path], label: Optional[str], set_=None,
+               label_option: str = "--policy"):
+    """The scenario and each run folder as ``RunCase`` s (the policy run that served each,
+    or the one ``label`` names: the option ``label_option``), checked before any work;
+    returns ``(cases, scenario, base_dir)``."""
+    from simulator.cost.calibration import RunCase, match_policy, read_recorded_run
+    from simulator.cost.calibration.settings import slot_check
+    sc, base = _one_server_scenario(scenario, set_)
     seen = {}
     for r in runs:
         key = Path(r).resolve()
@@ -455,27 +462,9 @@ def validate_run(run: Path, scenario: Path, label: Optional[str], out: Optional[
 def _summary_scenario(scenario: Path, label: Optional[str], set_):
     """The scenario's one policy run (or the one ``label`` names) for a run of
     aggregates, checked as ``load_cases`` checks it: one replica."""
-    from simulator.config.scenario import load_scenario
-    if not scenario.exists():
-        raise LatsimError("file not found", source=str(scenario), field="SCENARIO")
-    sc, base = load_scenario(scenario, set_)
-    if sc.cluster.replicas != 1:
-        raise LatsimError("a recorded run is one server: the scenario must have one replica",
-                          source=str(scenario), field="cluster.replicas",
-                          value=sc.cluster.replicas, has_value=True)
-    runs = sc.policy_runs()
-    if label is not None:
-        runs = [r for r in runs if r[0] == label]
-        if not runs:
-            names = ", ".join(lb for lb, _ in sc.policy_runs())
-            raise LatsimError(f"no policy run labelled so (the scenario has: {names})",
-                              source="--policies", value=label, has_value=True)
-    if len(runs) > 1:
-        names = ", ".join(lb for lb, _ in runs)
-        raise LatsimError(f"the run does not record its policy and the scenario has several "
-                          f"({names}): pick one with --policies", source=str(scenario),
-                          field="policies")
-    return runs[0][1], base
+    from simulator.cost.calibration import match_policy
+    sc, base = _one_server_scenario(scenario, set_)
+    return match_policy(sc, None, str(scenario), label, "--policies")[1], base
 
 
 def aggregate_table(title: str, judged: dict) -> Table:

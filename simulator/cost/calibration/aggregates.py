@@ -33,7 +33,6 @@ P90, P99); otherwise the stored ones are taken.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Optional
 
 import numpy as np
 
-from simulator.errors import LatsimError, read_text
+from simulator.errors import LatsimError, read_json
 from simulator.report.percentile import pct_ms
 
 STATS = ("mean", "median", "p90", "p99")
@@ -99,14 +98,7 @@ def _ip_results(folder: Path) -> Optional[Path]:
 
 
 def _load_json(path: Path) -> dict:
-    try:
-        data = json.loads(read_text(path, max_bytes=MAX_JSON_BYTES, what="JSON file",
-                                    field="--run"))
-    except json.JSONDecodeError as e:
-        raise LatsimError(f"invalid JSON at line {e.lineno}: {e.msg}", source=str(path)) from None
-    if not isinstance(data, dict):
-        raise LatsimError("not a JSON object", source=str(path))
-    return data
+    return read_json(path, max_bytes=MAX_JSON_BYTES, field="--run")
 
 
 def _num(path: Path, where: str, v) -> float:
@@ -155,11 +147,7 @@ def _ip_per_request(path: Path) -> dict:
     """inference-perf's per-request records (``start_time``, ``end_time``, ``info:
     {output_token_times, ...}``, ``error``): the successful streamed ones' aggregates,
     by the definitions of its summary (module doc)."""
-    try:
-        rows = json.loads(read_text(path, max_bytes=MAX_JSON_BYTES, what="JSON file",
-                                    field="--run"))
-    except json.JSONDecodeError as e:
-        raise LatsimError(f"invalid JSON at line {e.lineno}: {e.msg}", source=str(path)) from None
+    rows = read_json(path, max_bytes=MAX_JSON_BYTES, field="--run", mapping=False)
     if not isinstance(rows, list):
         raise LatsimError("not a list of request records", source=str(path))
     ttft, e2e, tpot, span, gaps = [], [], [], 0.0, 0

@@ -511,8 +511,8 @@ def match_policy(scenario, run: RecordedRun, source: str, label: Optional[str] =
                  label_option: str = "--policy"):
     """The scenario's policy run (``(label, scenario)``) that served ``run``: the one
     whose policy the run records; else the one named ``label`` (given by the option
-    ``label_option``); else the only one. One-line ``LatsimError`` when the scenario's
-    policy differs from the run's."""
+    ``label_option``); else the only one (``run`` None: a run that records no policy).
+    One-line ``LatsimError`` when the scenario's policy differs from the run's."""
     runs = scenario.policy_runs()
     if label is not None:
         runs = [r for r in runs if r[0] == label]
@@ -520,7 +520,7 @@ def match_policy(scenario, run: RecordedRun, source: str, label: Optional[str] =
             names = ", ".join(lb for lb, _ in scenario.policy_runs())
             raise LatsimError(f"no policy run labelled so (the scenario has: {names})",
                               source=label_option, value=label, has_value=True)
-    if run.policy is not None:
+    if run is not None and run.policy is not None:
         same = [r for r in runs if r[1].engine.policy == run.policy]
         if not same:
             have = ", ".join(sorted({r[1].engine.policy for r in runs}))
@@ -531,7 +531,7 @@ def match_policy(scenario, run: RecordedRun, source: str, label: Optional[str] =
     if len(runs) > 1:
         names = ", ".join(lb for lb, _ in runs)
         raise LatsimError(f"the run does not record its policy and the scenario has several "
-                          f"({names}): pick one with --policy", source=source,
+                          f"({names}): pick one with {label_option}", source=source,
                           field="policies")
     return runs[0]
 
