@@ -36,6 +36,7 @@ from simulator.cost.calibration.refit import CALIBRATED
 from simulator.cost.convert import refbench_to_profile
 from simulator.cost.fitted import FittedCostModel
 from simulator.cost.profile import load_profile
+from simulator.errors import LatsimError
 from simulator.loops.simulate import simulate
 from simulator.report.metrics import requests_table, summarize
 from simulator.workload import Workload
@@ -185,6 +186,33 @@ def test_calibrate_recovers_known_coefficients_from_a_synthetic_bench_run(profil
     m = FittedCostModel(json.loads(json.dumps(cal.profile)))
     assert "calibrated on bench" in m.fit.source
     assert m.fit.coefficients() == {k: float(c[ph.INDEX[k]]) for k in m.fit.coefficients()}
+
+
+def test_the_step_tail_calibrate_writes_is_one_the_profile_reader_takes(profile, tmp_path,
+                                                                        monkeypatch):
+    """One range for engine.step_tail (profile.STEP_TAIL_RANGE): the checker and the
+    model's reader agree on it, a tail a loaded machine really measured (2.55, a CPU
+    server's bench run at load 4 on two cores) is kept, not refused by the checker or
+    read as 1, and calibrate refuses a run whose tail is past it instead of writing a
+    profile that no command can then read."""
+    from simulator.cost.fitted import step_tail
+    from simulator.cost.profile import STEP_TAIL_RANGE, check_profile
+    prof = json.loads(json.dumps(profile))
+    prof["engine"]["step_tail"] = 2.55
+    check_profile(prof, "p.json")
+    assert step_tail(prof) == 2.55
+    prof["engine"]["step_tail"] = STEP_TAIL_RANGE[1] * 1.1
+    with pytest.raises(LatsimError, match="engine.step_tail"):
+        check_profile(prof, "p.json")
+    truth = FittedCostModel(profile)
+    _, folder = _synthetic_run(tmp_path, truth)
+    run = read_recorded_run(folder)
+    label, psc = match_policy(scenario_of("load90-chunked"), run, "scenario")
+    import simulator.cost.calibration.driver as drv
+    monkeypatch.setattr(drv, "measure_tail", lambda c, logs: 12.0)
+    with pytest.raises(LatsimError, match="12x their typical time") as e:
+        calibrate([RunCase(run, label, psc)], profile)
+    assert "\n" not in str(e.value) and "--run" in str(e.value)
 
 
 def test_calibrate_a_bench_run_with_every_token_time_seen_by_the_client(profile, tmp_path):

@@ -85,8 +85,10 @@ def step_tail(profile: dict) -> float:
     """The profile's ``engine.step_tail`` (1 when absent or not a sane factor): the mean
     over the typical time of a real step, measured on recorded runs
     (``simulator.cost.calibration``)."""
+    from simulator.cost.profile import STEP_TAIL_RANGE
+    lo, hi = STEP_TAIL_RANGE
     v = (profile.get("engine") or {}).get("step_tail")
-    return float(v) if isinstance(v, (int, float)) and 0.5 <= v <= 2.0 else 1.0
+    return float(v) if isinstance(v, (int, float)) and lo <= v <= hi else 1.0
 
 
 class FittedCostModel(LookupCounts):

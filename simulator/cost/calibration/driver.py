@@ -111,6 +111,13 @@ def calibrate(cases: Sequence[RunCase], profile: dict, *, facts_only: bool = Fal
             facts["how"]["bookkeeping"] += ("; bookkeeping_seq_ms refitted with the host "
                                             "times (host time per sequence in a step)")
     tail = measure_tail(c_after, logs)
+    from simulator.cost.profile import STEP_TAIL_RANGE
+    if not tail <= STEP_TAIL_RANGE[1]:
+        from simulator.errors import LatsimError
+        raise LatsimError(f"the runs' steps took {tail:.3g}x their typical time on average "
+                          f"(more than {STEP_TAIL_RANGE[1]:g}x): stalls, not step costs; "
+                          "record them again on a machine that is not this busy",
+                          source=", ".join(c.run.name for c in cases), field="--run")
     prof["engine"]["step_tail"] = tail
     facts["facts"]["step_tail"] = tail
     facts["how"]["step_tail"] = ("the runs' busy time over the median time of intervals like "
