@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from conftest import ZERO_NET, ZERO_STREAM, make_profile, make_scenario
-from simulator.config.presets import vllm_capture_sizes
 from simulator.config.scenario import validate_scenario
 from simulator.cost import build_cost_model, profile_search_dirs
 from simulator.errors import LatsimError
@@ -143,8 +142,7 @@ def test_vllm_preset_is_vllm_v015_defaults():
     vllm/config/scheduler.py at commit 01230b40128e570a58e54e75f7e55c4d5cd9246d
     (enable_chunked_prefill True, policy fcfs); async scheduling resolved on
     (vllm/config/vllm.py, ``async_scheduling is None`` -> True); block size 16,
-    gpu_memory_utilization 0.9, prefix caching on; capture sizes ``[1, 2, 4] +
-    range(8, 256, 8) + range(256, max + 1, 16)``, max = min(2 x max_num_seqs, 512)."""
+    gpu_memory_utilization 0.9, prefix caching on."""
     e = validate_scenario(_vllm_scenario()).engine
     assert (e.max_num_batched_tokens, e.max_num_seqs) == (8192, 1024)
     assert e.policy == "chunked" and e.async_scheduling and e.frontend is not None
@@ -159,9 +157,6 @@ def test_vllm_preset_is_vllm_v015_defaults():
     assert (o.engine.max_num_batched_tokens, o.engine.max_num_seqs) == (1024, 1024)
     assert not o.engine.async_scheduling and not o.engine.kv.prefix_caching
     assert o.engine.kv.block_size == 16
-    sizes = vllm_capture_sizes(1024)
-    assert sizes[:4] == (1, 2, 4, 8) and sizes[-1] == 512 and len(sizes) == 3 + 31 + 17
-    assert vllm_capture_sizes(256)[-1] == 512 and vllm_capture_sizes(8)[-1] == 16
     # The resolved scenario (what ``--out`` echoes) reads back to the same engine.
     assert validate_scenario(o.model_dump(mode="json")).engine == o.engine
     # Without the preset nothing changes: the default engine is latsim's.

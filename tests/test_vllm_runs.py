@@ -197,6 +197,11 @@ def test_inference_perf_per_request_records_recompute_the_overall(tmp_path):
     (run / "results" / "per_request_lifecycle_metrics.json").write_text(json.dumps(rows))
     with pytest.raises(LatsimError, match=r"field '\[1\].end_time'.*'late'"):
         read_summary_run(run)
+    rows[1]["end_time"] = 1.7
+    rows[0]["info"]["output_token_times"] = 5        # a number where the list goes
+    (run / "results" / "per_request_lifecycle_metrics.json").write_text(json.dumps(rows))
+    with pytest.raises(LatsimError, match=r"field '\[0\].info.output_token_times'.*5"):
+        read_summary_run(run)
 
 
 def test_vllm_bench_json_aggregates_recomputed_from_per_request_lists():
@@ -264,6 +269,14 @@ def test_malformed_runs_are_one_line_errors(tmp_path):
     p.write_text(json.dumps(d))
     with pytest.raises(LatsimError, match=r"field 'mean_ttft_ms'.*'fast'"):
         read_summary_run(p)
+    # The per-request lists' errors must be one per request (a short list was an
+    # IndexError traceback, a number a TypeError).
+    for errs in (["boom"], 3):
+        d = json.loads(VLLM_JSON.read_text())
+        d["errors"] = errs
+        p.write_text(json.dumps(d))
+        with pytest.raises(LatsimError, match=r"field 'errors': must be a list of one error"):
+            read_summary_run(p)
 
 
 # -- the CLI --------------------------------------------------------------------------------

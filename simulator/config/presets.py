@@ -21,8 +21,8 @@ the constants below did not change across the v0.1x series):
 - CUDA graphs for decode steps (``-O2``'s ``FULL_AND_PIECEWISE``), captured at
   ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)`` with
   ``max = min(2 x max_num_seqs, 512)`` (``vllm/config/vllm.py``,
-  ``_set_cudagraph_sizes``); a decode batch runs at the next captured size
-  (``vllm_capture_sizes``). The roofline prices decode graphs at its own buckets
+  ``_set_cudagraph_sizes``); a decode batch runs at the next captured size. The
+  roofline prices decode graphs at its own buckets
   (``cost.roofline.constants.VLLM_GRAPH_BUCKETS``: up to 256, the constants vector holds
   at most 40), so a decode batch of 257..512 is priced eagerly there: not yet this list.
 
@@ -52,17 +52,6 @@ def vllm_batch_defaults(gpu_name: str, gpu_memory_bytes: float) -> tuple[int, in
     return 2048, 256
 
 
-def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """The decode batch sizes vLLM captures CUDA graphs at (module doc)."""
-    top = min(2 * max_num_seqs, 512)
-    sizes = [i for i in (1, 2, 4) if i <= top]
-    if top >= 8:
-        sizes += list(range(8, min(top + 1, 256), 8))
-    if top >= 256:
-        sizes += list(range(256, top + 1, 16))
-    return tuple(sizes)
-
-
 def _gpu_of(data: dict) -> tuple[str, float]:
     """The GPU the scenario runs on: the roofline's ``model.cost.gpu`` (its catalogue
     memory), else ``engine.kv.gpu_memory_gb`` (80 if not given) with no name."""
@@ -74,8 +63,7 @@ def _gpu_of(data: dict) -> tuple[str, float]:
             spec = catalog.gpu(cost["gpu"])
         except LatsimError:
             return cost["gpu"], 80e9   # the model section's own check names the bad GPU
-        mem = spec.reported_mib * 2**20 if spec.reported_mib else spec.memory_gb * 1e9
-        return spec.name, float(mem)
+        return spec.name, float(spec.memory_bytes)
     kv = (data.get("engine") or {}).get("kv") or {}
     gb = kv.get("gpu_memory_gb", 80.0) if isinstance(kv, dict) else 80.0
     return "", float(gb) * 1e9 if isinstance(gb, (int, float)) else 80e9

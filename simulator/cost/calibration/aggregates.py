@@ -154,7 +154,14 @@ def _ip_per_request(path: Path) -> dict:
     for i, r in enumerate(rows):
         if not isinstance(r, dict) or r.get("error") is not None:
             continue
-        times = (r.get("info") or {}).get("output_token_times") or []
+        info = r.get("info") or {}
+        times = info.get("output_token_times") if isinstance(info, dict) else None
+        if times is None:
+            times = []
+        elif not isinstance(times, list):
+            raise LatsimError("must be a list of time stamps", source=str(path),
+                              field=f"[{i}].info.output_token_times", value=times,
+                              has_value=True)
         start = _num(path, f"[{i}].start_time", r.get("start_time"))
         t = [_num(path, f"[{i}].info.output_token_times", x) for x in times]
         e2e.append(_num(path, f"[{i}].end_time", r.get("end_time")) - start)
@@ -207,6 +214,10 @@ def _read_vllm_json(path: Path) -> SummaryRun:
     ttfts, itls = data.get("ttfts"), data.get("itls")
     if isinstance(ttfts, list) and isinstance(itls, list) and len(ttfts) == len(itls) and ttfts:
         errs = data.get("errors") or [""] * len(ttfts)
+        if not (isinstance(errs, list) and len(errs) == len(ttfts)):
+            raise LatsimError(f"must be a list of one error string per request "
+                              f"({len(ttfts)}, as ttfts)", source=str(path), field="errors",
+                              value=errs, has_value=True)
         ok = [i for i in range(len(ttfts)) if not errs[i] and isinstance(ttfts[i], (int, float))
               and ttfts[i] > 0 and isinstance(itls[i], list)]
         if not ok:
