@@ -531,11 +531,18 @@ def test_step_in_load_scales_up_after_exactly_the_configured_delay(spy):
     assert c["gpu_hours"] < 4 * res.sim_end / 3600
 
 
-def test_scale_down_drains_and_drops_nothing(spy):
+@pytest.mark.parametrize("async_sched", [False, True])
+def test_scale_down_drains_and_drops_nothing(spy, async_sched):
     """After the step the fleet scales down, draining replicas that still hold
     requests: every request completes, none is routed to a draining replica, and a
-    replica goes off only once the requests it held have finished."""
-    res = simulate(autoscale_scenario())
+    replica goes off only once the requests it held have finished -- under async
+    scheduling too, where an arrival no decision has seen yet waits in the replica's
+    inbox (it counted as no work: a replica went off holding it)."""
+    sc = autoscale_scenario()
+    if async_sched:
+        sc = sc.model_copy(update={"engine": sc.engine.model_copy(
+            update={"async_scheduling": True})})
+    res = simulate(sc)
     df, out = run_outputs(res)
     assert (df["outcome"] == "completed").all()
     drained, offs = spy["drained"], spy["off"]
@@ -547,6 +554,21 @@ def test_scale_down_drains_and_drops_nothing(spy):
         assert not ((mine["enqueued"] > td) & (mine["enqueued"] < toff)).any()
         held = mine[(mine["enqueued"] <= td) & (mine["last_token"] >= td)]
         assert (held["last_token"] <= toff).all()
+
+
+def test_an_arrival_no_decision_has_seen_yet_is_work_and_is_queued():
+    """Async scheduling holds a new arrival in the replica's inbox until a decision sees
+    it: a draining replica holding only that request still has work (it went OFF with
+    it), and the autoscaler's queue metric and the gateway count it as queued."""
+    from simulator.cluster.autoscaler import has_work
+    from simulator.loops.simpy.replica import Replica
+    rep = Replica.__new__(Replica)          # the real class's rules, no engine behind it
+    rep.waiting, rep.decoding, rep.prefilling, rep.swapped, rep._cancels = [], [], [], [], []
+    unseen = object()
+    rep._inbox = [unseen]
+    assert has_work(rep) and rep.n_queued() == 1 and rep.queued() == [unseen]
+    rep._inbox = []
+    assert not has_work(rep) and rep.n_queued() == 0
 
 
 def test_autoscaled_fleet_costs_less_than_a_fixed_one_sized_for_the_peak():

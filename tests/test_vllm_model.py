@@ -80,6 +80,11 @@ def test_async_idle_engine_starts_at_once_and_compiled_loop_declines():
     assert res.meta["loop"] == "simpy (async scheduling (engine.async_scheduling))"
     with pytest.raises(Exception, match="async scheduling"):
         simulate(sc, 0, workload=wl, profile=_const_decode_profile(), loop="compiled")
+    # Nor the front end (its response side would reach the compiled loop's one-way
+    # column, which also times a refused request's connection release).
+    sc = make_scenario(engine=_engine(frontend={}))
+    res = simulate(sc, 0, workload=wl, profile=_const_decode_profile())
+    assert res.meta["loop"] == "simpy (the API server front end (engine.frontend))"
 
 
 def test_frontend_adds_its_closed_form_to_ttft_and_sits_in_t_net_and_t_stream():

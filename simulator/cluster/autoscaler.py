@@ -49,7 +49,7 @@ OFF, PROVISIONING, READY, DRAINING = "off", "provisioning", "ready", "draining"
 
 def has_work(rep) -> bool:
     """Whether a replica holds any request (waiting, running, swapped, being cancelled)."""
-    return bool(len(rep.waiting) or rep.decoding or rep.prefilling or rep.swapped
+    return bool(rep.n_queued() or rep.decoding or rep.prefilling or rep.swapped
                 or rep._cancels)
 
 
@@ -171,7 +171,7 @@ class Autoscaler:
         live = [f.replicas[i] for i, s in enumerate(f.state) if s in (READY, DRAINING)]
         ready = [f.replicas[i] for i in f.ready]
         if self.cfg.metric == "queue":
-            v = sum(len(r.waiting) + len(r.swapped) for r in live) / max(1, len(ready))
+            v = sum(r.n_queued() + len(r.swapped) for r in live) / max(1, len(ready))
         elif self.cfg.metric == "kv" and self.capacity is None:
             # A mixed fleet: each replica's own capacity.
             v = (sum(r.kv.manager.num_used / r.capacity for r in ready) / len(ready)

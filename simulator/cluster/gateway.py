@@ -162,7 +162,7 @@ class Gateway:
         reps = [fleet.replicas[i] for i in ready]
         slot = ready[self.router.pick(reps, seq)]
         rep = fleet.replicas[slot]
-        waiting = [s for s in rep.waiting if s.rid not in self.leaving]
+        waiting = [s for s in rep.queued() if s.rid not in self.leaving]
         est, est99 = self.estimator.estimate(rep, waiting, now)
         self.a_est[aid], self.a_est99[aid] = est, est99
         dec = (self.admission.decide(seq, now, waiting, est) if self.admission is not None

@@ -318,7 +318,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                             workload.priority, rich=rich or topo is not None, mode=mode,
                             cost_given=cost_model is not None, frame_time=stream.frame_time,
                             traffic=traffic_reason(scenario), speculative=spec is not None,
-                            async_sched=eng.async_scheduling)
+                            async_sched=eng.async_scheduling,
+                            frontend=eng.frontend is not None)
         if why is None and (loop == "compiled" or worth_compiling(n)):
             rec.arrival[:] = workload.arrival_s
             if progress is not None:

@@ -63,12 +63,16 @@ def worth_compiling(n_requests: int) -> bool:
 def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
                   rich: bool = False, mode: str = "auto", cost_given: bool = False,
                   frame_time: float = 0.0, traffic: Optional[str] = None,
-                  speculative: bool = False, async_sched: bool = False) -> Optional[str]:
+                  speculative: bool = False, async_sched: bool = False,
+                  frontend: bool = False) -> Optional[str]:
     """Why the compiled loop cannot run this configuration (None if it can).
     ``traffic``: the traffic control the scenario asks for (admission, clients,
     autoscaling, utilisation series), which only the SimPy gateway models;
     ``speculative``: speculative decoding, ``async_sched``: async scheduling
-    (``model.scheduling.asyncsched``), which only the SimPy replica models."""
+    (``model.scheduling.asyncsched``), which only the SimPy replica models;
+    ``frontend``: the API server stage (``wire.frontend``), whose response side the
+    compiled loop's one-way column would also charge where SimPy charges the bare
+    network (a refused request's connection release)."""
     from simulator.loops.compiled.queue import policy_ids
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed"
@@ -84,6 +88,8 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         return "speculative decoding (engine.speculative)"
     if async_sched:
         return "async scheduling (engine.async_scheduling)"
+    if frontend:
+        return "the API server front end (engine.frontend)"
     if cost_given:
         return "a cost model passed in"
     if policy_ids(policy) is None:

@@ -231,7 +231,7 @@ class ReplicaApply:
     def _sample(self, t: float) -> None:
         ts, wq, run, blk, kv, shared = self._series
         ts.append(t)
-        wq.append(len(self.waiting) + len(self.swapped) + len(self._inbox))
+        wq.append(self.n_queued() + len(self.swapped))
         run.append(len(self.decoding) + len(self.prefilling))
         mgr = self.kv.manager
         blk.append(mgr.num_used)

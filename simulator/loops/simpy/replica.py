@@ -106,6 +106,16 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
     the engine plans each step while the previous one runs (``asyncsched``): a new
     arrival waits in an inbox until a decision sees it, and epochs are off."""
 
+    def queued(self) -> list:
+        """Every request held here that no step has admitted yet: the waiting queue,
+        then the arrivals no decision has seen yet (async scheduling's ``_inbox``).
+        What the gateway, the autoscaler and the time series count as queued."""
+        return [*self.waiting, *self._inbox]
+
+    def n_queued(self) -> int:
+        """``len(self.queued())`` without building the list."""
+        return len(self.waiting) + len(self._inbox)
+
     def __init__(self, env, index: int, policy, cost, capacity_blocks: int, rec,
                  frame_time: float, one_way: float, on_finish: Callable[[SimSeq, float], None],
                  series_interval: float = 0.0, mode: str = "auto",
