@@ -116,8 +116,10 @@ def test_stream_frame_by_frame(client, path, body):
     assert len(content) == body["max_tokens"]           # exactly one frame per token
     times = [t for t, _ in content]
     assert all(b >= a for a, b in zip(times, times[1:]))
-    # Frame by frame, not one burst at the end: the frames span several engine steps.
-    assert times[-1] - times[0] > 0.0005 * len(times)
+    # That frames leave while the request is still generating is checked structurally
+    # in test_serve_api.py (test_health_and_metrics_answer_while_the_engine_is_held_mid_step:
+    # frames arrive while a step is held at a barrier). A span in seconds here failed
+    # under load: an event loop behind the engine writes the queued frames together.
     chunks = [json.loads(e.data) for _, e in content]
     assert all(frame_text(e.data) for _, e in content)
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
@@ -564,10 +566,19 @@ def test_slow_reader_backpressure(slow_engine, mode):
                 m = _poll(c, lambda m: m[PAUSED] == 1, 20.0, "a paused request")
                 assert m[RUNNING] == 1 and m[FREE] < m[TOTAL]
                 assert m[BUFFERED] == SLOW_BUFFER       # never past the bound
-                time.sleep(0.2)
-                m2 = _metrics(c)
-                assert m2[STEPS] == m[STEPS], "a paused engine must idle"
-                assert m2[PAUSED] == 1 and m2[FREE] == m[FREE]
+                # Until the socket and the transport's buffer are full the stream still
+                # drains to the resume mark, so a loaded box can see a pause, a resume and
+                # a pause again; once they are full the engine idles for good.
+                t_end = time.monotonic() + 20.0
+                while True:
+                    time.sleep(0.2)
+                    m2 = _metrics(c)
+                    assert m2[BUFFERED] <= SLOW_BUFFER   # never past the bound
+                    if m2[STEPS] == m[STEPS] and m2[PAUSED] == 1:
+                        break
+                    assert time.monotonic() < t_end, "a paused engine must idle"
+                    m = m2
+                assert m2[FREE] == m[FREE]
                 t0 = time.perf_counter()
             else:
                 # The engine finishes the request while its client is still not reading.
