@@ -118,8 +118,12 @@ class RunProgress:
                            "sources (once: about 1-2 minutes; later runs load it in about "
                            "a second)", markup=False, highlight=False, soft_wrap=True)
         if self._thread is None and (self.n or self._count is not None):
-            self._thread = threading.Thread(target=self._watch, daemon=True)
-            self._thread.start()
+            # Kept only once started: a Ctrl-C between making the thread and starting it
+            # left ``close`` joining a thread never started (RuntimeError: exit 70, not
+            # 130). A daemon started but not yet kept still stops at ``close``'s event.
+            t = threading.Thread(target=self._watch, daemon=True)
+            t.start()
+            self._thread = t
 
     def settled(self) -> int:
         """Requests finished, rejected or cancelled so far (estimated from a sample of at
