@@ -1,4 +1,4 @@
-"""A step's effects, compiled: ``fastapply.FastApply`` on arrays (inter-token gaps,
+"""A step's effects, compiled: the SimPy replica's ``ReplicaApply`` (``loops/simpy/apply.py``) on arrays (inter-token gaps,
 prefill progress and first tokens, joining the decoders, paged growth caught up after
 an epoch, finishes, time-series samples).
 

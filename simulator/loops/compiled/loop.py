@@ -1,5 +1,5 @@
-"""The compiled event loop: ``fastloop.FastLoop.run`` (arrivals, deliveries, each
-replica's step ends) as a numba generator.
+"""The compiled event loop: the SimPy run's events (``loops/simpy/driver.py``: arrivals,
+deliveries; each replica's step ends, ``Replica._run``) as a numba generator.
 
 It yields to Python only when a buffer Python owns must be drained: the ITL buffer
 (``Y_ITL``, when it holds a flush the ``ItlHistogram`` would have made), the
@@ -24,7 +24,7 @@ from simulator.wire.keepalive import (NEW_ONE_OFF, REUSED, pool_acquire, pool_re
 @jit
 def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
              OPEN):
-    """``FastLoop._arrivals``: send every request whose time has come."""
+    """``run_simpy``'s ``arrivals``: send every request whose time has come."""
     n = arrival.shape[0]
     rid = GI[S.G_NEXT]
     while rid < n:
@@ -50,7 +50,7 @@ def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send,
 @jit
 def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, LOAD, WQ, cls, picks, prompt,
             output, clients, IDL, ILEN):
-    """``FastLoop._deliver``: reject, or route and enqueue."""
+    """``run_simpy``'s ``deliver``: reject, or route and enqueue."""
     TS[S.T_ENQ][rid] = now
     if rejects(rid, IP, RQ, prompt, output):
         TS[S.T_REJ][rid] = True
@@ -109,7 +109,7 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
             r = obj
             if ver != RS[r, S.R_VER]:
                 continue
-            # ``FastReplica.ended``: apply the epoch, the step, or the copies.
+            # ``Replica._run`` after its step's timeout: apply the epoch, the step, or the copies.
             mode = RS[r, S.R_MODE]
             RS[r, S.R_MODE] = S.MODE_NONE
             if mode == S.MODE_COPY:

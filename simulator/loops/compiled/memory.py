@@ -17,7 +17,7 @@ from simulator.model.kv.rules import (ceil_blocks, later_victim, recompute_loss,
 
 @jit
 def victim(r, RS, IP, DEC, PRE, TS, prio):
-    """``KVSpace.select_victim`` over the running requests (``rules.later_victim``)."""
+    """``kv.space.select_victim`` over the running requests (``rules.later_victim``)."""
     best = -1
     by_priority = IP[S.P_VICTIM] != 0
     enq = TS[S.T_ENQ]

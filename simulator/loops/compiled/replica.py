@@ -23,7 +23,7 @@ from simulator.model.kv.rules import (FITS, admission_tokens, ceil_blocks, never
 
 @jit
 def push(heap, GI, t, prio, kind, obj, ver):
-    """``FastLoop.push``: SimPy's order is (time, priority, insertion)."""
+    """Schedule an event; SimPy's order is (time, priority, insertion)."""
     heapq.heappush(heap, (t, prio, GI[S.G_EID], kind, obj, ver))
     GI[S.G_EID] += 1
 
@@ -45,7 +45,7 @@ def rejects(rid, IP, RQ, prompt, output):
 
 @jit
 def outstanding(r, now, RS, ENDS):
-    """``FastReplica.outstanding_tokens``."""
+    """``Replica.outstanding_tokens`` (``loops/simpy/replica.py``)."""
     if RS[r, S.R_HASENDS] == 0:
         return RS[r, S.R_OUT]
     return RS[r, S.R_OUT] - steps_ended(ENDS[r], RS[r, S.R_EPK], now) * RS[r, S.R_ND]
@@ -65,7 +65,7 @@ def swapped_append(r, rid, RS, RQ):
 
 @jit
 def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
-    """``FastReplica.enqueue``: join the queue; wake an idle engine, or end an epoch
+    """``Replica.enqueue``: join the queue; wake an idle engine, or end an epoch
     when the arrival could be admitted at its next step (with aging: any arrival, the
     queue's order changes with time alone)."""
     was_empty = RS[r, S.R_WLEN] == 0
@@ -87,7 +87,7 @@ def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
 
 @jit
 def interrupted(r, now, heap, GI, RS, ENDS):
-    """``FastReplica.interrupted``: the step in progress completes."""
+    """``Replica._epoch`` on ``simpy.Interrupt``: the step in progress completes."""
     m = steps_run(ENDS[r], RS[r, S.R_EPK], now)
     RS[r, S.R_EPM] = m
     RS[r, S.R_INEP] = 0

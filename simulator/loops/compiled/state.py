@@ -57,7 +57,7 @@ ROUTER_RR, ROUTER_LEAST, ROUTER_RANDOM = 0, 1, 2
 (W_HEAD, W_TAIL, W_LEN, W_ORDER, W_CUR, W_CAND, W_CREM, W_CNEED, W_COUT, W_PREM, W_POUT,
  W_OP) = range(12)
 
-# Events (as ``fastreplica``: kinds, SimPy's priorities) and what the loop yields.
+# Events (as the SimPy replica's: kinds, SimPy's priorities) and what the loop yields.
 URGENT, NORMAL = 0, 1
 EV_ARRIVE, EV_DELIVER, EV_END, EV_WAKE, EV_INTERRUPT, EV_STOP = range(6)
 Y_DONE, Y_ITL, Y_SERIES, Y_EMPTY = range(4)
