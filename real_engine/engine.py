@@ -9,12 +9,12 @@ SimPy replica uses -- and executes that plan as one token-packed forward.
 KV memory is a ``simulator.model.kv.space.KVSpace`` over the simulator's block manager
 (``kv_rules``: allocation, preemption, victim order, watermark, prefix caching),
 so the engine's memory decisions are the simulator's (``simulator.loops.simpy.replica`` and
-``replica_memory`` are the reference). Semantics (the simulator assumes exactly
+``simulator.loops.simpy.memory`` are the reference). Semantics (the simulator assumes exactly
 these):
 
 - one ``step()``: (1) every decoder whose next token crosses a block boundary
   takes a block (``paged``); while blocks are short a victim
-  (``kvspace.select_victim`` over decoding + prefilling) is preempted; (2) if
+  (``kv.space.select_victim`` over decoding + prefilling) is preempted; (2) if
   nobody was preempted, swapped-out requests come back, oldest first, while they
   fit; (3) the policy plans with ``free_blocks = 0`` if anything was preempted or
   is still swapped out, else ``kv.policy_free()``, and prices admissions through

@@ -355,7 +355,7 @@ def test_mooncake_unlimited_cache_hits_equal_offline_count(data_dir):
 def _offline_lru(reqs, capacity):
     """Independent replay of a finite prefix cache, one request at a time.
 
-    Rules (blockmanager's docs): the hit is the leading run of keys cached; at least
+    Rules (``simulator/model/kv/manager.py``'s ``PrefixKV``): the hit is the leading run of keys cached; at least
     one prompt token is recomputed; the request then takes blocks for its prompt
     (never-cached free blocks first, then evicting the least recently freed cached
     block), names its computed full prompt blocks whose keys are not cached yet,

@@ -16,7 +16,7 @@ from simulator.wire.frontend import FrontendConfig
 
 class KVConfig(StrictModel):
     """KV cache: capacity from GPU memory (or an explicit block count), allocation,
-    preemption under memory pressure, and prefix caching (see ``kvspace``)."""
+    preemption under memory pressure, and prefix caching (see ``simulator.model.kv.space``)."""
 
     block_size: int = Field(16, ge=1, le=4096)
     num_blocks: Optional[int] = Field(None, ge=1, description="overrides the memory-derived count")

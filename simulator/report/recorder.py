@@ -129,7 +129,7 @@ class Recorder:
         self.new_connection = np.zeros(n, dtype=bool)
         self.rejected = np.zeros(n, dtype=bool)
         self.generated = np.zeros(n, dtype=np.int64)
-        # KV memory under pressure, per request (see ``replica_memory``).
+        # KV memory under pressure, per request (see ``loops/simpy/memory.py``).
         self.cached_tokens = np.zeros(n, dtype=np.int64)     # prefill skipped by prefix hits
         self.preemptions = np.zeros(n, dtype=np.int32)
         self.recomputed_tokens = np.zeros(n, dtype=np.int64)  # KV dropped and prefilled again

@@ -69,7 +69,7 @@ def scenario_limit(engine) -> tuple[int, str]:
     limit, what = int(engine.max_num_seqs), "engine.max_num_seqs"
     kv = engine.kv
     if kv.allocation == "contiguous" and kv.num_blocks and kv.max_model_len:
-        # Each request reserves the blocks of max_model_len tokens (``kvspace``).
+        # Each request reserves the blocks of max_model_len tokens (``kv.space``).
         slots = kv.num_blocks // blocks_for(kv.max_model_len, kv.block_size)
         if slots < limit:
             limit, what = slots, "engine.kv's contiguous slots"

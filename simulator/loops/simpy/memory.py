@@ -10,7 +10,7 @@ to cross a block boundary takes one block. In the fast bookkeeping mode (see
 ``replica``) decoders are not visited step by step, so the step at which each one
 next needs a block sits in a heap, like finishes.
 
-Preemption: when the due blocks exceed the free ones, a victim (``kvspace.select_victim``)
+Preemption: when the due blocks exceed the free ones, a victim (``kv.space.select_victim``)
 is preempted and its blocks are freed, until the rest fit. The step that preempted
 admits nobody new (as vLLM does), which avoids admitting into the memory just
 freed and preempting again at the next step.

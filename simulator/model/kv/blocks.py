@@ -1,6 +1,6 @@
 """Block arithmetic of a paged KV cache: a cache is split into blocks of
 ``block_size`` token slots (16 by default, as in vLLM) and a request holds whole
-blocks. Who holds which block is ``blockmanager``'s job.
+blocks. Who holds which block is the block manager's job (``manager``).
 
 Pure Python, no torch: the simulator must not depend on the engine's stack. The
 block count itself is the memory rules' ``ceil_blocks`` (``rules``).
@@ -28,7 +28,7 @@ def request_blocks(prompt_tokens: int, output_tokens: int,
                    block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """Blocks a request needs by its end: its prompt plus all its output (what a
     contiguous reservation of its own length takes; ``Seq.blocks_needed``, the
-    admission price when no ``kvspace`` prices it). The last output token is never
+    admission price when no ``KVSpace`` prices it). The last output token is never
     fed back, so one slot is spare; ``prompt + output`` keeps the rule simple."""
     return blocks_for(prompt_tokens + output_tokens, block_size)
 

@@ -5,7 +5,7 @@ request: the SimPy replica and the real engine both call these methods; the comp
 loop calls the same ``rules`` kernels on its arrays.
 
 ``KVRules`` is the scenario's ``engine.kv`` in executor terms. ``KVSpace`` binds
-the rules to a block manager (``blockmanager``) and a function naming a request's
+the rules to a block manager (``manager``) and a function naming a request's
 prompt blocks (``prefixkeys``); a policy prices an admission through it
 (``SchedulerState.kv``), and the executor admits, grows and frees through it.
 
