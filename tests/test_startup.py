@@ -111,3 +111,30 @@ def test_a_cold_kernel_cache_is_announced_on_the_simpy_path(tmp_path):
     second = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert second.returncode == 0, second.stderr
     assert "compiling" not in second.stderr
+
+
+def test_a_cold_kernel_cache_is_announced_by_sweep_once_its_points_are_checked(tmp_path):
+    # sweep's runs say nothing of compiling (many, maybe in worker processes): the
+    # command says it once, after every point is checked (a bad point's error stays the
+    # only line) and before the first run; with the cache warm it says nothing.
+    import os
+    env = {**os.environ, "LATSIM_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("LATSIM_NO_JIT", None)
+
+    def sweep(out, *grid):
+        return subprocess.run(
+            [sys.executable, "-m", "simulator.cli", "sweep", "scenarios/quickstart.yaml",
+             "--set", "workload.num_requests=30", "--workers", "1", "--out", str(out),
+             *[a for g in grid for a in ("--grid", g)]],
+            capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    bad = sweep(tmp_path / "bad", "engine.max_num_seqs=0,4")
+    assert bad.returncode == 2, bad.stderr
+    assert "compiling" not in bad.stderr and "compiles" not in bad.stderr
+    first = sweep(tmp_path / "a", "engine.max_num_seqs=8")
+    assert first.returncode == 0, first.stderr
+    assert "latsim: compiling the simulator's kernels for this machine" in first.stderr
+    # 30 requests per point: the compiled loop is not what such a run takes.
+    assert "compiled event loop" not in first.stderr
+    second = sweep(tmp_path / "b", "engine.max_num_seqs=8")
+    assert second.returncode == 0, second.stderr
+    assert "compiling the simulator's kernels" not in second.stderr

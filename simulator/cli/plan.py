@@ -57,10 +57,11 @@ def sweep(
     check_out_dir(out, keep=True)      # a sweep resumes into its folder
     base, base_dir = _base(scenario, set_)
     axes = [parse_axis(g) for g in grid or []]
+    from simulator.cli.run import announce_cold_cache, err_console
     try:
         res = run_sweep(base, base_dir, axes, out, seeds=seeds, executor=executor,
                         workers=workers, resume=resume, force=force, limit=limit, console=console,
-                        address=address)
+                        address=address, on_start=lambda n: announce_cold_cache(err_console, n))
     except KeyboardInterrupt:
         from simulator.cli.common import on_interrupt
         kept = Path(out) / "results.csv"
@@ -206,6 +207,9 @@ def plan(
         if not pl.combos:
             raise LatsimError("no configuration in the search space can run (see the skipped "
                               "lines above)", source=str(scenario))
+        from simulator.cli.run import announce_cold_cache, err_console
+        expected = getattr(sc.workload, "expected_requests", None)
+        announce_cold_cache(err_console, expected() if expected is not None else None)
         watch = plan_progress(pl)
         try:
             result = pl.search()

@@ -89,6 +89,22 @@ def announce_kernels(out: Console) -> None:
                   markup=False, highlight=False, soft_wrap=True)
 
 
+def announce_cold_cache(out: Console, n_requests: Optional[float] = None) -> None:
+    """``sweep``'s and ``plan``'s line for a cold kernel cache, said once before their
+    runs start (their runs are many and may run in worker processes, so no run's own
+    progress says it): the kernels every run compiles (``announce_kernels``) and, when
+    not cached either and a run of ``n_requests`` (None: not known ahead) is large
+    enough to take it, the compiled event loop."""
+    announce_kernels(out)
+    from simulator import kernel
+    from simulator.loops.compiled import worth_compiling
+    large = n_requests is None or worth_compiling(int(min(n_requests, 2**62)))
+    if kernel.ENABLED and large and not compiled_loop_cached():
+        out.print("latsim: a run large enough for the compiled event loop compiles it first "
+                  "(once for this machine and these sources: about 1-2 minutes)",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
 class RunProgress:
     """``simulate``'s progress callback for one run: says when the compiled loop is being
     compiled, and once the run has taken ``DELAY_S`` shows how many requests are settled

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pandas as pd
 import yaml
@@ -327,11 +327,15 @@ def _progress(console, total: int):
 def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, seeds: int = 1,
               executor: str = "local", workers: Optional[int] = None, resume: bool = False,
               force: bool = False, limit: Optional[int] = None, console=None,
-              progress: bool = True, address: Optional[str] = None) -> SweepResult:
+              progress: bool = True, address: Optional[str] = None,
+              on_start: Optional[Callable[[Optional[float]], None]] = None) -> SweepResult:
     """Run every (point, seed) of the grid over ``base`` (a scenario mapping) into ``out_dir``.
 
     ``limit`` stops after that many new rows (the rest is left for ``resume``);
-    ``address``: a running Ray cluster (``executor="ray"``)."""
+    ``address``: a running Ray cluster (``executor="ray"``); ``on_start``: called once
+    every point is checked and before the first runs, with the largest point's expected
+    requests (None if not known ahead): ``latsim sweep`` says there whether kernels
+    compile, so that a bad point's error is the only line on the screen."""
     if seeds < 1:
         raise LatsimError("must be at least 1", source="--seeds", value=seeds, has_value=True)
     if limit is not None and limit < 1:
@@ -383,7 +387,9 @@ def run_sweep(base: dict, base_dir: Path, axes: list[Axis], out_dir: Path, *, se
     skipped = len(points) * seeds - len(tasks)
     if limit is not None:
         tasks, task_rows = tasks[:limit], task_rows[:limit]
-    _check_sweep_memory(tasks, task_rows, executor, workers)
+    largest = _check_sweep_memory(tasks, task_rows, executor, workers)
+    if on_start is not None and tasks:
+        on_start(largest)
     spec = yaml.safe_dump({"grid": {a.key: list(a.values) for a in axes}, "seeds": seed_list,
                            "scenario": base}, sort_keys=False)
     made_dir, new_table = not out_dir.exists(), not path.exists()
@@ -481,13 +487,15 @@ def _check_same_sweep(spec: Path, axes: list, base: dict) -> None:
                           f"--force to start again, or --out another folder", source=str(spec))
 
 
-def _check_sweep_memory(tasks: list, rows: list, executor: str, workers: Optional[int]) -> None:
+def _check_sweep_memory(tasks: list, rows: list, executor: str,
+                        workers: Optional[int]) -> Optional[float]:
     """Refuse a sweep whose largest points, run side by side, need more memory than the
-    machine has (one line naming the point), before any of them starts."""
+    machine has (one line naming the point), before any of them starts. Returns the
+    largest point's expected requests (None if no point knows it ahead)."""
     from simulator.errors import check_memory
     from simulator.report.output import run_memory
     if not tasks:
-        return
+        return None
     sizes = []
     for (data, _, bdir, _), row in zip(tasks, rows):
         try:
@@ -498,7 +506,7 @@ def _check_sweep_memory(tasks: list, rows: list, executor: str, workers: Optiona
         if expected is not None:
             sizes.append((expected(), row))
     if not sizes:
-        return
+        return None
     at_once = 1 if executor != "local" else max(1, min(len(tasks), workers or os.cpu_count() or 1))
     sizes.sort(key=lambda x: -x[0])
     need = sum(run_memory(n) for n, _ in sizes[:at_once])
@@ -506,6 +514,7 @@ def _check_sweep_memory(tasks: list, rows: list, executor: str, workers: Optiona
     check_memory(need, f"running {at_once} point(s) at a time, the largest "
                  f"({describe(params)}) with {sizes[0][0]:,.0f} requests,", source="--grid",
                  hint="lower the requests per point" + (" or --workers" if at_once > 1 else ""))
+    return sizes[0][0]
 
 
 def _replace_text(path: Path, text: str) -> None:
