@@ -14,6 +14,7 @@ from __future__ import annotations
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled import state as S
 from simulator.model.policies.chunked import fill_chunked
+from simulator.model.policies.edf import edf_key
 from simulator.model.policies.fair_score import fair_key
 from simulator.model.policies.fifo import fill_whole_prompts
 from simulator.model.policies.priority_aging import aging_key
@@ -22,7 +23,7 @@ from simulator.model.scheduling.policy import REQUEUE_ARRIVAL, REQUEUE_FRONT
 from simulator.model.scheduling.queues import goes_before, heads_suffice, progress
 
 FILLS = (fill_whole_prompts, fill_chunked, fill_static)
-ORDERS = (None, aging_key, fair_key)          # None: arrival order (one FIFO)
+ORDERS = (None, aging_key, fair_key, edf_key)  # None: arrival order (one FIFO)
 
 
 def policy_ids(policy):
@@ -56,6 +57,8 @@ def order_key(order_id, prio, enq, progress, now, p):
         return aging_key(prio, enq, progress, now, p)
     if order_id == 2:
         return fair_key(prio, enq, progress, now, p)
+    if order_id == 3:
+        return edf_key(prio, enq, progress, now, p)
     return 0.0
 
 
