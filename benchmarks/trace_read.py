@@ -1,4 +1,4 @@
-"""Trace read speed: how long ``build_trace`` takes on each real trace in ``../shared/data``.
+"""Trace read speed: how long ``build_trace`` takes on each real trace in ``data/``.
 
 Reads every trace the test suite checks against the data README (Azure 2023 code and
 conversation, their Vidur re-encodings, Mooncake conversation and
@@ -19,7 +19,7 @@ import numpy as np
 
 from simulator.workload.traces import TraceWorkload, build_trace
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 TRACES = [
     "azure_llm_2023/AzureLLMInferenceTrace_code.csv",
     "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",

@@ -56,8 +56,8 @@ when it reaches ``stream_buffer_frames``:
   stream asks the engine thread to resume it (half, not "one below": a client
   reading at about the engine's pace would flip the request every step);
 - ``degrade``: the request leaves streaming: its remaining tokens are
-  collected and sent as one final frame (the non-streamed response the seeds
-  suggest for clients that cannot keep up), so the engine never waits for it.
+  collected and sent as one final frame (as a non-streamed response would
+  carry them), so the engine never waits for it.
 
 Limits, authentication and timeouts: ``real_engine.guards``. Binding and running
 the server in a thread: ``real_engine.hosting``.

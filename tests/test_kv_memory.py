@@ -528,11 +528,12 @@ def test_cancels_agree_across_bookkeeping_modes(preemption):
 
 
 def test_seed_claim_system_prompt_shared_by_100_requests():
-    """The seeds: a ~500-token system prompt shared by 100 concurrent requests saves
-    about 8 GB. Measured here on Llama-3-8B's shape (128 KiB of KV per token): the
-    requests share the prompt's 31 full blocks (496 tokens), so at most 99 x 31 x 16
-    x 131,072 B = 6.44 GB is saved; the few admitted in the step that computes the
-    prompt first cannot share it yet."""
+    """A published claim (``data/README.md``, *Facts from two design articles*): a
+    ~500-token system prompt shared by 100 concurrent requests saves about 8 GB.
+    Measured here on Llama-3-8B's shape (128 KiB of KV per token): the requests share
+    the prompt's 31 full blocks (496 tokens), so at most 99 x 31 x 16 x 131,072 B = 6.44
+    GB is saved; the few admitted in the step that computes the prompt first cannot
+    share it yet."""
     wl = {"kind": "synthetic", "num_requests": 100, "arrival": {"kind": "constant", "rate": 1e6},
           "prompt_tokens": {"kind": "constant", "value": 40},
           "output_tokens": {"kind": "constant", "value": 200},

@@ -1,6 +1,6 @@
 """Scheduling policies as plug-ins: registered by name with their own parameters,
 named in YAML as a name or ``{kind: name, ...}``, a user's own module loaded by path,
-listed by ``latsim policies``; and the seed's weighted fair scheduler (``fair_score``)
+listed by ``latsim policies``; and the weighted fair scheduler (``fair_score``)
 does what its formula promises."""
 from __future__ import annotations
 
@@ -127,9 +127,9 @@ def test_latsim_policies_lists_every_policy_and_its_loops():
     assert "w_progress" in r.stdout and "compiled, simpy" in r.stdout
 
 
-# -- fair_score: the seed's formula ----------------------------------------------------
+# -- fair_score: the formula of data/README.md's design article ----------------------
 def test_fair_key_is_the_seeds_score():
-    """score = min(wait / 5, 3) * 0.5 + VIP + (generated / output) * 0.5 (the seed's
+    """score = min(wait / 5, 3) * 0.5 + VIP + (generated / output) * 0.5 (the article's
     ``PriorityScheduler``), higher first; the key is minus the score."""
     p = np.array([5.0, 3.0, 0.5, 1.0, 0.5])
     assert fair_key(0, 10.0, 0.0, 10.0, p) == -0.0
@@ -159,12 +159,12 @@ def _overtaken(res, low: int, high: int, gap: float, cap: float = np.inf) -> int
 
 
 def test_fair_score_bounds_starvation_one_class_apart():
-    """With the seed's weights a request overtakes fresh requests of the class above
+    """With the article's weights a request overtakes fresh requests of the class above
     once it has waited 10 s (0.5 x wait / 5 s passes one class's 1.0), until its bonus
     caps at 15 s. So, exactly: no request is admitted after one of the class above that
     reached the queue more than 10 s later, while it has waited under 15 s. Strict
     priority (aging off) breaks that thousands of times on the same traffic, and
-    two classes apart the cap (1.5 < 2) leaves the bound out, as the seed's numbers
+    two classes apart the cap (1.5 < 2) leaves the bound out, as the article's numbers
     imply: P2 still waits behind P0 requests that came much later."""
     runs = _fair_runs()
     fair, strict = runs["fair_score"], runs["strict-priority"]

@@ -437,10 +437,10 @@ def test_retry_budget_bounds_a_storm_in_a_run():
 # -- queue-wait estimate ---------------------------------------------------------------------
 
 def test_queue_wait_estimate_published_and_its_error_reported():
-    """Each admitted request carries the wait the server published (P50 and P99 =
-    2.5 x P50, the seed's) and ``wait_error = estimate - t_queue``; the summary's error
-    statistics are those of that column; under a backlog the estimate tracks the wait
-    (rank correlation above 0.5)."""
+    """Each admitted request carries the wait the server published (P50 and P99 = 2.5 x P50,
+    as ``data/README.md``, *Facts from two design articles*) and ``wait_error = estimate
+    - t_queue``; the summary's error statistics are those of that column; under a
+    backlog the estimate tracks the wait (rank correlation above 0.5)."""
     res = simulate(traffic_scenario("reject+retry"))
     df, out = run_outputs(res)
     adm = df[df["outcome"] == "completed"]
@@ -469,8 +469,9 @@ def test_wait_estimate_divides_by_the_policys_own_chunk_size(spy):
 
 
 def test_seed_wait_estimate_is_waiting_prompt_over_chunk_times_mean_step():
-    """The seed's ``estimate_wait_time``: waiting prompt tokens / chunk size x the
-    replica's mean step time; ``little``: waiting / admissions per second."""
+    """The article's ``estimate_wait_time`` (``data/README.md``): waiting prompt tokens /
+    chunk size x the replica's mean step time; ``little``: waiting / admissions per
+    second."""
     from simulator.config.traffic import WaitEstimateConfig
 
     class Rep:

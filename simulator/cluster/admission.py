@@ -1,9 +1,9 @@
-"""Admission control in front of the replicas (the high-concurrency seed's rate
-limiting, 限流): per-class token buckets on requests and on tokens, a queue-length
-and an estimated-wait limit per class, and what happens past them: refuse the
-newcomer with 429 and a Retry-After, or shed the lowest-class waiting request (503)
-to make room. Also the queue-wait estimate a server publishes to its clients at
-admission (the end-to-end seed's ``estimate_wait_time``).
+"""Admission control in front of the replicas (rate limiting): per-class token buckets
+on requests and on tokens, a queue-length and an estimated-wait limit per class, and
+what happens past them: refuse the newcomer with 429 and a Retry-After, or shed the
+lowest-class waiting request (503) to make room. Also the queue-wait estimate a server
+publishes to its clients at admission (an ``estimate_wait_time`` from prompt tokens and
+chunk time; ``data/README.md``, *Facts from two design articles*).
 
 Token bucket (the classic shaper, e.g. Tanenbaum, "Computer Networks", 5.4): a bucket
 of ``burst`` tokens refilled at ``rate`` per second, starting full; a request passes
@@ -76,11 +76,11 @@ class Decision:
 class WaitEstimator:
     """The queue-wait estimate a replica publishes for a newcomer (seconds, P50 and P99).
 
-    - ``seed`` (the end-to-end seed's ``estimate_wait_time``): the waiting requests'
-      prompt tokens left to prefill / the chunk size x the replica's mean step time so
-      far (before its first step: the cost model's time for one chunk); P99 =
-      ``p99_factor`` x that. It ignores the running batch's decodes, which is what a
-      user can judge from the error this reports.
+    - ``seed`` (the ``estimate_wait_time`` of ``data/README.md``, *Facts from two design
+      articles*): the waiting requests' prompt tokens left to prefill / the chunk size x
+      the replica's mean step time so far (before its first step: the cost model's time
+      for one chunk); P99 = ``p99_factor`` x that. It ignores the running batch's
+      decodes, which is what a user can judge from the error this reports.
     - ``little`` (Little's law, ``W = L / lambda``): waiting requests / the replica's
       completion rate over the last ``window_s`` (the seed estimate while nothing has
       completed in the window)."""

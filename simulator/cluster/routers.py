@@ -6,7 +6,7 @@
   tokens not yet prefilled plus output tokens not yet generated), ties to the
   lowest index.
 
-Region-aware routers (the seeds' "route each user to the nearest cluster") pick a
+Region-aware routers ("route each user to the nearest cluster") pick a
 serving region when the client sends (``pick_region``; the request then pays that
 region's RTT), and a replica inside it when the request arrives (``pick_in``, the
 least outstanding one there):

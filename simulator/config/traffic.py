@@ -5,12 +5,12 @@ window, diagnosis thresholds). The models they configure live in
 ``simulator.cluster.admission``, ``simulator.wire.clients``,
 ``simulator.cluster.autoscaler`` and ``simulator.report.traffic``.
 
-Every section is off by default (a scenario without them runs as before); the
-defaults inside a section are the high-concurrency seed's where it gives them (5 s
-connect and 120 s read timeouts) and the common production ones elsewhere (the
-Kubernetes HPA's 15 s period, 10% tolerance and 300 s scale-down stabilisation;
-AWS's exponential backoff with full jitter; Finagle's retry budget of 20% plus a
-floor).
+Every section is off by default (a scenario without them runs as before); the defaults
+inside a section are those of the article the client model comes from (5 s connect and
+120 s read timeouts; ``data/README.md``, *Facts from two design articles*) and the
+common production ones elsewhere (the Kubernetes HPA's 15 s period, 10% tolerance and
+300 s scale-down stabilisation; AWS's exponential backoff with full jitter; Finagle's
+retry budget of 20% plus a floor).
 """
 from __future__ import annotations
 
@@ -44,9 +44,10 @@ class WaitEstimateConfig(StrictModel):
 
     kind: Literal["seed", "little"] = Field(
         "seed", description="seed: sum of waiting prompts / chunk size x mean step time "
-        "(the seed's estimate_wait_time); little: waiting requests / recent admission rate")
+        "(estimate_wait_time, data/README.md); little: waiting requests / recent "
+        "admission rate")
     p99_factor: float = Field(2.5, ge=1, description="published P99 = factor x estimate "
-                              "(the seed's 2.5)")
+                              "(the article's 2.5)")
     window_s: float = Field(30.0, gt=0, description="little: admissions counted over this")
 
 

@@ -207,13 +207,13 @@ class DisconnectConfig(StrictModel):
     """Clients that leave mid-stream.
 
     A request's client disconnects with ``probability``, ``after_first_token`` after
-    it received the first token. A ``signalled`` fraction closes the connection
-    cleanly (FIN/RST, or RST_STREAM under HTTP/2): the server cancels the request one
-    way later and frees its KV. The others vanish silently and are found only by the
-    heartbeat timeout (``heartbeat_timeout_s``, 45 s in the seeds) unless the request
-    ends first; the GPU time spent on them meanwhile is reported, priced at
-    ``gpu_cost_per_hour`` when given (the planner's ``--cost-per-gpu-hour`` is a
-    command-line option a run does not see)."""
+    it received the first token. A ``signalled`` fraction closes the connection cleanly
+    (FIN/RST, or RST_STREAM under HTTP/2): the server cancels the request one way later
+    and frees its KV. The others vanish silently and are found only by the heartbeat
+    timeout (``heartbeat_timeout_s``, 45 s: ``data/README.md``, *Facts from two design
+    articles*) unless the request ends first; the GPU time spent on them meanwhile is
+    reported, priced at ``gpu_cost_per_hour`` when given (the planner's
+    ``--cost-per-gpu-hour`` is a command-line option a run does not see)."""
 
     probability: float = Field(0.0, ge=0, le=1)
     after_first_token: DurationDist = Field(

@@ -1,5 +1,5 @@
 """Metrics with ``vllm bench serve`` names, the additive breakdown, goodput and
-the seeds' bottleneck diagnosis.
+a bottleneck diagnosis (``data/README.md``, *Facts from two design articles*).
 
 Per request (seconds): ``t_net = enqueued - arrival``, ``t_queue = scheduled -
 enqueued``, ``t_prefill = first_token - scheduled``, ``t_decode = last_token -
@@ -75,6 +75,8 @@ def requests_table(res) -> pd.DataFrame:
     # Disaggregated serving: the parts of t_decode spent waiting to be taken in by a
     # decode replica and moving the KV there, the bytes moved, and which replica.
     for name in rec.disagg_columns:
+        df[name] = getattr(rec, name)
+    for name in getattr(rec, "edge_columns", ()):   # an edge node: how it was answered
         df[name] = getattr(rec, name)
     add_traffic_columns(df, rec)
     add_derived(df)
@@ -292,7 +294,7 @@ VERDICTS = ("retry_storm", "admission_limited", "queue_saturation", "kv_pressure
 
 def diagnoses(s: dict, cfg=None) -> list[str]:
     """Every bottleneck verdict a summary shows, most fundamental first (``VERDICTS``
-    order; ``["healthy"]`` when none). The seeds' rule (queueing, then prefill, then
+    order; ``["healthy"]`` when none). The classic rule (queueing, then prefill, then
     decode jitter) with the traffic verdicts around it: ``retry_storm`` (retries after
     a timeout, per request, above ``retry_frac``: clients resending work the server
     may already be doing; retries after a 429 are admission's, cheap to refuse),
@@ -329,7 +331,7 @@ def diagnoses(s: dict, cfg=None) -> list[str]:
 
 def diagnose(s: dict, queue_ms: float = 100.0, ttft_ms: float = 500.0,
              jitter: float = 2.0, cfg=None) -> str:
-    """The first of ``diagnoses``: the seeds' bottleneck rule (queueing, then prefill,
+    """The first of ``diagnoses``: the classic bottleneck rule (queueing, then prefill,
     then decode jitter, else healthy) with the traffic verdicts. ``cfg`` (thresholds)
     overrides ``queue_ms``, ``ttft_ms`` and ``jitter``."""
     if cfg is None:

@@ -77,7 +77,7 @@ def _outputs(res, df: pd.DataFrame) -> dict:
     out["cluster"] = cluster_summary(res, df, good_mask(df, res.scenario))
     # The rich stream/network model's totals (see simulate._Wire), when it was on; the
     # gateway's attempt tallies (``loops.traffic``), when traffic control was on.
-    for key in ("stream", "network", "traffic", "speculative", "disaggregation"):
+    for key in ("stream", "network", "traffic", "speculative", "disaggregation", "edge"):
         if key in res.meta:
             out[key] = res.meta[key]
     return out
@@ -99,7 +99,7 @@ def series_table(res) -> pd.DataFrame:
             df.insert(1, "pool", np.array([nm for nm, _c, _g in sp], dtype=object)[k])
             cap = np.array([c for _nm, c, _g in sp], dtype=np.float64)[k]
         df["kv_reserved_frac"] = df["kv_blocks_reserved"] / cap
-        # Utilisation as the seeds define it: tokens held / token slots reserved.
+        # Utilisation: tokens held / token slots reserved (what a reservation wastes).
         slots = df["kv_blocks_reserved"] * res.scenario.engine.kv.block_size
         df["kv_utilization"] = (df["kv_tokens"] / slots.where(slots > 0)).clip(upper=1.0)
     if "attempts" in res.meta or res.meta.get("utilization"):

@@ -1,14 +1,14 @@
 """Clients that give up and retry: what a client does when an attempt fails.
 
-The high-concurrency seed's client (httpx with ``Timeout(connect=5.0, read=120.0)``)
-gives up on an attempt when setting up its connection takes longer than the connect
-timeout, or when no byte of the response has arrived within the read timeout of it
-finishing sending the request (httpx's read timeout is the longest wait for the next
-byte; here the first one: the model does not track a gap between later tokens per
-request). It may also give up on the whole request at a deadline. When it gives up
-it closes the connection; the server learns that one way later and cancels the
-request (``Replica.cancel``: dropped from the queue, or its KV freed at the next step
-boundary).
+A client as an httpx one with ``Timeout(connect=5.0, read=120.0)`` (``data/README.md``,
+*Facts from two design articles*) gives up on an attempt when setting up its connection
+takes longer than the connect timeout, or when no byte of the response has arrived
+within the read timeout of it finishing sending the request (httpx's read timeout is the
+longest wait for the next byte; here the first one: the model does not track a gap
+between later tokens per request). It may also give up on the whole request at a
+deadline. When it gives up it closes the connection; the server learns that one way
+later and cancels the request (``Replica.cancel``: dropped from the queue, or its KV
+freed at the next step boundary).
 
 After a 429 (rate or queue limit), a 503 (shed) or a timeout, a client retries when
 its retry policy says so (``client.retry.retry_on``), while attempts remain and the retry

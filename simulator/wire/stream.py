@@ -1,7 +1,8 @@
 """The server-to-client half of the wire: from the ``stream`` config to timings.
 
 Each generated token leaves as one SSE frame of ``frame_overhead_bytes`` (the
-``data: {...}\\n\\n`` JSON envelope, 50-100 B per the seeds) plus the token text.
+``data: {...}\\n\\n`` JSON envelope, 50-100 B; ``data/README.md``, *Facts from two
+design articles*) plus the token text.
 A frame takes ``c = bytes x 8 / downlink`` to transmit; frames of one request
 queue on its connection, so frame k departs at ``D_k = max(t_k, D_{k-1}) + c``
 where ``t_k`` is when the engine produced token k, and arrives one-way latency

@@ -10,7 +10,7 @@ Blocks come from a pool of ``capacity`` blocks of ``block_size`` token slots.
   blocks of its prompt; while it decodes it takes one more block each time its
   context crosses a block boundary (``grow``). Memory follows the tokens actually
   held, so utilisation (tokens / reserved slots) is near 100%.
-- **contiguous** allocation (the "traditional" engines of the seeds): the request
+- **contiguous** allocation (engines before paged attention): the request
   reserves its maximum length at admission and never grows. The difference between
   the two is a different ``tokens`` argument to ``allocate``; the executor picks it.
 

@@ -1,4 +1,5 @@
-"""``fair_score``: the high-concurrency seed's weighted fair scheduler, on chunked prefill.
+"""``fair_score``: a weighted fair scheduler (starvation bonus + VIP + progress), on
+chunked prefill.
 
 A waiting request's score is
 
@@ -6,10 +7,11 @@ A waiting request's score is
   + w_vip * (-priority)                              (VIP boost: P0 above P1 above P2)
   + progress * w_progress                            (generated / output tokens)
 
-(the seed's weights as defaults: 0.5, 1.0, 0.5), and the highest score is admitted
-first (ties to the earlier arrival). The seed's VIP level grows with importance;
-latsim's classes count the other way (P0 first), hence ``-priority``: only differences
-between scores order requests, so this is the seed's rule up to a constant.
+(the weights of the article it comes from as defaults: 0.5, 1.0, 0.5;
+``data/README.md``, *Facts from two design articles*), and the highest score is admitted
+first (ties to the earlier arrival). There the VIP level grows with importance; latsim's
+classes count the other way (P0 first), hence ``-priority``: only differences between
+scores order requests, so this is that rule up to a constant.
 
 What it bounds: the starvation bonus is capped at ``w_wait * wait_cap`` (1.5), so a
 request overtakes fresh requests of a class at most ``1.5 / w_vip`` classes above its
@@ -41,7 +43,7 @@ F_SCALE, F_CAP, F_WAIT, F_VIP, F_PROGRESS = range(5)
 @arrival_ordered      # within a class the longer wait never has the higher key
 @kernel
 def fair_key(prio, enq, progress, now, p):
-    """The queue order of ``fair_score``: minus the seed's score (lower key first)."""
+    """The queue order of ``fair_score``: minus the score (lower key first)."""
     wait = now - enq
     if not wait > 0.0:
         wait = 0.0
@@ -61,7 +63,7 @@ class FairParams(ChunkParams):
 
 @register_policy("fair_score")
 class FairScorePolicy(Policy):
-    """The seed's weighted fair scheduler over chunked prefill (see module doc)."""
+    """The weighted fair scheduler over chunked prefill (see module doc)."""
 
     Params = FairParams
     fill_kernel = fill_chunked

@@ -5,9 +5,10 @@ The engine takes a batch of waiting requests only when it is empty (up to
 ``max_batch_tokens`` if set),
 prefills it, then decodes it until its last request finishes; nobody joins a batch in
 flight. A request that finishes early leaves its slot empty until the whole batch is
-done, so a long output holds every slot of its batch (the high-concurrency seed's
-single-request GPU use of 20-30%). One simplification, stated: a finished request no
-longer costs decode work (a padded static engine would keep computing its row).
+done, so a long output holds every slot of its batch (one request alone uses 20-30% of a
+GPU: ``data/README.md``, *Facts from two design articles*). One simplification, stated:
+a finished request no longer costs decode work (a padded static engine would keep
+computing its row).
 """
 from __future__ import annotations
 
