@@ -1,9 +1,9 @@
 """What a run says about KV memory: capacity, utilisation, preemptions, swapping,
 prefix-cache hits and what they saved.
 
-- *Utilisation* is tokens held / token slots reserved (the seeds' measure: 20-40%
-  for contiguous reservations, near 100% for paged blocks), time-weighted over the
-  run's samples.
+- *Utilisation* is tokens held / token slots reserved (20-40% for contiguous
+  reservations, near 100% for paged blocks: ``data/README.md``, *Facts from two design
+  articles*), time-weighted over the run's samples.
 - *Block hit ratio*: of the full prompt blocks looked up at admissions, the share
   found cached (the longest leading run). *Token hit ratio*: prompt tokens whose
   prefill a hit skipped, over prompt tokens admitted (at least one token of a
