@@ -158,7 +158,8 @@ def test_sjf_declines_the_compiled_loop_with_a_reason():
     res = simulate(make_scenario(engine={"policy": "sjf", "max_num_seqs": 8,
                                          "max_num_batched_tokens": 256,
                                          "kv": {"num_blocks": 4096}}))
-    assert res.meta["loop"].startswith("simpy (policy 'sjf'")
+    assert res.meta["loop"] == ("simpy (policy 'sjf' compares every waiting request by its "
+                                "own key (the compiled loop compares per-class FIFO heads))")
 
 
 @pytest.mark.parametrize("w, key", [(0.0, 300.0), (0.5, 300.0 + 0.5 * 40)])
