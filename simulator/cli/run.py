@@ -317,6 +317,9 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
                 with writing(out):
                     write_requests(res, staged.path / f"requests{tail}.{ext}", fmt)
                     write_csv([series_table(res)], staged.path / f"timeseries{tail}.csv")
+                    if "session_table" in res.meta:   # kind: sessions, one row per session
+                        write_csv([res.meta["session_table"]],
+                                  staged.path / f"sessions{tail}.csv")
             why_not[label] = _unfinished_text(unfinished(_settle_frame(res), psc.max_sim_time_s),
                                               psc.max_sim_time_s)
             del res

@@ -26,6 +26,7 @@ from simulator.model import policies as _policies  # noqa: F401  scheduling poli
 from simulator.workload import servegen as _servegen  # noqa: F401  kind: servegen
 from simulator.workload import inference_perf as _ip  # noqa: F401  kind: inference_perf
 from simulator.workload import traces as _traces  # noqa: F401  kind: trace
+from simulator.workload import sessions as _sessions  # noqa: F401  kind: sessions
 
 ENTRY_POINT_GROUP = "latsim.plugins"
 MAX_PLUGIN_BYTES = 16 * 2**20   # a plug-in is a few KB of Python; this only stops a wrong file

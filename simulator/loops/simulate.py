@@ -46,6 +46,7 @@ from simulator.loops.compiled import (COMPILE_MIN_REQUESTS, Handback, kernel_rea
 from simulator.loops.simpy.driver import run_simpy
 from simulator.loops.traffic import run_traffic, traffic_reason
 from simulator.workload import Workload, build_workload
+from simulator.workload.sessions import session_reason
 
 
 @dataclass
@@ -314,7 +315,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
 
     why = None
     if loop != "simpy":
-        why = kernel_reason(pol, kv_args["kv_rules"], pools, costs, scenario.cluster.router,
+        why = session_reason(workload) or kernel_reason(
+                            pol, kv_args["kv_rules"], pools, costs, scenario.cluster.router,
                             workload.priority, rich=rich or topo is not None, mode=mode,
                             cost_given=cost_model is not None, frame_time=stream.frame_time,
                             traffic=traffic_reason(scenario), speculative=spec is not None,

@@ -60,6 +60,12 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     ``progress(view)``: called as the clock starts with a view whose ``last_delivered``,
     ``rejected`` and ``cancelled`` say which requests have ended. Returns ``(end of the
     run, each replica's KVStats, meta)``."""
+    if "sessions" in workload.meta:
+        # Closed-loop sessions need the plain driver's session process (the gateway sends
+        # on a fixed clock); ``config.traffic.check_traffic`` refuses the known sections.
+        from simulator.errors import LatsimError
+        raise LatsimError(f"workload kind sessions (closed-loop users) cannot be combined "
+                          f"with {traffic_reason(scenario)}", field="workload.kind")
     sc = scenario
     cl = sc.cluster
     n = len(workload)

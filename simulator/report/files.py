@@ -190,7 +190,8 @@ def write_requests(res, path: Path, fmt: str = "csv", rows: int = CHUNK_ROWS) ->
 
 # What a run writes into its folder; ``--force`` replaces exactly these.
 RUN_OUTPUTS = ("requests.csv", "requests-*.csv", "requests.parquet", "requests-*.parquet",
-               "timeseries.csv", "timeseries-*.csv", "summary.json", "scenario.yaml",
+               "timeseries.csv", "timeseries-*.csv", "sessions.csv", "sessions-*.csv",
+               "summary.json", "scenario.yaml",
                "latency_cdfs.png", "breakdown.png", "timeseries.png", "cluster.png")
 
 

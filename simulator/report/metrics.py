@@ -206,7 +206,8 @@ def summarize(df: pd.DataFrame, itl: Optional[ItlHistogram], scenario=None,
         "total_output_tokens": int(fin("output_tokens").sum()),
     }
     if n_fin:
-        duration = float(fin("last_delivered").max() - df["arrival"].to_numpy()[keep].min())
+        # nanmin: a closed-loop session's turn never sent has no arrival (NaN).
+        duration = float(fin("last_delivered").max() - np.nanmin(df["arrival"].to_numpy()[keep]))
     else:
         duration = float("nan")
     out["duration_s"] = duration

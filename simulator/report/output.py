@@ -80,6 +80,8 @@ def _outputs(res, df: pd.DataFrame) -> dict:
     for key in ("stream", "network", "traffic", "speculative", "disaggregation", "edge"):
         if key in res.meta:
             out[key] = res.meta[key]
+    if "sessions" in res.meta:   # closed-loop sessions (``report.sessions``)
+        out["sessions"] = res.meta["sessions"]
     return out
 
 def series_table(res) -> pd.DataFrame:

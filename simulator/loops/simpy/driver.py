@@ -28,11 +28,15 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
     bs = kv_args["kv_rules"].block_size
     wire = None
 
+    users = None   # closed-loop sessions (``workload.sessions``): set below
+
     def on_finish(s: SimSeq, delivered_at: float) -> None:
         if wire is None:
             pools.release(s.client, delivered_at, s.pooled)
         else:
             wire.finished(s, delivered_at)
+        if users is not None:
+            users.finished(s.rid, delivered_at)
 
     replicas = [Replica(env, i, policy, costs[i], capacity, rec, stream.frame_time,
                         stream.one_way, on_finish, series_interval=series_interval,
@@ -62,6 +66,8 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
                 pools.release(seq.client, env.now + net.one_way, seq.pooled)
             else:
                 wire.rejected(seq, env.now)
+            if users is not None:
+                users.ended(rid, env.now + net.one_way)
             return
         if wire is None:
             k = router.pick(replicas, seq)
@@ -78,26 +84,38 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
             if a > t:
                 yield env.timeout(a - t)
                 t = a
-            c = int(clients[rid])
-            if wire is None:
-                is_new, pooled = pools.acquire(c, env.now)
-                rec.new_connection[rid] = is_new
-            else:
-                pooled = False   # wire.send routes the request, then takes its connection
-            p = int(prompt[rid])
-            o = int(output[rid])
-            seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), request_blocks(p, o, bs), c, pooled)
-            if keys_of is not None:
-                seq.keys = keys_of(rid)
-            if wire is None:
-                t_net = net_time(net.send_time(p), net.handshake, is_new, 0.0)
-            else:
-                t_net = wire.send(seq, env.now)
-            env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))
+            send(rid)
 
-    env.process(arrivals())
+    def send(rid: int) -> None:
+        """The client sends request ``rid`` now."""
+        c = int(clients[rid])
+        if wire is None:
+            is_new, pooled = pools.acquire(c, env.now)
+            rec.new_connection[rid] = is_new
+        else:
+            pooled = False   # wire.send routes the request, then takes its connection
+        p = int(prompt[rid])
+        o = int(output[rid])
+        seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), request_blocks(p, o, bs), c, pooled)
+        if keys_of is not None:
+            seq.keys = keys_of(rid)
+        if wire is None:
+            t_net = net_time(net.send_time(p), net.handshake, is_new, 0.0)
+        else:
+            t_net = wire.send(seq, env.now)
+        env.timeout(t_net).callbacks.append(lambda _e, s=seq: deliver(s))
+
+    plan = workload.meta.get("sessions")
+    if plan is None:
+        env.process(arrivals())
+    else:
+        from simulator.loops.simpy.sessions import SessionClients
+        users = SessionClients(env, plan, rec, send)
     if progress is not None:
         progress("simpy", rec)
     env.run(until=scenario.max_sim_time_s)
-    return (env.now, [r.kv.manager.stats for r in replicas],
-            {} if wire is None else wire.summary(float(env.now)))
+    meta = {} if wire is None else wire.summary(float(env.now))
+    if users is not None:
+        from simulator.report.sessions import session_meta
+        meta.update(session_meta(plan, rec, users.aborted, prompt))
+    return env.now, [r.kv.manager.stats for r in replicas], meta

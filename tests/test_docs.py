@@ -1,0 +1,217 @@
+"""The documentation names only what exists, and depends on nothing outside the repository.
+
+Every module or file that a docstring (module, class or function, in ``simulator/``,
+``real_engine/``, ``benchmarks/``, ``notebooks/`` and ``tests/``), ``README.md`` or
+``DEVELOPING.md`` names must exist in the checkout:
+
+- a path under one of the project's top folders (``simulator/loops/compiled/plan.py``,
+  ``real_engine/engine.py``, ``benchmarks/sim_speed.py``, ``scenarios/quickstart.yaml``,
+  ``notebooks/...``, ``profiles/...``, ``data/...``, ``tests/...``), with or without a
+  trailing ``/`` for a folder; a path with a ``.py`` module may carry ``:name`` or
+  ``::test`` after it, which is ignored;
+- a dotted module name such as ``simulator.cost.physics`` or ``real_engine.engine`` (a
+  trailing part may be an attribute of the longest existing module:
+  ``simulator.cost.step_ms`` is fine when ``simulator/cost/__init__.py`` defines or
+  imports ``step_ms``);
+- a shortened path inside ``simulator/`` written from its package, such as
+  ``kv/rules.py`` or ``model/kv/rules``: it must be the tail of some file's path.
+
+Paths a command *writes* (``results/...``, ``profiles/my-calibrated.json``,
+``profiles/cpu-tiny.json`` from ``latsim profile``) are outputs, not references; the
+few that README names are listed in ``OUTPUTS`` (each with the command that makes it).
+
+No docstring may lean on documents that are not in the repository: the ``shared``
+folder beside the checkout (absent from a clone) or "the seed(s)" meaning the design
+articles the project started from. Facts taken from them are kept, attributed, in
+``data/README.md`` (*Facts from two design articles*); a docstring states the mechanism
+and may cite that section. ("the seed" meaning an RNG seed is fine: the check looks for
+the articles' phrasings, which an RNG seed never takes.)
+
+The check is static (``ast`` and regular expressions; nothing is imported), so it runs
+in well under a second. ``test_a_removed_file_is_found`` shows it fails when a named
+file disappears.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_FILES = ("README.md", "DEVELOPING.md")
+CODE_DIRS = ("simulator", "real_engine", "benchmarks", "notebooks", "tests")
+TOPS = ("simulator", "real_engine", "benchmarks", "scenarios", "notebooks", "profiles",
+        "data", "tests")
+
+# Paths README names as what a command writes (they need not exist before it runs).
+OUTPUTS = {
+    "profiles/cpu-tiny.json",        # latsim profile --model tiny --device cpu --out ...
+    "profiles/my-calibrated.json",   # latsim calibrate ... --out ...
+    "profiles/my-server.json",       # latsim calibrate my-server.yaml ... --out ...
+}
+
+_PATH = re.compile(
+    r"(?<![\w./-])(?:\.\./)?((?:%s)/[A-Za-z0-9_.*/{},-]*[A-Za-z0-9_/])" % "|".join(TOPS))
+_DOTTED = re.compile(r"(?<![\w./-])((?:simulator|real_engine)(?:\.[A-Za-z_]\w*)+)")
+# ``kv/rules.py``, ``model/kv/rules``, ``cost/calibration/settings.py`` in backticks:
+_SHORT = re.compile(r"`([a-z_]+(?:/[a-z_]+)+(?:\.py)?/?)`")
+# Documents outside the repository: the sibling folder, or the design articles the project
+# started from ("the seed's score", "the seeds' measure", "the high-concurrency seed").
+# An RNG seed is never written possessively nor with those adjectives.
+_OUTSIDE = re.compile(
+    r"\.\./" r"shared|\bseed's|\bseeds'|\b(?:high-concurrency|end-to-end)\s+seed|"
+    r"\bseed\s+(?:article|document|text)s?|\bthe\s+seeds\b(?!\s*(?:=|:|of\b|per\b|alone|"
+    r"listed|given|run|the))", re.IGNORECASE)
+
+
+def _files():
+    return {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+            if ".git" not in p.parts and "egg-info" not in p.as_posix()}
+
+
+def docstrings(path: Path):
+    """(line, text) of every module, class and function docstring in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                line = node.body[0].lineno if node.body else 1
+                out.append((line, doc))
+    return out
+
+
+def sources():
+    """(where, text) of every document this test reads: README, DEVELOPING, docstrings."""
+    for name in DOC_FILES:
+        p = ROOT / name
+        if p.exists():
+            yield name, p.read_text(encoding="utf-8")
+    for d in CODE_DIRS:
+        for p in sorted((ROOT / d).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            for line, doc in docstrings(p):
+                yield f"{rel}:{line}", doc
+
+
+def _exists_path(ref: str, files: set[str]) -> bool:
+    ref = ref.rstrip("/.,")
+    ref = re.split(r"::|:(?=[A-Za-z_])", ref)[0]
+    if ref in OUTPUTS:
+        return True
+    if "{" in ref:                                   # loops/compiled/{plan,loop}.py
+        head, rest = ref.split("{", 1)
+        alts, tail = rest.split("}", 1) if "}" in rest else (rest, "")
+        return all(_exists_path(head + a + tail, files) for a in alts.split(","))
+    if "*" in ref:                                   # profiles/*.json
+        pat = re.compile(re.escape(ref).replace(r"\*", "[^/]*") + "$")
+        return any(pat.match(f) for f in files)
+    if ref in files:
+        return True
+    if any(f.startswith(ref + ".") for f in files):  # simulator/model/kv/rules (.py)
+        return True
+    return any(f.startswith(ref + "/") for f in files)   # a folder
+
+
+def _module_defines(path: Path, name: str) -> bool:
+    """``name`` is defined, imported, lazily exported or a submodule of ``path``."""
+    if path.name == "__init__.py" and ((path.parent / f"{name}.py").exists()
+                                        or (path.parent / name / "__init__.py").exists()):
+        return True
+    return re.search(rf"\b{re.escape(name)}\b", path.read_text(encoding="utf-8")) is not None
+
+
+def _exists_dotted(ref: str) -> bool:
+    parts = ref.rstrip(".").split(".")
+    for i in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:i])
+        mod = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if mod.exists():
+            rest = parts[i:]
+            return not rest or _module_defines(mod, rest[0])
+    return False
+
+
+def _exists_short(ref: str, files: set[str]) -> bool:
+    ref = ref.rstrip("/")
+    tails = [ref] if ref.endswith(".py") else [ref + ".py", ref + "/__init__.py"]
+    return any(f == t or f.endswith("/" + t) for f in files for t in tails) or any(
+        ("/" + f).find("/" + ref + "/") >= 0 for f in files)                # a folder
+
+
+def missing_references(files: set[str] | None = None):
+    """Every (where, name) a document names that the checkout does not hold."""
+    files = _files() if files is None else files
+    packages = {part for f in files if f.endswith(".py") and f.split("/")[0] in
+                ("simulator", "real_engine") for part in f.split("/")[1:-1]}
+    out = []
+    for where, text in sources():
+        for m in _PATH.finditer(text):
+            if not _exists_path(m.group(1), files):
+                out.append((where, m.group(1)))
+        for m in _DOTTED.finditer(text):
+            if not _exists_dotted(m.group(1)):
+                out.append((where, m.group(1)))
+        for m in _SHORT.finditer(text):
+            ref = m.group(1)
+            if ref.split("/")[0] in TOPS or ref.split("/")[0] not in packages:
+                continue      # a full path (checked above), or another project's file
+            if not _exists_short(ref, files):
+                out.append((where, ref))
+    return out
+
+
+def outside_references():
+    """Every (where, phrase) of a docstring that points outside the repository."""
+    out = []
+    for where, text in sources():
+        if where in DOC_FILES:
+            continue
+        for m in _OUTSIDE.finditer(text):
+            out.append((where, m.group(0)))
+    return out
+
+
+def test_every_named_module_and_file_exists():
+    missing = missing_references()
+    assert not missing, "named but not in the repository:\n" + "\n".join(
+        f"  {w}: {r}" for w, r in missing)
+
+
+def test_no_docstring_cites_documents_outside_the_repository():
+    found = outside_references()
+    assert not found, "docstrings citing documents outside the repository:\n" + "\n".join(
+        f"  {w}: {r!r}" for w, r in found)
+
+
+def test_a_removed_file_is_found():
+    """Without ``simulator/loops/compiled/plan.py`` in the file list, the check names it."""
+    files = _files()
+    assert "simulator/loops/compiled/plan.py" in files
+    missing = {r for _, r in missing_references(files - {"simulator/loops/compiled/plan.py"})}
+    assert any(r.startswith("simulator/loops/compiled/plan") for r in missing), missing
+
+
+def test_readme_yaml_reference_is_the_scenario_tree():
+    """README's *YAML reference* is what ``simulator.config.reference`` generates from the
+    scenario's pydantic models and every registered plug-in kind: a key added without
+    regenerating it (or a key removed) fails here."""
+    from simulator.config.reference import BEGIN, END, markdown
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert BEGIN in text and END in text, "README.md has no YAML reference markers"
+    block = text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+    assert block == markdown(), ("README.md's YAML reference is out of date: paste the output "
+                                 "of `python -m simulator.config.reference` between its markers")
+
+
+def test_every_command_is_documented_in_the_readme():
+    """Each ``latsim`` command (and each ``latsim trace`` subcommand) appears in README as
+    ``latsim <command>``."""
+    from simulator.cli.main import COMMANDS
+    from simulator.cli.trace import trace_app
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    names = [n for n, _m, _a in COMMANDS] + [
+        "trace " + (c.name or c.callback.__name__) for c in trace_app.registered_commands]
+    missing = [n for n in names if f"latsim {n}" not in text]
+    assert not missing, f"commands README.md does not show: {missing}"

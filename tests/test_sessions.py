@@ -1,0 +1,266 @@
+"""Closed-loop multi-turn sessions (``workload: {kind: sessions}``): the prompts carry the
+history (exact arithmetic), the loop closes (a turn is sent its think or tool time
+after the previous one's last byte, one request per user at a time), prefix caching
+finds the previous turn's prompt, a session's time to last turn is the sum of its
+requests' E2E and the delays between them, the run obeys the interactive
+response-time law, the compiled loop declines it with a reason, and bad input is a
+one-line error (exit 2) naming the file and the field.
+
+Float tolerances: times are sums of a few dozen doubles of at most ~1e3 s, so their
+rounding is below 1e-9 s (``ABS``); counts and token arithmetic are exact."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from conftest import REPO, ZERO_NET, ZERO_STREAM, make_scenario_dict
+from simulator.cli.main import app
+from simulator.config.scenario import validate_scenario
+from simulator.errors import LatsimError
+from simulator.loops.simulate import Unsupported, simulate
+from simulator.workload import build_workload
+from simulator.workload.sessions import GAP_THINK, GAP_TOOL
+
+ABS = 1e-9
+PROFILE = str(REPO / "profiles" / "h200-llama3-8b-refbench.json")
+
+
+def _wl(**over) -> dict:
+    wl = {"kind": "sessions", "users": 4, "sessions": 8,
+          "turns": {"kind": "constant", "value": 4}, "system_prompt_tokens": 64,
+          "user_tokens": {"kind": "constant", "value": 40},
+          "output_tokens": {"kind": "constant", "value": 24},
+          "think_time": {"kind": "exponential", "mean_s": 0.5}}
+    wl.update(over)
+    return wl
+
+
+def _scenario(wl: dict, prefix: bool = True, **over):
+    d = make_scenario_dict(workload=wl, network=dict(ZERO_NET), stream=dict(ZERO_STREAM))
+    d["engine"]["kv"] = {"num_blocks": 20000, "prefix_caching": prefix}
+    d.update(over)
+    return validate_scenario(d)
+
+
+def _run(wl: dict, seed: int = 3, **kw):
+    sc = _scenario(wl, **kw)
+    return simulate(sc, seed, loop="simpy")
+
+
+def _plan(res):
+    return res.workload.meta["sessions"]
+
+
+def test_prompt_of_turn_k_is_the_history_chat():
+    """Chat: P_k = sys + (k + 1) u + k o for constant lengths (each turn adds the last
+    answer and the new message), and generally P_k = P_{k-1} + O_{k-1} + u_k."""
+    wl = build_workload(_scenario(_wl()).workload, np.random.default_rng(0), REPO)
+    plan = wl.meta["sessions"]
+    assert len(wl) == 8 * 4 and plan.n_sessions == 8
+    k = plan.turn
+    np.testing.assert_array_equal(wl.prompt_tokens, 64 + (k + 1) * 40 + k * 24)
+    np.testing.assert_array_equal(wl.output_tokens, 24)
+    # Consecutive ids within a session; lognormal lengths: the recursion, exactly.
+    wl2 = build_workload(_scenario(_wl(
+        user_tokens={"kind": "lognormal", "mean": 50, "cv": 1.0},
+        output_tokens={"kind": "lognormal", "mean": 30, "cv": 1.0},
+        turns={"kind": "uniform", "low": 1, "high": 6})).workload,
+        np.random.default_rng(1), REPO)
+    p, o, s = wl2.prompt_tokens, wl2.output_tokens, wl2.meta["sessions"].session
+    same = s[1:] == s[:-1]
+    new_msg = p[1:][same] - p[:-1][same] - o[:-1][same]
+    assert (new_msg >= 1).all()            # a user message of >= 1 token
+    assert (p[~np.r_[False, same]] > 64).all()   # a session's first: sys + a message
+
+
+def test_prompt_reasoning_and_agentic():
+    """Reasoning: output = reasoning + answer, the history keeps the answer only (or
+    both, ``keep_reasoning``). Agentic: each user turn is ``c`` tool-call requests and a
+    final answer; a tool result joins the prompt after the tool's latency."""
+    r = build_workload(_scenario(_wl(
+        mode="reasoning", reasoning_tokens={"kind": "constant", "value": 100})).workload,
+        np.random.default_rng(0), REPO)
+    k = r.meta["sessions"].turn
+    np.testing.assert_array_equal(r.output_tokens, 124)
+    np.testing.assert_array_equal(r.prompt_tokens, 64 + (k + 1) * 40 + k * 24)
+    kr = build_workload(_scenario(_wl(
+        mode="reasoning", keep_reasoning=True,
+        reasoning_tokens={"kind": "constant", "value": 100})).workload,
+        np.random.default_rng(0), REPO)
+    np.testing.assert_array_equal(kr.prompt_tokens, 64 + (k + 1) * 40 + k * 124)
+    a = build_workload(_scenario(_wl(
+        mode="agentic", tool_calls={"kind": "constant", "value": 2},
+        tool_latency={"kind": "constant", "mean_s": 0.7},
+        tool_call_tokens={"kind": "constant", "value": 10},
+        tool_result_tokens={"kind": "constant", "value": 30})).workload,
+        np.random.default_rng(0), REPO)
+    plan = a.meta["sessions"]
+    assert len(a) == 8 * 4 * 3
+    # Request j of a turn (0, 1: tool calls; 2: the answer); turn k's history before it:
+    # k earlier turns of (40 message + 2 x (10 call + 30 result) + 24 answer).
+    j = np.tile(np.arange(3), 8 * 4)
+    want = 64 + plan.turn * (40 + 2 * 40 + 24) + 40 + j * 40
+    np.testing.assert_array_equal(a.prompt_tokens, want)
+    np.testing.assert_array_equal(a.output_tokens, np.where(j < 2, 10, 24))
+    np.testing.assert_array_equal(plan.gap_kind, np.where(
+        j > 0, GAP_TOOL, np.where(plan.turn > 0, GAP_THINK, 0)))
+    np.testing.assert_allclose(plan.gap_s[j > 0], 0.7, rtol=0, atol=0)
+
+
+def test_the_loop_closes_and_time_to_last_turn_is_the_sum():
+    """Each request is sent exactly its delay after the previous one of its session
+    came back; a user never has two requests out; time to last turn = sum of E2E +
+    think + tool times (agentic, so both kinds of delay are in it)."""
+    res = _run(_wl(mode="agentic", tool_calls={"kind": "uniform", "low": 0 + 1, "high": 3},
+                   tool_latency={"kind": "exponential", "mean_s": 0.3}))
+    rec, plan = res.rec, _plan(res)
+    assert not np.isnan(rec.last_delivered).any()
+    s = plan.session
+    same = s[1:] == s[:-1]
+    sent_after = rec.arrival[1:][same] - rec.last_delivered[:-1][same]
+    np.testing.assert_allclose(sent_after, plan.gap_s[1:][same], rtol=0, atol=ABS)
+    user = plan.s_user[s]
+    for u in range(plan.users):
+        idx = np.flatnonzero(user == u)
+        order = idx[np.argsort(rec.arrival[idx])]
+        assert (rec.arrival[order][1:] >= rec.last_delivered[order][:-1] - ABS).all()
+    t = res.meta["session_table"]
+    assert (t["outcome"] == "completed").all()
+    np.testing.assert_allclose(t["time_to_last_turn_s"],
+                               t["e2el_sum_s"] + t["think_s"] + t["tool_s"], rtol=0, atol=ABS)
+    assert (t["tool_s"] > 0).all() and (t["think_s"] > 0).all()
+    summ = res.meta["sessions"]
+    assert summ["sessions_completed"] == 8
+    assert summ["mean_requests_per_session"] == pytest.approx(len(res.workload) / 8)
+    assert summ["mean_time_to_last_turn_ms"] == pytest.approx(
+        t["time_to_last_turn_s"].mean() * 1e3, rel=1e-12)
+
+
+def test_prefix_hits_cover_the_previous_prompt():
+    """One replica, a cache far larger than the run: turn k's hit is exactly the full
+    blocks of turn k-1's prompt (the history up to the last answer; vLLM would also
+    reuse the answer's full blocks, which this KV model does not register), and at
+    least the system prompt's full blocks once another session computed them."""
+    res = _run(_wl(turns={"kind": "uniform", "low": 2, "high": 6},
+                   user_tokens={"kind": "lognormal", "mean": 60, "cv": 1.0}), prefix=True)
+    rec, wl, plan = res.rec, res.workload, _plan(res)
+    bs = res.scenario.engine.kv.block_size
+    s = plan.session
+    same = np.r_[False, s[1:] == s[:-1]]
+    prev_prompt = np.r_[0, wl.prompt_tokens[:-1]]
+    np.testing.assert_array_equal(rec.cached_tokens[same], (prev_prompt[same] // bs) * bs)
+    assert (rec.cached_tokens[same] >= prev_prompt[same] - bs + 1).all()
+    first = plan.s_first[plan.s_first > 0]   # later sessions' first turns
+    late = first[rec.arrival[first] > rec.last_delivered[0]]
+    assert len(late) and (rec.cached_tokens[late] >= (64 // bs) * bs).all()
+    off = _run(_wl(turns={"kind": "uniform", "low": 2, "high": 6},
+                   user_tokens={"kind": "lognormal", "mean": 60, "cv": 1.0}), prefix=False)
+    assert off.rec.cached_tokens.sum() == 0
+
+
+def test_interactive_response_time_law():
+    """X (R + Z) = the mean number of users still in the loop, exactly (every user's
+    time is its delays plus its requests' E2E), so ``N - X (R + Z)`` lies in
+    ``[0, N x (1 - earliest user end / run end)]``. With a constant think time the
+    users end close together and a run of 40 sessions per user has X within 5% of
+    the law's N / (R + Z); exponential think times spread the ends (the bound holds)."""
+    for think, close in (({"kind": "constant", "mean_s": 1.0}, True),
+                         ({"kind": "exponential", "mean_s": 1.0}, False)):
+        res = _run(_wl(users=6, sessions=240, turns={"kind": "constant", "value": 2},
+                       think_time=think), prefix=False)
+        law = res.meta["sessions"]["response_time_law"]
+        n, x, r, z = law["users"], law["throughput"], law["mean_response_s"], law["mean_think_s"]
+        assert x * (r + z) == pytest.approx(law["mean_active_users"], rel=1e-12)
+        plan, rec = _plan(res), res.rec
+        user = plan.s_user[plan.session]
+        ends = np.array([rec.last_delivered[user == u].max() for u in range(n)])
+        bound = n * (1 - ends.min() / ends.max())
+        assert 0 <= n - x * (r + z) <= bound + 1e-9
+        assert law["law_throughput"] == pytest.approx(n / (r + z), rel=1e-12)
+        if close:
+            assert bound < 0.05 * n
+            assert x == pytest.approx(law["law_throughput"], rel=0.05)
+            x_fast = x
+    # The same users thinking longer do less work per second (X falls as Z grows).
+    slow = _run(_wl(users=6, sessions=240, turns={"kind": "constant", "value": 2},
+                    think_time=4.0), prefix=False)
+    assert slow.meta["sessions"]["response_time_law"]["throughput"] < x_fast
+
+
+def test_deterministic_and_compiled_declines():
+    a, b = _run(_wl(), seed=5), _run(_wl(), seed=5)
+    for name in ("arrival", "last_delivered", "first_delivered", "cached_tokens"):
+        np.testing.assert_array_equal(getattr(a.rec, name), getattr(b.rec, name))
+    c = _run(_wl(), seed=6)
+    assert not np.array_equal(a.rec.arrival, c.rec.arrival)
+    sc = _scenario(_wl(), prefix=False)
+    with pytest.raises(Unsupported, match="closed-loop sessions"):
+        simulate(sc, 1, loop="compiled")
+    assert simulate(sc, 1).meta["loop"].startswith("simpy (closed-loop sessions")
+
+
+def test_turn_too_large_ends_its_session():
+    """A turn over max_model_len is rejected: its session ends there (later turns never
+    sent: no arrival), and the user goes on to its next session."""
+    sc = _scenario(_wl(users=2, sessions=4), prefix=False)
+    sc.engine.kv.max_model_len = 64 + 3 * 40 + 2 * 24 + 24 - 1   # turn 2 (k = 2) does not fit
+    res = simulate(sc, 1, loop="simpy")
+    rec, plan = res.rec, _plan(res)
+    t = res.meta["session_table"]
+    assert (t["outcome"] == "aborted").all()
+    assert rec.rejected[plan.turn == 2].all() and np.isnan(rec.arrival[plan.turn == 3]).all()
+    assert (t["requests_completed"] == 2).all() and (t["requests_sent"] == 3).all()
+    assert np.isfinite(res.meta["sessions"]["response_time_law"]["throughput"])
+
+
+def _write(tmp_path, wl: dict, **over):
+    d = {"name": "s", "workload": wl, "engine": {"kv": {"num_blocks": 20000}},
+         "model": {"cost": {"kind": "profile", "path": PROFILE}}, **over}
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"users": -1}, "workload.users"),
+    ({"users": 0}, "workload.users"),
+    ({"think_time": -1.0}, "workload.think_time"),
+    ({"think_time": {"kind": "exponential", "mean_s": -2}}, "workload.think_time.mean_s"),
+    ({"think_time": {"kind": "uniform", "low_s": 3, "high_s": 1}}, "workload.think_time"),
+    ({"tool_calls": {"kind": "constant", "value": 2}}, "workload"),
+    ({"mode": "reasoning"}, "workload"),
+    ({"sessions": 0}, "workload.sessions"),
+    ({"max_context_tokens": 10}, "workload.max_context_tokens"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, over, field):
+    p = _write(tmp_path, _wl(**over))
+    r = CliRunner().invoke(app, ["run", str(p)])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and str(p) in line and field in line, line
+
+
+def test_sessions_refuse_traffic_control(tmp_path):
+    p = _write(tmp_path, _wl(), cluster={"admission": {"action": "reject"}})
+    r = CliRunner().invoke(app, ["run", str(p)])
+    assert r.exit_code == 2 and "sessions" in r.output and "cluster.admission" in r.output
+
+
+def test_shipped_scenario_writes_sessions_csv(tmp_path):
+    """The shipped scenario (cut with ``limit``): exit 0, a sessions table per run and
+    the summary's sessions section; with prefix caching on, hits."""
+    out = tmp_path / "o"
+    r = CliRunner().invoke(app, ["run", str(REPO / "scenarios" / "sessions-chat.yaml"),
+                                 "--set", "workload.limit=40", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    import pandas as pd
+    for label in ("no-cache", "prefix-cache"):
+        t = pd.read_csv(out / f"sessions-{label}.csv")
+        assert t["requests"].sum() == 40 and (t["outcome"] == "completed").all()
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["prefix-cache"]["sessions"]["sessions_completed"] == len(t)
+    assert doc["prefix-cache"]["kv"]["token_hit_ratio"] > 0.3
