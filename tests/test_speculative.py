@@ -7,7 +7,6 @@ verify step emits on average ``(1 - a^(k+1)) / (1 - a)`` tokens per sequence.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -108,14 +107,14 @@ def test_tpot_falls_with_acceptance_at_low_load():
 
 
 def test_step_cost_rises_with_k():
-    from simulator.cost.fitted import FittedCostModel
+    from simulator.cost.fitted import FittedCostConfig, FittedCostModel
     from simulator.cost import load_profile
     from simulator.model.speculative import Speculative, draft_cost_model
     cm = FittedCostModel(load_profile(REPO / "profiles" / "h200-llama3-8b-refbench.json"))
     base = cm.step_time(16, 1024, 16 * 1024, [])
     verify = [cm.verify_time(16, k + 1, 1024, 16 * 1024, []) for k in (1, 2, 4, 8)]
     assert base < verify[0] and all(x < y for x, y in zip(verify, verify[1:]))
-    draft = draft_cost_model("llama-3.2-1b", SimpleNamespace(kind="fitted"), cm)
+    draft = draft_cost_model("llama-3.2-1b", FittedCostConfig(), cm)
     steps = [Speculative("draft", k, 0.7, draft).step_time(cm, 16, 1024, 16 * 1024, [])
              for k in (1, 2, 4, 8)]
     assert all(x < y for x, y in zip(steps, steps[1:]))

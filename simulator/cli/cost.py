@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-from types import SimpleNamespace
 from pathlib import Path
 from typing import Optional
 
@@ -177,8 +176,11 @@ def cost(
         raise LatsimError("speculative decoding is a what-if on a decode step: give --decode "
                           "B@C", source="--spec")
     cm = cost_model(**config)
-    mcost = (SimpleNamespace(kind=kind) if profile is not None else
-             SimpleNamespace(kind="roofline", gpu=cm.spec.name, tp=tp))
+    from simulator.cost.model import cost_class
+    # The ``model.cost`` this model is of (unvalidated: the options were checked already),
+    # which the draft model asks for its hardware (``CostModel.hardware``).
+    mcost = (cost_class(kind).model_construct(kind=kind, path=profile) if profile is not None
+             else cost_class("roofline").model_construct(gpu=cm.spec.name, tp=tp))
     rep = step_report(cm, pre, dec)
     if sp is not None:
         rep["speculative"] = spec_report(cm, sp, mcost, pre, dec)

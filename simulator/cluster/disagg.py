@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from simulator.loops.simulate import kv_bytes_per_token
+from simulator.deploy.replica import kv_bytes_per_token
 from simulator.report.percentile import pct_ms
 
 

@@ -52,7 +52,14 @@ class Pool:
 
     @property
     def gpu(self) -> Optional[str]:
-        return getattr(self.cost, "gpu", None)
+        """The GPU type its cost model prices on (None: a measured profile's own)."""
+        return gpu_type(self.cost)
+
+
+def gpu_type(cost) -> Optional[str]:
+    """The GPU type a ``model.cost`` states (``CostModel.hardware``), else None."""
+    hw = cost.hardware()
+    return hw[0] if hw is not None else None
 
 
 def pool_scenario(sc, pool):
@@ -62,7 +69,7 @@ def pool_scenario(sc, pool):
     cost = pool.cost if pool.cost is not None else sc.model.cost
     cl: dict = {"replicas": max(1, pool.replicas)}
     gpus = pool.gpus_per_replica
-    if gpus is None and getattr(cost, "kind", None) != "roofline":
+    if gpus is None and cost.gpus_per_replica() is None:
         gpus = sc.cluster.gpus_per_replica
     if gpus is not None:
         cl["gpus_per_replica"] = gpus
@@ -74,7 +81,7 @@ def plan_pools(sc) -> list[Pool]:
     """The pools of ``sc`` (which has ``cluster.pools``), with each one's KV capacity
     worked out; a pool whose model does not fit its GPU (or whose GPUs per replica
     contradict its TP x PP) is a one-line ``LatsimError`` naming the pool."""
-    from simulator.loops.simulate import kv_capacity_blocks, replica_kv_args
+    from simulator.deploy.replica import replica_capacity, replica_kv_args
     cl = sc.cluster
     auto = cl.autoscaler
     scaled = (auto.pool or cl.pools[0].name) if auto is not None else None
@@ -82,14 +89,14 @@ def plan_pools(sc) -> list[Pool]:
     for p in cl.pools:
         psc = pool_scenario(sc, p)
         try:
-            cap = kv_capacity_blocks(psc)
+            cap = replica_capacity(psc)
         except LatsimError as e:
             raise LatsimError(f"pool {p.name!r}: {e}", field=f"cluster.pools.{p.name}") from None
         n = max(p.replicas, auto.max_replicas) if p.name == scaled else p.replicas
         out.append(Pool(name=p.name, first=first, n_slots=n, replicas=p.replicas,
                         capacity=cap, kv_args=replica_kv_args(psc),
                         gpus=psc.cluster.gpus_per_replica,
-                        price=gpu_hour_price(getattr(psc.model.cost, "gpu", None),
+                        price=gpu_hour_price(gpu_type(psc.model.cost),
                                              p.gpu_cost_per_hour, cl.gpu_cost_per_hour),
                         cost=psc.model.cost, scaled=p.name == scaled, role=p.role))
         first += n

@@ -132,12 +132,13 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _coherent(self, info):
-        from simulator.cost import catalog
+        # The cost model says how it relates to the model (``CostModel``,
+        # ``simulator.cost.model``): whether it names the model itself, the formats it
+        # fixes, the measured profile it reads.
         cost = self.cost
-        kind = getattr(cost, "kind", None)
         dirs = _search_dirs(info)
         name = self.name
-        if kind == "roofline":
+        if cost.describes_model:
             if name and cost.model and not _same_model(name, cost.model, dirs):
                 raise _field_error("cost.model", f"names another model than model.name "
                                    f"({name!r}); give the model once, as model.name", cost.model)
@@ -146,8 +147,8 @@ class ModelConfig(StrictModel):
                 raise _field_error("name", "a roofline cost model needs the model: a catalogued "
                                    "name or a config.json path", None)
         if name is None:
-            if kind in ("profile", "fitted") and "shape" in self.model_fields_set:
-                _profile_model_check(None, self.shape, cost.path, dirs)
+            if cost.profile_path is not None and "shape" in self.model_fields_set:
+                _profile_model_check(None, self.shape, cost.profile_path, dirs)
             return self
         try:
             from simulator.cost.roofline.model import model_arch
@@ -158,30 +159,28 @@ class ModelConfig(StrictModel):
         # whatever reads the scenario later finds it from anywhere.
         if arch.source and Path(arch.source).is_file():
             name = str(Path(arch.source).resolve())
-        kv_bytes, w_bytes = 2.0, None
-        if kind == "roofline":
-            try:
-                catalog.check_parallelism(arch, cost.tp, cost.pp)
-            except LatsimError as e:
-                which = "pp" if "'pp'" in str(e) else "tp"
-                raise _field_error(f"cost.{which}", _bare(e), getattr(cost, which)) from None
-            kv_bytes = catalog.dtype_bytes(cost.kv_dtype)
-            w_bytes = catalog.weight_format(cost.weight_dtype).bytes_per_weight
+        try:
+            formats = cost.model_formats(arch)
+        except LatsimError as e:
+            which = "pp" if "'pp'" in str(e) else "tp"
+            raise _field_error(f"cost.{which}", _bare(e), getattr(cost, which)) from None
+        fixed = formats is not None     # the cost model's formats, not the shape's
+        kv_bytes, w_bytes = formats if fixed else (2.0, None)
         derived = _shape_of(arch, kv_bytes, w_bytes)
         given = self.shape.model_fields_set if "shape" in self.model_fields_set else set()
-        for k in _SHAPE_DIMS + (("dtype_bytes",) if kind == "roofline" else ()):
+        for k in _SHAPE_DIMS + (("dtype_bytes",) if fixed else ()):
             if k in given and getattr(self.shape, k) != getattr(derived, k):
                 raise _field_error(f"shape.{k}", f"contradicts model.name {name!r}, whose "
                                    f"{k} is {getattr(derived, k)}; leave model.shape out when "
                                    f"naming the model", getattr(self.shape, k))
         keep = {k: getattr(self.shape, k) for k in given
-                if k not in _SHAPE_DIMS and k != "name" and kind != "roofline"}
+                if k not in _SHAPE_DIMS and k != "name" and not fixed}
         self.shape = derived.model_copy(update=keep)
         self.name = name
-        if kind == "roofline" and cost.model is None:
-            self.cost = cost.model_copy(update={"model": name})
-        if kind in ("profile", "fitted"):
-            _profile_model_check(name, self.shape, cost.path, dirs)
+        if cost.with_model(name) is not cost:
+            self.cost = cost.with_model(name)
+        if cost.profile_path is not None:
+            _profile_model_check(name, self.shape, cost.profile_path, dirs)
         return self
 
 

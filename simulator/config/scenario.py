@@ -87,8 +87,7 @@ class Scenario(StrictModel):
         if any(not isinstance(p, str) and p.speculative for p in self.policies or []):
             runs += self.policy_runs()
         for label, run in runs:
-            if run.engine.speculative is not None and \
-                    getattr(run.model.cost, "kind", None) not in ("fitted", "roofline"):
+            if run.engine.speculative is not None and not run.model.cost.prices_verify:
                 from simulator.model.speculative import speculative_cost_error
                 where = "engine.speculative" if label is None else \
                     f"policies ({label!r}): speculative"

@@ -31,7 +31,7 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import ClassVar, Literal, Optional, Sequence
 
 import numpy as np
 from pydantic import Field
@@ -44,14 +44,16 @@ from simulator.cost.counts import LookupCounts, new_counts
 from simulator.cost.fit import FitResult, fit
 from simulator.cost.fitstore import fit_from_dict, stored_fit_state
 from simulator.cost.noise import NoiseModel
+from simulator.cost.replica import ShapeSized
 
 _FITS: dict = {}
 
 
-class FittedCostConfig(StrictModel):
+class FittedCostConfig(ShapeSized, StrictModel):
     """``model.cost`` for the fitted physics model of a measured profile."""
 
     kind: Literal["fitted"] = "fitted"
+    prices_verify: ClassVar[bool] = True     # the physics prices a verify step
     path: str = "profiles/h200-llama3-8b-refbench.json"
     noise: bool = Field(False, description="seeded step-time noise: jitter, slow episodes "
                                             "and stalls (simulator.cost.noise)")
@@ -101,6 +103,8 @@ class FittedCostModel(LookupCounts):
     ``engine.bookkeeping_ms`` and ``engine.bookkeeping_seq_ms``, 0 when absent);
     ``fit_result`` reuses a fit; ``noise_model`` replaces the noise parameters taken
     from the profile (``NoiseModel.from_profile``)."""
+
+    not_monotone: ClassVar[Optional[str]] = None    # the physics never charges more work less
 
     def __init__(self, profile: dict, *, scale: float = 1.0, noise: bool = False,
                  rng: Optional[np.random.Generator] = None,
@@ -219,6 +223,11 @@ class FittedCostModel(LookupCounts):
                  ph.step_ms(self.c, 0, 0, 0, one, zero, f, 1))
         lo = self.noise.min_factor() if self.noise is not None else 1.0
         return ms * lo / 1000.0
+
+    def compiled_reason(self) -> Optional[str]:
+        """None: the compiled loop prices its steps with the same physics kernels, unless
+        they are noisy (the noise draws are the Python model's own)."""
+        return "cost noise" if self._rng is not None or self.noise is not None else None
 
     def describe(self) -> dict:
         """What the model fitted and how well, for the run's summary."""

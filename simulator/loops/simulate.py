@@ -32,8 +32,6 @@ import simpy
 from simulator.config.scenario import Scenario
 from simulator.cost import build_cost_model, profile_search_dirs
 from simulator.report.kv import kv_run_stats
-from simulator.model.kv import rules as kvr
-from simulator.model.kv.space import KVRules
 from simulator.model.kv.prefixkeys import WorkloadKeys
 from simulator.wire.network import ConnectionPools, H2Connections, NetworkTiming, Topology
 from simulator.report.recorder import Recorder
@@ -47,6 +45,11 @@ from simulator.loops.simpy.driver import run_simpy
 from simulator.loops.traffic import run_traffic, traffic_reason
 from simulator.workload import Workload, build_workload
 from simulator.workload.sessions import session_reason
+# A replica's set-up is computed before any loop (``simulator.deploy``); named here too,
+# where callers have long imported them from.
+from simulator.deploy.fleet import kv_capacity_blocks, never_fit  # noqa: F401
+from simulator.deploy.replica import (kv_bytes_per_token, replica_kv_args,  # noqa: F401
+                                      roofline_memory_plan)
 
 
 @dataclass
@@ -77,170 +80,10 @@ class Unsupported(Exception):
     """The loop asked for cannot run this configuration (the message says why)."""
 
 
-def kv_capacity_blocks(scenario: Scenario) -> int:
-    """KV blocks per replica: ``engine.kv.num_blocks`` when given; with a roofline cost
-    model, what ``catalog.plan_memory`` leaves on the GPU type for its TP x PP, weight
-    and KV formats, ``gpu_memory_utilization`` and the engine's activation reserve
-    (refused before the run, with the numbers, when the model does not fit); else
-    (GPU memory x utilisation - weights) / block bytes. Given blocks are refused when
-    more than that room holds (with a roofline model, or with ``gpu_memory_gb`` given
-    too): a cache the GPU cannot hold is no what-if.
-
-    With a roofline cost model ``cluster.gpus_per_replica`` must equal tp x pp; left
-    out, it is set to that here (every run computes this first)."""
-    from simulator.errors import LatsimError
-    if scenario.cluster.pools:
-        # A mixed fleet: each pool's own (checked here); a request that fits the largest
-        # can run somewhere.
-        from simulator.cluster.pools import plan_pools
-        return max(p.capacity for p in plan_pools(scenario))
-    kv = scenario.engine.kv
-    cost = scenario.model.cost
-    if getattr(cost, "kind", None) == "roofline":
-        _settle_gpus_per_replica(scenario)
-        _check_model_context(scenario)
-        if kv.num_blocks is None:
-            return roofline_memory_plan(scenario).kv_blocks
-        # Given blocks must still fit on the GPU, after the weights and the reserve.
-        plan = roofline_memory_plan(scenario, require_fit=False)
-        if plan.kv_blocks < 1:
-            raise LatsimError(plan.reason, field="model.cost")
-        room = plan.kv_blocks
-        where = f"{plan.model} on {plan.gpu} (TP{plan.tp} PP{plan.pp})"
-    else:
-        shape = scenario.model.shape
-        free = kv.gpu_memory_gb * 1e9 * kv.gpu_memory_utilization - shape.weight_bytes
-        per_block = shape.kv_bytes_per_token * kv.block_size
-        room = int(free // per_block)
-        if kv.num_blocks is None or "gpu_memory_gb" in kv.model_fields_set:
-            if room < 1:
-                raise LatsimError("the model's weights leave no memory for the KV cache",
-                                  field="engine.kv.gpu_memory_gb", value=kv.gpu_memory_gb,
-                                  has_value=True)
-        if kv.num_blocks is None:
-            return room
-        if "gpu_memory_gb" not in kv.model_fields_set:
-            return kv.num_blocks       # blocks given alone: the engine's own count
-        where = f"engine.kv.gpu_memory_gb = {kv.gpu_memory_gb:g} GB"
-    if kv.num_blocks > room:
-        raise LatsimError(f"more blocks than fit: {where} leaves room for {room} blocks of "
-                          f"{kv.block_size} tokens after the weights",
-                          field="engine.kv.num_blocks", value=kv.num_blocks, has_value=True)
-    return kv.num_blocks
-
-
-def _check_model_context(scenario: Scenario) -> None:
-    """``engine.kv.max_model_len`` of a roofline scenario may not exceed the model's own
-    longest context (``max_position_embeddings``): a server refuses to start so (vLLM
-    does, unless told its positions are scaled), and the model was never trained past it."""
-    from simulator.cost import catalog
-    from simulator.cost.roofline import model_arch
-    kv = scenario.engine.kv
-    if kv.max_model_len is not None:
-        catalog.check_context(model_arch(scenario.model.cost.model), kv.max_model_len,
-                              "max_model_len of", field="engine.kv.max_model_len")
-
-
-def _settle_gpus_per_replica(scenario: Scenario) -> None:
-    """``cluster.gpus_per_replica`` of a roofline scenario: tp x pp (set when left out,
-    a one-line error when it says otherwise)."""
-    from simulator.errors import LatsimError
-    cost, cl = scenario.model.cost, scenario.cluster
-    n = cost.tp * cost.pp
-    if "gpus_per_replica" not in cl.model_fields_set:
-        cl.gpus_per_replica = n
-    elif cl.gpus_per_replica != n:
-        raise LatsimError(f"must equal model.cost tp x pp = {cost.tp} x {cost.pp} = {n}",
-                          field="cluster.gpus_per_replica", value=cl.gpus_per_replica,
-                          has_value=True)
-
-
-def roofline_memory_plan(scenario: Scenario, require_fit: bool = True):
-    """``catalog.plan_memory`` of a roofline scenario's replica: its model on tp x pp of
-    its GPU, the weight and KV formats, and the engine's ``gpu_memory_utilization``,
-    ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs`` and ``max_model_len``.
-    ``engine.kv.gpu_memory_gb`` cannot be given with it (the GPU says)."""
-    from simulator.cost import catalog
-    from simulator.cost.roofline import model_arch
-    from simulator.errors import LatsimError
-    cost, eng = scenario.model.cost, scenario.engine
-    kv = eng.kv
-    spec = catalog.gpu(cost.gpu)
-    if "gpu_memory_gb" in kv.model_fields_set:
-        raise LatsimError(f"with a roofline cost model the memory is the GPU's ({spec.name}: "
-                          f"{spec.memory_bytes / 2**30:.1f} GiB); leave it out",
-                          field="engine.kv.gpu_memory_gb", value=kv.gpu_memory_gb, has_value=True)
-    try:
-        return catalog.plan_memory(
-            model_arch(cost.model), spec, cost.tp, cost.pp, weight_dtype=cost.weight_dtype,
-            kv_dtype=cost.kv_dtype, gpu_memory_utilization=kv.gpu_memory_utilization,
-            block_size=kv.block_size, max_num_batched_tokens=eng.max_num_batched_tokens,
-            max_num_seqs=eng.max_num_seqs, max_model_len=kv.max_model_len,
-            require_fit=require_fit)
-    except LatsimError as e:
-        raise LatsimError(str(e), field="model.cost") from None
-
-
-def kv_bytes_per_token(scenario: Scenario, per_gpu: bool = False) -> float:
-    """KV bytes one cached token takes, in the scenario's KV format: a roofline cost
-    model's catalogued architecture (``ModelArch.kv_bytes_per_token``, all layers and KV
-    heads; ``per_gpu``: one GPU's slice, its pipeline stage's layers and its KV heads,
-    replicated heads counted on every GPU, ``catalog.kv_bytes_per_token_per_gpu``), else
-    ``model.shape`` (a shape has no parallelism: the whole token either way)."""
-    cost = scenario.model.cost
-    if getattr(cost, "kind", None) == "roofline":
-        from simulator.cost import catalog
-        from simulator.cost.roofline import model_arch
-        arch = model_arch(cost.model)
-        if per_gpu:
-            return float(catalog.kv_bytes_per_token_per_gpu(arch, cost.tp, cost.pp,
-                                                            cost.kv_dtype))
-        return float(arch.kv_bytes_per_token(cost.kv_dtype))
-    return float(scenario.model.shape.kv_bytes_per_token)
-
-
-def replica_kv_args(scenario: Scenario) -> dict:
-    """The KV keyword arguments of ``Replica`` for this scenario: rules, bytes per
-    block (what a swap copies), CPU swap space in blocks and its bandwidth. With a
-    roofline cost model a block's bytes are one GPU's slice of it (each GPU of the
-    replica copies its own slice over its own link, in parallel), and
-    ``swap_space_gb`` is per GPU, as vLLM's ``swap_space``. ``async_sched`` is set
-    where the engine schedules asynchronously (``engine.async_scheduling``)."""
-    kv = scenario.engine.kv
-    block_bytes = kv_bytes_per_token(scenario, per_gpu=True) * kv.block_size
-    args = {"kv_rules": KVRules.from_config(kv), "block_bytes": block_bytes,
-            "swap_blocks": int(kv.swap_space_gb * 1e9 // block_bytes),
-            "swap_bps": kv.swap_gb_per_s * 1e9}
-    if scenario.engine.async_scheduling:
-        args["async_sched"] = True   # (``model.scheduling.asyncsched``)
-    return args
-
-
-def never_fit(scenario: Scenario, workload: Workload, capacity: Optional[int] = None) -> dict:
-    """Requests that can never run on a replica of this scenario (``kv.rules.never_fits``
-    on every request at once, before the run): ``{"over_max_model_len": n,
-    "over_capacity": n, "largest_blocks": blocks the largest request needs,
-    "capacity_blocks": ..., "usable_blocks": capacity less the watermark}``."""
-    kv = scenario.engine.kv
-    cap = int(kv_capacity_blocks(scenario) if capacity is None else capacity)
-    n = len(workload)
-    why = np.zeros(n, np.int64)
-    blocks = np.zeros(n, np.int64)
-    wm = kvr.watermark_blocks(float(kv.watermark), cap)
-    kvr.never_fits_each(kv.allocation == "paged", workload.prompt_tokens.astype(np.int64),
-                        workload.output_tokens.astype(np.int64),
-                        -1 if kv.max_model_len is None else int(kv.max_model_len),
-                        int(kv.block_size), cap, wm, why, blocks)
-    return {"over_max_model_len": int((why == kvr.OVER_MAX_MODEL_LEN).sum()),
-            "over_capacity": int((why == kvr.OVER_CAPACITY).sum()),
-            "largest_blocks": int(blocks.max()) if n else 0,
-            "capacity_blocks": cap, "usable_blocks": cap - wm}
-
-
 def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
              policy: Optional[str] = None, workload: Optional[Workload] = None,
              profile: Optional[dict] = None, mode: str = "auto",
-             cost_model=None, loop: str = "auto", progress=None) -> Results:
+             cost_model=None, loop: str = "auto", progress=None, trace=None) -> Results:
     """Run the scenario once. ``policy`` overrides ``engine.policy``; ``workload`` and
     ``profile`` may be passed in pre-built (e.g. to run several policies on the same
     traffic without rebuilding it). ``mode`` selects the replica's bookkeeping

@@ -143,9 +143,9 @@ def draft_cost_model(draft_model: str, model_cost, target, base_dirs: Sequence =
     from simulator.cost import catalog
     from simulator.cost.roofline.model import RooflineCostModel, model_arch
     arch = model_arch(draft_model, base_dirs)
-    kind = getattr(model_cost, "kind", None)
-    if kind == "roofline":
-        spec, tp = catalog.gpu(model_cost.gpu), int(model_cost.tp)
+    hw = model_cost.hardware()
+    if hw is not None:
+        spec, tp = catalog.gpu(hw[0]), hw[1]
         try:
             catalog.check_parallelism(arch, tp, 1)
         except LatsimError:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from simulator.config.scenario import validate_scenario
+from simulator.cost.model import kind_fact
 from simulator.errors import LatsimError
 from simulator.planning.planner import GPU, PLAN_SHORTHANDS, REPLICAS, Plan, Planner, _bind
 from simulator.planning.sweep import (Axis, describe, expand, point_scenario, policy_axis,
@@ -124,7 +125,7 @@ class DisaggPlanner(Planner):
                 pool["replicas"] = value
                 continue
             cost = dict(pool.get("cost") or model_cost)
-            if cost.get("kind") != "roofline":
+            if field not in kind_fact(cost.get("kind"), "hardware_fields", ()):
                 raise LatsimError(f"a GPU or parallelism axis per role needs a roofline cost "
                                   f"model (pool {pool['name']!r} has {cost.get('kind')!r}); "
                                   "give --gpus to estimate one", source="--search")

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Optional
 
 from simulator.config.scenario import validate_scenario
+from simulator.cost.model import kind_fact
+from simulator.deploy.replica import replica_gpus
 from simulator.errors import LatsimError
 from simulator.planning.executors import load_profile_for, make_executor
 from simulator.planning.slo import SLOSpec
@@ -172,6 +174,17 @@ def plan_axes(base: dict, axes: list, gpus: Optional[list],
     return base, transfer, axes
 
 
+def _hardware_fields(kind) -> tuple:
+    """The fields of a ``model.cost`` kind that name its hardware (a roofline's gpu, tp,
+    pp; none for a kind measured on one machine or not registered)."""
+    return kind_fact(kind, "hardware_fields", ())
+
+
+def _measured(kind) -> bool:
+    """Whether a ``model.cost`` kind reads a measured profile (``path``)."""
+    return kind_fact(kind, "measured", False)
+
+
 def hardware_base(base: dict, gpus: list, base_dir: Path) -> tuple[dict, str]:
     """The scenario mapping with ``model.cost`` made a roofline for a GPU axis, and a
     sentence on how: a roofline keeps its settings; a measured profile (``profile``,
@@ -188,9 +201,9 @@ def hardware_base(base: dict, gpus: list, base_dir: Path) -> tuple[dict, str]:
         except LatsimError as e:
             raise LatsimError(str(e).split(": ", 1)[-1], source="--gpus") from None
     kind = cost.get("kind", "profile")
-    if kind == "roofline":
+    if _hardware_fields(kind):
         return out, "roofline estimates from datasheets (the scenario's model.cost)"
-    if kind not in ("profile", "fitted"):
+    if not _measured(kind):
         raise LatsimError(f"a GPU axis needs a roofline or a measured profile, not a {kind!r} "
                           "cost model", source="--gpus")
     path = cost.get("path", "profiles/h200-llama3-8b-refbench.json")
@@ -275,22 +288,17 @@ class Planner:
     def _cannot_run(self, combo: dict) -> Optional[str]:
         """Why a combination cannot run at all (a roofline that does not fit or cannot be
         split), or None. Other errors in a point are the user's: raised."""
-        from simulator.loops.simulate import roofline_memory_plan
         data = point_scenario(self.base, {**combo, REPLICAS: self.replicas[0]}, self.policy_runs)
         where = f"search point {describe(combo)}"
         cost = ((data.get("model") or {}).get("cost") or {})
         try:
             sc = validate_scenario(data, source=where, base_dir=self.base_dir)
         except LatsimError as e:
-            if cost.get("kind") == "roofline" and any(
+            if _hardware_fields(cost.get("kind")) and any(
                     f"'model.cost.{k}'" in str(e) for k in ("tp", "pp")):
                 return str(e).split(": ", 1)[-1]
             raise
-        if getattr(sc.model.cost, "kind", None) == "roofline" and sc.engine.kv.num_blocks is None:
-            plan = roofline_memory_plan(sc, require_fit=False)
-            if not plan.fits:
-                return plan.reason
-        return None
+        return sc.model.cost.fit_reason(sc)
     def _point(self, params: dict) -> dict:
         """The scenario mapping of one configuration."""
         return point_scenario(self.base, params, self.policy_runs)
@@ -420,20 +428,6 @@ class Planner:
         """``(multiplier, Eval)`` of every run of the chosen configuration."""
         key = tuple(sorted((k, repr(v)) for k, v in ch.params.items()))
         return [(m, ev) for (k, m), ev in self.cache.items() if k == key]
-
-
-def replica_gpus(sc) -> int:
-    """GPUs one replica occupies: tp x pp of a roofline cost model, else
-    ``cluster.gpus_per_replica`` (one-line error when a roofline's disagrees)."""
-    cost = sc.model.cost
-    if getattr(cost, "kind", None) == "roofline":
-        n = cost.tp * cost.pp
-        if "gpus_per_replica" in sc.cluster.model_fields_set and sc.cluster.gpus_per_replica != n:
-            raise LatsimError(f"must equal model.cost tp x pp = {n}",
-                              field="cluster.gpus_per_replica",
-                              value=sc.cluster.gpus_per_replica, has_value=True)
-        return n
-    return sc.cluster.gpus_per_replica
 
 
 def _bind(plan: Plan, planner: Planner) -> None:

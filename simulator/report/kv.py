@@ -124,42 +124,7 @@ def kv_capacity_line(scenario, capacity_blocks: int) -> str:
         return (f"KV cache per replica by pool: {each}, x {kv.block_size} tokens; "
                 f"{kv.allocation}, preemption {kv.preemption}, prefix caching "
                 f"{'on' if kv.prefix_caching else 'off'}")
-    tail = (f"{kv.allocation}, preemption {kv.preemption}, prefix caching "
-            f"{'on' if kv.prefix_caching else 'off'}")
-    tokens = capacity_blocks * kv.block_size
-    if getattr(scenario.model.cost, "kind", None) == "roofline":
-        return f"KV cache per replica: {_roofline_source(scenario, tokens)}; {tail}"
-    shape = scenario.model.shape
-    bpt = shape.kv_bytes_per_token
-    gb = tokens * bpt / 1e9
-    src = ("engine.kv.num_blocks" if kv.num_blocks is not None else
-           f"{kv.gpu_memory_gb:g} GB x {kv.gpu_memory_utilization:g} - "
-           f"{shape.weight_bytes / 1e9:.1f} GB weights")
-    return (f"KV cache per replica: {capacity_blocks:,} blocks x {kv.block_size} tokens = "
-            f"{tokens:,} tokens, {gb:.1f} GB ({src}; "
-            f"{bpt:,} B/token = 2 x {shape.n_layers} layers x {shape.n_kv_heads} kv heads x "
-            f"{shape.head_dim} x {shape.dtype_bytes} B); {tail}")
-
-
-def _roofline_source(scenario, tokens: int) -> str:
-    """A roofline replica's KV capacity with the memory plan's own arithmetic, per GPU
-    and in GiB (``catalog.plan_memory``: the budget, less the most loaded stage's
-    weights, the activation reserve and the fixed overhead, over one GPU's bytes per
-    token); given blocks say so."""
-    from simulator.loops.simulate import roofline_memory_plan
-    kv = scenario.engine.kv
-    plan = roofline_memory_plan(scenario, require_fit=False)
-    gib = 2.0 ** 30
-    per_gpu = tokens * plan.kv_bytes_per_token_per_gpu / gib
-    head = (f"{tokens // kv.block_size:,} blocks x {kv.block_size} tokens = {tokens:,} tokens, "
-            f"{per_gpu:.1f} GiB on each of {plan.num_gpus} GPU(s)")
-    if kv.num_blocks is not None:
-        return f"{head} (engine.kv.num_blocks; the GPU has room for {plan.kv_tokens:,} tokens)"
-    return (f"{head} ({plan.gpu_memory_utilization:g} x {plan.gpu_bytes / gib:.1f} GiB "
-            f"{plan.gpu} = {plan.budget_bytes / gib:.1f} GiB - {plan.weight_bytes_per_gpu / gib:.1f} "
-            f"GiB weights - {plan.activation_bytes / gib:.1f} GiB activations - "
-            f"{plan.overhead_bytes / gib:.1f} GiB overhead per GPU; "
-            f"{plan.kv_bytes_per_token_per_gpu:,.0f} B/token per GPU, TP{plan.tp} PP{plan.pp})")
+    return scenario.model.cost.capacity_line(scenario, capacity_blocks)
 
 
 def _f(v, spec: str) -> str:

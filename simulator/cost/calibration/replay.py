@@ -65,7 +65,7 @@ def replay(run: RecordedRun, scenario, step_ms: Callable, *,
     still ahead, the queues, the steps recorded so far) every stage of a step reads and
     writes; the stages that stand alone are the nested functions."""
     from simulator.config.engine import engine_policy
-    from simulator.loops.simulate import kv_capacity_blocks
+    from simulator.deploy.fleet import kv_capacity_blocks
     from simulator.model.kv.blocks import request_blocks
     from simulator.model.kv.space import KVRules, KVSpace
     from simulator.model.scheduling import SchedulerState, Seq

@@ -24,6 +24,7 @@ from simulator.cost.catalog import GpuSpec, ModelArch
 from simulator.cost.chunks import ChunkArrays
 from simulator.cost.counts import new_counts
 from simulator.cost.fitted import FittedCostModel
+from simulator.cost.replica import CatalogSized
 from simulator.cost.roofline.constants import (VLLM_GRAPH_BUCKETS, Engine, build_constants,
                                                compute_peak)
 from simulator.cost.roofline.transfer import (Calibration, apply_scales, calibrate,
@@ -36,7 +37,7 @@ ESTIMATE_CALIBRATED = ("estimate from datasheets, calibrated to {n} measured row
                        "{src}: {terms} fitted, the physics carries the rest")
 
 
-class RooflineCostConfig(StrictModel):
+class RooflineCostConfig(CatalogSized, StrictModel):
     """``model.cost`` of ``kind: roofline``: the physics model from datasheets for a GPU
     type, TP x PP and weight/KV formats; the model is the scenario's ``model.name``
     (copied here when the scenario is read). ``calibrate``: a profile whose rows fit the

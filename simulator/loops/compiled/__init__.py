@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 
 from simulator import kernel as _kernel
+from simulator.cost.model import compiled_reason
 from simulator.model.kv import rules as kvr
 from simulator.model.kv.manager import KVStats
 from simulator.loops.compiled.cost import cost_kind
@@ -112,8 +113,9 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
     for c in costs:
         if cost_kind(c) is None:
             return f"cost model {type(c).__name__}"
-        if getattr(c, "_rng", None) is not None or getattr(c, "noise", None) is not None:
-            return "cost noise"
+        why = compiled_reason(c)       # the cost model's own say (``StepCost``)
+        if why:
+            return why
         # The loop keeps only the fast bookkeeping (decoders on one tick, epochs).
         why = fast_reason(frame_time, c.min_step_s, lim.max_num_seqs,
                           lim.max_num_batched_tokens)
