@@ -361,7 +361,7 @@ def _settle_frame(res):
     rec = res.rec
     return pd.DataFrame({"finished": ~np.isnan(rec.last_delivered), "rejected": rec.rejected,
                          "cancelled": rec.cancelled, "refused": rec.refused,
-                         "timed_out": rec.timed_out}, copy=False)
+                         "timed_out": rec.timed_out, "failed": rec.failed}, copy=False)
 
 
 def _unfinished_text(counts: dict, max_sim_time_s) -> tuple[str, bool]:
@@ -413,3 +413,5 @@ def _never_fit_lines(runs, wl, never_fit, capacity_of, source: str) -> None:
                               field="engine.kv")
         console.print(f"[yellow]warning[/]{where}: {bad:,} of {len(wl):,} requests can never "
                       f"run and will be rejected: {'; '.join(why)}", highlight=False)
+    if counts.get("failed"):
+        parts.append(f"{counts['failed']:,} lost to replica failures (cluster.faults)")

@@ -41,8 +41,9 @@ from simulator.wire.network import net_time
 # How a request (logical) ended. A client that gives up here does so on a timer
 # (connect, read, deadline): ``timed_out``. ``cancelled`` (a client's own disconnect) is
 # the per-request stream model's (``stream.disconnect``), which this model does not run.
-OUTCOMES = ("completed", "rejected", "timed_out", "cancelled", "unfinished")
-DONE, REJECTED, TIMED_OUT, CANCELLED, UNFINISHED = range(5)
+# ``failed``: lost to a replica failure (``cluster.faults``).
+OUTCOMES = ("completed", "rejected", "timed_out", "cancelled", "unfinished", "failed")
+DONE, REJECTED, TIMED_OUT, CANCELLED, UNFINISHED, FAILED = range(6)
 
 
 class Gateway:
@@ -52,7 +53,7 @@ class Gateway:
 
     def __init__(self, env, workload, arec, fleet, router, pools, net, clients, admission,
                  estimator, keys_of, block_size: int, client_ids,
-                 track_ttft: bool = False, entry=None) -> None:
+                 track_ttft: bool = False, entry=None, faults=None) -> None:
         self.env, self.wl, self.arec, self.fleet = env, workload, arec, fleet
         self.router, self.pools, self.net = router, pools, net
         self.clients, self.admission, self.estimator = clients, admission, estimator
@@ -61,6 +62,7 @@ class Gateway:
         # that can hold it (disaggregated serving: the prefill replicas; none when it
         # fits nowhere); None: every ready one.
         self.entry = entry
+        self.faults = faults     # replicas that fail (``cluster.faults``) or None
         n = len(workload)
         self.n = n
         cap = arec.n
@@ -159,8 +161,15 @@ class Gateway:
             self.arec.rejected[aid] = True
             self._refuse(aid, Decision(TOO_LARGE, math.inf), now)
             return
+        if self.faults is not None:
+            ready = self.faults.routable(ready, seq)
+            if not ready:
+                self.faults.hold(seq)       # routed again when a replica is routable
+                return
         reps = [fleet.replicas[i] for i in ready]
         slot = ready[self.router.pick(reps, seq)]
+        if self.faults is not None and self.faults.refused(slot, seq):
+            return                          # it was down: failed there (retried or lost)
         rep = fleet.replicas[slot]
         waiting = [s for s in rep.queued() if s.rid not in self.leaving]
         est, est99 = self.estimator.estimate(rep, waiting, now)
@@ -253,6 +262,8 @@ class Gateway:
         slot = int(self.a_slot[aid])
         self.seqs.pop(aid, None)
         self.estimator.completed(slot, self.env.now)
+        if self.faults is not None:
+            self.faults.succeeded(slot, aid)
         if self.fleet.state[slot] == DRAINING:
             self.fleet.check_drained(slot)
         if self.a_out[aid] != C.OPEN:
@@ -319,7 +330,7 @@ class Gateway:
             else:
                 self._resolve(rid, TIMED_OUT)   # between attempts: it stops retrying
             return
-        aid = key
+        aid = key if self.faults is None else self.faults.follow(key)
         if self.a_out[aid] != C.OPEN:
             return
         if kind == C.READ_TIMEOUT and self.arec.first_delivered[aid] <= now:
@@ -375,6 +386,7 @@ class Gateway:
         rec.refused[:] = refused & ~too_large
         rec.reject_reason[:] = np.where(refused, self.a_reason[f], -1)
         rec.timed_out[:] = self.outcome == TIMED_OUT
+        rec.failed[:] = self.outcome == FAILED
         rec.attempts[:] = self.attempts
         rec.timeout_retries[:] = self.timeout_retries
         rec.retry_s[:] = arec.arrival[f] - rec.arrival

@@ -6,6 +6,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
+from simulator.config.faults import BreakerConfig, FaultsConfig
 from simulator.config.traffic import (AdmissionConfig, AutoscalerConfig, check_router_params,
                                       router_spec)
 from simulator.config.pluginfield import plugin
@@ -81,6 +82,10 @@ class ClusterConfig(StrictModel):
     pools: Optional[list[PoolConfig]] = Field(None, min_length=1, description="a mixed "
                                               "fleet: pools of replicas, each with its own "
                                               "cost model and price")
+    faults: Optional[FaultsConfig] = Field(None, description="replicas that fail and "
+                                           "recover (config.faults)")
+    breaker: Optional[BreakerConfig] = Field(None, description="a circuit breaker per "
+                                             "replica in the gateway (config.faults)")
     kv_transfer: Optional[KVTransferConfig] = Field(
         None, description="the KV link from prefill to decode pools (disaggregated "
         "serving; default: one 400 Gb/s InfiniBand port, 50 GB/s, 10 us)")
@@ -105,6 +110,23 @@ class ClusterConfig(StrictModel):
             raise ValueError(f"cluster.replicas ({self.replicas}) must equal the pools' "
                              f"total ({total}); leave it out with pools")
         check_roles(self)
+        return self
+
+    @model_validator(mode="after")
+    def _faults(self):
+        f = self.faults
+        for i, o in enumerate(f.outages if f is not None else []):
+            if o.replica >= self.replicas:
+                raise ValueError(f"cluster.faults.outages[{i}].replica: {o.replica} is not a "
+                                 f"replica (there are {self.replicas}, numbered from 0)")
+        if f is not None or self.breaker is not None:
+            what = "cluster.faults" if f is not None else "cluster.breaker"
+            if self.autoscaler is not None:
+                raise ValueError(f"{what} with cluster.autoscaler is not modelled (a failed "
+                                 "replica's slot is not the autoscaler's); leave one out")
+            if self.disaggregated:
+                raise ValueError(f"{what} on a disaggregated cluster (pools with roles) is "
+                                 "not modelled; leave it out")
         return self
 
     @property

@@ -246,6 +246,8 @@ def check_traffic(sc) -> None:
                          "cluster (pools with prefill/decode roles); leave client out")
     on = [k for k, v in (("cluster.admission", cl.admission), ("client", sc.client),
                          ("cluster.autoscaler", auto), ("cluster.pools", pools),
+                         ("cluster.faults", getattr(cl, "faults", None)),
+                         ("cluster.breaker", getattr(cl, "breaker", None)),
                          ("report.utilization", sc.report.utilization or None))
           if v is not None]
     if on and (sc.stream.rich or sc.network.rich):

@@ -38,7 +38,9 @@ def traffic_reason(scenario) -> Optional[str]:
         (cl.autoscaler is not None, "autoscaling"),
         (cl.pools is not None, "disaggregated prefill/decode pools"
          if cl.disaggregated else "replica pools"),
-        (scenario.report.utilization, "utilisation series")) if on]
+        (scenario.report.utilization, "utilisation series"),
+        (cl.faults is not None or cl.breaker is not None,
+         "replica faults and circuit breaking")) if on]
     return ", ".join(parts) or None
 
 
@@ -73,7 +75,10 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     while len(costs) < slots:
         costs.append(more_cost())
     ccfg = sc.client
-    arec = Recorder(n * (ccfg.max_attempts if ccfg is not None else 1), slots)
+    # Attempts: each client attempt, and each gateway retry after a fault.
+    fc = cl.faults
+    arec = Recorder(n * ((ccfg.max_attempts if ccfg is not None else 1)
+                         + (fc.max_retries if fc is not None else 0)), slots)
     rec.arrival[:] = workload.arrival_s
     track = sc.report.utilization
     trackers = [UtilTracker(costs[i]) if track else None for i in range(slots)]
@@ -128,12 +133,20 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     estimator = WaitEstimator(adm.wait_estimate if adm is not None else _default_estimate(),
                               policy.chunk_size, slots)
     auto = cl.autoscaler
+    faults = None
+    if fc is not None or cl.breaker is not None:
+        from simulator.cluster.faults import Faults
+        faults = Faults(env, fc, cl.breaker, n, slots, rng_traffic.spawn(1)[0],
+                        eng.kv.block_size)
     gateway = Gateway(env, workload, arec, fleet, router, pools, net,
                       Clients(ccfg, rng_traffic),
                       Admission(adm, workload.class_names) if adm is not None else None,
                       estimator, keys_of, eng.kv.block_size, clients,
                       track_ttft=auto is not None and auto.metric == "p99_ttft",
-                      entry=disagg.entry if disagg is not None else None)
+                      entry=disagg.entry if disagg is not None else None,
+                      faults=faults)
+    if faults is not None:
+        faults.attach(gateway)
     scaler = None
     if auto is not None:
         scaler = Autoscaler(env, auto, fleet, capacity if fleet_pools is None else None,
@@ -151,6 +164,11 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
             "fleet_timeline": fleet.timeline()}
     if fleet_pools is not None:
         meta["slot_pools"] = [(p.name, p.capacity, p.gpus) for p in of_slot]
+    if faults is not None:
+        # Per-request columns (the recorder's generic slot; faults are not modelled with
+        # disaggregation, whose columns use it otherwise).
+        rec.set_disagg(faults.columns())
+        meta["faults"] = faults.meta(end)
     if disagg is not None:
         rec.set_disagg(disagg.columns(gateway.final_attempts()))
         meta["disaggregation"] = disagg.summary()

@@ -84,7 +84,7 @@ def requests_table(res) -> pd.DataFrame:
     return df
 
 
-OUTCOMES = ("completed", "rejected", "timed_out", "cancelled", "unfinished")
+OUTCOMES = ("completed", "rejected", "timed_out", "cancelled", "unfinished", "failed")
 
 
 def outcome_names(rec) -> np.ndarray:
@@ -101,12 +101,15 @@ def outcome_names(rec) -> np.ndarray:
       (``stream.disconnect``: the per-request stream model's disconnects); the server
       cancelled it as above. The traffic model's clients only time out, so a run with
       ``client``/``cluster.admission``/autoscaling has no ``cancelled`` requests;
+    - ``failed``: lost to a replica failure (``cluster.faults``: in flight on it, or
+      sent to it while it was down, and not retried);
     - ``unfinished``: still queued or running when the clock stopped
       (``max_sim_time_s``)."""
     out = np.full(rec.n, "unfinished", dtype=object)
     out[rec.cancelled] = "cancelled"
     out[rec.timed_out] = "timed_out"
     out[rec.rejected | rec.refused] = "rejected"
+    out[rec.failed] = "failed"
     out[~np.isnan(rec.last_delivered)] = "completed"
     return out
 
@@ -118,6 +121,7 @@ def add_traffic_columns(df: pd.DataFrame, rec) -> pd.DataFrame:
     df["reject_reason"] = names[np.where(rec.reject_reason >= 0, rec.reject_reason, -1)]
     df["refused"] = rec.refused
     df["timed_out"] = rec.timed_out
+    df["failed"] = rec.failed
     df["attempts"] = rec.attempts
     df["timeout_retries"] = rec.timeout_retries
     df["retry_s"] = rec.retry_s
@@ -357,7 +361,8 @@ def unfinished(df: pd.DataFrame, max_sim_time_s: Optional[float]) -> dict:
     """Why requests did not finish: ``rejected`` (too large for the KV cache: they can
     never run), ``cancelled`` (their client disconnected, as the scenario asked),
     ``refused`` (by admission control) and ``timed_out`` (their client gave up), both as
-    the scenario asked, ``cut`` (still queued or running when the clock stopped at
+    the scenario asked, ``failed`` (lost to a replica failure, as ``cluster.faults``
+    asked), ``cut`` (still queued or running when the clock stopped at
     ``max_sim_time_s``), and ``stuck`` (none of these: the run ended without them)."""
     done = df["finished"].to_numpy(dtype=bool)
     none = np.zeros(len(df), dtype=bool)
@@ -365,10 +370,12 @@ def unfinished(df: pd.DataFrame, max_sim_time_s: Optional[float]) -> dict:
     can = df["cancelled"].to_numpy(dtype=bool) & ~done & ~rej if "cancelled" in df else none
     ref = df["refused"].to_numpy(dtype=bool) & ~done if "refused" in df else none
     tout = df["timed_out"].to_numpy(dtype=bool) & ~done & ~ref if "timed_out" in df else none
-    rest = ~done & ~rej & ~can & ~ref & ~tout
+    fail = df["failed"].to_numpy(dtype=bool) & ~done if "failed" in df else none
+    rest = ~done & ~rej & ~can & ~ref & ~tout & ~fail
     cut = int(rest.sum()) if max_sim_time_s is not None else 0
     return {"rejected": int(rej.sum()), "cancelled": int(can.sum()), "refused": int(ref.sum()),
-            "timed_out": int(tout.sum()), "cut": cut, "stuck": int(rest.sum()) - cut}
+            "timed_out": int(tout.sum()), "failed": int(fail.sum()), "cut": cut,
+            "stuck": int(rest.sum()) - cut}
 
 
 def batch_share_seconds(ts, running, t0: float, t1: float) -> float:

@@ -144,6 +144,7 @@ class Recorder:
         self.refused = np.zeros(n, dtype=bool)
         self.reject_reason = np.full(n, -1, dtype=np.int8)
         self.timed_out = np.zeros(n, dtype=bool)
+        self.failed = np.zeros(n, dtype=bool)     # lost to a replica failure (faults)
         self.attempts = np.ones(n, dtype=np.int32)
         self.timeout_retries = np.zeros(n, dtype=np.int32)   # retries that followed a timeout
         self.retry_s = np.zeros(n, dtype=np.float64)

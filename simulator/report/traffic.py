@@ -85,6 +85,9 @@ def cluster_rows(res, frame: pd.DataFrame, good: np.ndarray) -> pd.DataFrame:
     }
     states = _state_means(meta["fleet_timeline"], edges)
     cols["replicas_ready"], cols["replicas_provisioning"], cols["replicas_draining"] = states.T
+    if "faults" in meta:
+        from simulator.report.faults import fault_columns
+        cols.update(fault_columns(res, edges))
     arrival = frame["arrival"].to_numpy(float)
     k = np.clip(np.searchsorted(edges, arrival, side="right") - 1, 0, len(edges) - 2)
     n = np.bincount(k, minlength=len(edges) - 1).astype(np.float64)
