@@ -34,6 +34,7 @@ from simulator.workload.classes import SLO
 from simulator.config.cluster import ClusterConfig
 from simulator.config.engine import (EngineConfig, KVConfig, SpeculativeConfig,
                                      _check_policy_params, _policy_spec)
+from simulator.config.edge import EdgeConfig
 from simulator.config.model import ModelConfig
 from simulator.config.presets import apply_presets
 from simulator.config.strict import StrictModel
@@ -62,6 +63,8 @@ class Scenario(StrictModel):
     client: Optional[ClientConfig] = Field(None, description="clients' timeouts and retries "
                                            "(None: patient clients that never retry)")
     report: ReportConfig = Field(default_factory=ReportConfig)
+    edge: Optional[EdgeConfig] = Field(None, description="an edge node in front of the "
+                                       "cluster: a result cache, a small model")
 
     # ``engine.preset``: a serving engine's defaults under the keys the scenario states.
     _preset = model_validator(mode="before")(classmethod(lambda cls, v: apply_presets(v)))
@@ -143,17 +146,21 @@ class Scenario(StrictModel):
                 if p.policy != self.engine.policy:
                     data["policy_params"] = {}
                 data.update(p.model_dump(exclude={"label", "kv", "cluster", "client",
-                                                  "speculative"}, exclude_none=True))
+                                                  "speculative", "edge"}, exclude_none=True))
                 if "speculative" in p.model_fields_set:
                     data["speculative"] = p.speculative
                 if p.kv:
                     data["kv"] = {**data.get("kv", {}), **p.kv}
                 eng = EngineConfig.model_validate(data)
                 label = p.name
+                edge = ({"edge": EdgeConfig.model_validate(p.edge) if p.edge else None}
+                        if "edge" in p.model_fields_set else {})
                 if p.cluster or "client" in p.model_fields_set:
-                    runs.append((label, self.model_copy(update={"engine": eng,
+                    runs.append((label, self.model_copy(update={"engine": eng, **edge,
                                                                 **p.traffic_update(self)})))
                     continue
+                runs.append((label, self.model_copy(update={"engine": eng, **edge})))
+                continue
             runs.append((label, self.model_copy(update={"engine": eng})))
         return runs
 
@@ -196,6 +203,14 @@ class PolicyRun(StrictModel):
                                              "this run; null: patient clients")
     speculative: Optional[dict[str, Any]] = Field(None, description="engine.speculative for "
                                                   "this run; null: off")
+    edge: Optional[dict[str, Any]] = Field(None, description="edge for this run; null: none")
+
+    @field_validator("edge")
+    @classmethod
+    def _edge(cls, v):
+        if v is not None:
+            EdgeConfig.model_validate(v)
+        return v
 
     @field_validator("speculative")
     @classmethod

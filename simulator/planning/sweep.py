@@ -151,6 +151,9 @@ def _apply_run(data: dict, entry) -> None:
             # ``client: null`` is meaningful (patient clients); a mapping changes fields.
             data["client"] = None if v is None else {**(data.get("client") or {}), **v}
             continue
+        if k == "edge":
+            data["edge"] = v     # the run's edge node, a section of its own (null: none)
+            continue
         if k == "label" or v is None:
             continue
         if k == "kv":

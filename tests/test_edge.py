@@ -1,0 +1,210 @@
+"""The edge node (``edge``: ``cluster.edge``, ``cluster.edgecache``, ``cluster.edgerun``)
+against closed forms and arithmetic: the cache's hit ratio against the popularity laws
+(exact for an unbounded cache, Che's approximation for LRU, the renewal formula for a
+TTL), a hit's latency (edge RTT + stream time), the GPU-seconds saved against the
+engine time the same request takes alone in the cluster, the escalation fraction
+against its probability, the escalated path (edge time + WAN + central), and bad YAML."""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+
+from conftest import make_scenario_dict
+from simulator.cluster import edgecache as C
+from simulator.config.edge import PopularityConfig
+from simulator.config.scenario import validate_scenario
+from simulator.loops.simulate import Unsupported, simulate
+from simulator.report.metrics import requests_table
+
+ROOF = {"kind": "roofline", "model": "llama-3.2-1b", "gpu": "l4"}
+
+
+def _zipf_keys(k, s, n, seed=0):
+    pop = PopularityConfig(kind="zipf", catalogue=k, exponent=s)
+    return C.prompt_keys(pop, _N(n), np.random.default_rng(seed)), C.zipf_probabilities(k, s)
+
+
+class _N:
+    """A stand-in workload of ``n`` requests (``prompt_keys`` reads only its length)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def test_unbounded_cache_hits_are_the_repeats():
+    """Unbounded, no TTL (or capacity >= K: LRU never evicts): a request hits iff its key
+    came before, E[hits] = N - sum_k (1 - (1 - p_k)^N). Tolerance: 4 standard deviations
+    of the distinct count, whose variance is at most sum q_k (1 - q_k) (negative
+    association)."""
+    n, k = 20000, 2000
+    keys, p = _zipf_keys(k, 0.8, n)
+    t = np.arange(n, dtype=np.float64)
+    hits = int((C.lookup(keys, t, None, None) >= 0).sum())
+    assert hits == n - len(np.unique(keys))                     # the rule itself
+    assert np.array_equal(C.lookup(keys, t, k, None), C.lookup(keys, t, None, None))
+    want = C.expected_hits_unbounded(p, n)
+    assert abs(hits - want) <= 4 * math.sqrt(C.distinct_variance_bound(p, n))
+
+
+@pytest.mark.parametrize("cap,s", [(50, 0.8), (200, 1.0)])
+def test_lru_hit_ratio_matches_che(cap, s):
+    """LRU of C entries under IRM Zipf: Che's approximation. Its error for Zipf at these
+    sizes is well under 1% (Fricker, Robert, Roberts 2012, Table 1); the sample of 50,000
+    requests after a 10,000-request warm-up adds ~0.2% (binomial). Tolerance 0.01."""
+    keys, p = _zipf_keys(1000, s, 60000, seed=3)
+    src = C.lookup(keys, np.arange(60000.0), cap, None)
+    measured = float((src[10000:] >= 0).mean())
+    assert abs(measured - C.che_hit_ratio(p, cap)) < 0.01
+
+
+def test_ttl_hit_ratio_matches_renewal_formula():
+    """Unbounded TTL cache (no refresh on hit), Poisson arrivals of rate lambda: key k
+    hits with ratio lambda p_k T / (1 + lambda p_k T) (renewal cycles, exact in the long
+    run). 40,000 requests after a 1,000 s warm-up; tolerance 0.01 (binomial SE ~0.003)."""
+    rng = np.random.default_rng(7)
+    rate, ttl, n = 20.0, 5.0, 60000
+    keys, p = _zipf_keys(500, 1.0, n, seed=8)
+    t = np.cumsum(rng.exponential(1 / rate, n))
+    src = C.lookup(keys, t, None, ttl)
+    late = t > 1000.0
+    assert late.sum() > 30000
+    assert abs(float((src[late] >= 0).mean()) - C.ttl_hit_ratio(p, rate, ttl)) < 0.01
+
+
+def _edge_dict(n=40, rate=0.2, **edge):
+    d = make_scenario_dict()
+    d["workload"]["num_requests"] = n
+    d["workload"]["arrival"]["rate"] = rate
+    d["edge"] = {"rtt_ms": 6.0, "lookup_ms": 0.5, **edge}
+    return d
+
+
+def _run(d, **kw):
+    res = simulate(validate_scenario(copy.deepcopy(d)), **kw)
+    return res, requests_table(res)
+
+
+def test_hits_cost_edge_rtt_and_stream_time_and_add_up():
+    """One prompt (K = 1): every request after the first hits. A hit that found its
+    entry there has E2E = edge RTT + lookup + (N - 1) / rate exactly, zero queue,
+    prefill and decode; one that came while the fetch was in flight waits for that
+    fetch's delivery (T_queue). Every row's breakdown adds up to E2E."""
+    cache = {"popularity": {"kind": "zipf", "catalogue": 1, "exponent": 1.0},
+             "stream_tokens_per_s": 250.0}
+    res, df = _run(_edge_dict(n=60, rate=2.0, cache=cache))
+    parts = df[["t_net", "t_queue", "t_prefill", "t_decode", "t_stream"]].sum(axis=1)
+    assert np.allclose(parts, df["e2el"], rtol=0, atol=1e-9)
+    hits = df[df["edge"] == "hit"]
+    assert len(hits) == 59 and (df["edge"].iloc[0] == "miss")
+    ready = hits[hits["t_queue"] == 0]
+    assert len(ready) > 20
+    want = 0.006 + 0.0005 + (ready["output_tokens"] - 1) / 250.0
+    assert np.allclose(ready["e2el"], want, rtol=1e-12, atol=1e-12)
+    assert (ready[["t_prefill", "t_decode"]] == 0).all().all()
+    waited = hits[hits["t_queue"] > 0]
+    src_done = df["last_delivered"].iloc[0]
+    assert np.allclose(waited["scheduled"], src_done, rtol=0, atol=1e-12)
+    e = res.meta["edge"]
+    assert e["cache"]["hits"] == 59 and e["cache"]["coalesced_hits"] == len(waited)
+    assert e["cache"]["expected_hit_ratio"] == pytest.approx(59 / 60)
+
+
+def test_saved_gpu_seconds_are_the_engine_time_the_hits_would_have_cost():
+    """``saved_gpu_s`` = hits x the engine time (first scheduled to last token) the same
+    request takes alone in the cluster, measured by the simulator itself on a run
+    without the edge (requests 1000 s apart: always alone), x gpus_per_replica."""
+    cache = {"popularity": {"kind": "zipf", "catalogue": 1, "same_lengths": True}}
+    d = _edge_dict(n=5, rate=0.001, cache=cache)
+    d["cluster"] = {"gpus_per_replica": 2, "gpu_cost_per_hour": 3.0}
+    res, df = _run(d)
+    plain = copy.deepcopy(d)
+    del plain["edge"]
+    plain["workload"]["num_requests"] = 1
+    plain["workload"]["prompt_tokens"] = {"kind": "constant", "value": int(df.prompt_tokens[0])}
+    plain["workload"]["output_tokens"] = {"kind": "constant", "value": int(df.output_tokens[0])}
+    _, alone = _run(plain)
+    engine_s = float(alone["last_token"][0] - alone["scheduled"][0])
+    e = res.meta["edge"]
+    assert e["hit"] == 4
+    assert e["saved_gpu_s"] == pytest.approx(4 * engine_s * 2, rel=1e-9)
+    assert e["saved_cost_usd"] == pytest.approx(e["saved_gpu_s"] / 3600 * 3.0, rel=1e-12)
+
+
+def test_escalation_fraction_is_binomial():
+    """Each edge attempt is kept with probability ``acceptance``: the escalated share of
+    4,000 attempts is within 4 binomial standard deviations of 1 - acceptance; exactly
+    the escalated ones are sent to the cluster, each when the edge let it go."""
+    from conftest import make_workload
+    from simulator.cluster.edge import ESCALATED, plan_edge
+    from simulator.cost import build_cost_model
+    cfg = validate_scenario(_edge_dict(speculation={
+        "cost": ROOF, "acceptance": 0.3, "servers": 8, "decide_after_tokens": 0})).edge
+    wl = make_workload(4000, rate=50.0, prompt=64, output=3)
+    plan = plan_edge(cfg, wl, None, np.random.default_rng(5),
+                     build_cost_model(cfg.speculation.cost, None, []))
+    esc = plan.kind == ESCALATED
+    assert abs(esc.mean() - 0.7) <= 4 * math.sqrt(0.7 * 0.3 / 4000)
+    assert np.array_equal(np.sort(plan.to_cluster), np.flatnonzero(esc))
+    assert (plan.leave[esc] > plan.start[esc]).all()
+
+
+def test_edge_answer_and_escalated_path_are_their_sums():
+    """One request, nothing to wait for. Kept: E2E = edge RTT + lookup + the edge
+    model's prefill + its N - 1 decode steps (its cost model's own step times).
+    Escalated after k tokens: E2E = edge RTT/2 + lookup + the edge's prefill and k - 1
+    decode steps + the request's E2E in the cluster without an edge + edge RTT/2."""
+    from simulator.cluster.edge import alone_times
+    from simulator.cost import build_cost_model
+    d = _edge_dict(n=1, speculation={"cost": ROOF, "acceptance": 1.0})
+    res, df = _run(d)
+    cost = build_cost_model(validate_scenario(d).edge.speculation.cost, None, [])
+    p, o = int(df.prompt_tokens[0]), int(df.output_tokens[0])
+    pre, dec = alone_times(cost, p, o - 1)
+    assert df["edge"][0] == "edge"
+    assert df["e2el"][0] == pytest.approx(0.006 + 0.0005 + pre + sum(dec), rel=1e-12)
+    assert df["ttft"][0] == pytest.approx(0.006 + 0.0005 + pre, rel=1e-12)
+    d["edge"]["speculation"] = {"cost": ROOF, "acceptance": 0.0, "decide_after_tokens": 4}
+    _, esc = _run(d)
+    plain = copy.deepcopy(d)
+    del plain["edge"]
+    _, central = _run(plain)
+    pre, dec = alone_times(cost, p, 3)
+    edge_s = 0.003 + 0.0005 + pre + sum(dec)
+    assert esc["edge"][0] == "escalated"
+    assert esc["t_net"][0] == pytest.approx(edge_s + central["t_net"][0], rel=1e-9)
+    assert esc["e2el"][0] == pytest.approx(edge_s + central["e2el"][0] + 0.003, rel=1e-9)
+
+
+def test_compiled_loop_declines_and_auto_says_why():
+    d = _edge_dict(n=5, cache={"popularity": {"kind": "zipf", "catalogue": 3}})
+    with pytest.raises(Unsupported, match="edge"):
+        simulate(validate_scenario(d), loop="compiled")
+    res = simulate(validate_scenario(d))
+    assert "edge" in res.meta["loop"] and res.meta["loop"].startswith("simpy")
+
+
+@pytest.mark.parametrize("edge,field", [
+    ({"cache": {"popularity": {"kind": "zipf", "catalogue": 10}, "capacity": 0}},
+     "edge.cache.capacity"),
+    ({"cache": {"popularity": {"kind": "zipf"}}}, "edge.cache.popularity"),
+    ({"speculation": {"cost": ROOF, "acceptance": 1.5}}, "edge.speculation.acceptance"),
+    ({"rtt_ms": -1, "cache": {"popularity": {"kind": "trace"}}}, "edge.rtt_ms"),
+    ({}, "edge")])
+def test_bad_edge_yaml_is_one_line_exit_2(tmp_path, edge, field):
+    import yaml
+    from simulator.cli.main import app
+    from typer.testing import CliRunner
+    d = make_scenario_dict()
+    d["edge"] = edge
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(d))
+    r = CliRunner().invoke(app, ["run", str(p), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and "bad.yaml" in line and field in line
