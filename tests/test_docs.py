@@ -34,6 +34,7 @@ file disappears.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -64,9 +65,32 @@ _OUTSIDE = re.compile(
     r"listed|given|run|the))", re.IGNORECASE)
 
 
-def _files():
-    return {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
-            if ".git" not in p.parts and "egg-info" not in p.as_posix()}
+@functools.lru_cache(maxsize=1)
+def _files() -> frozenset:
+    """Every file under the project's top folders (relative, ``/``-separated): not a
+    virtual environment, a build or a results folder beside them."""
+    return frozenset(p.relative_to(ROOT).as_posix() for top in TOPS
+                     for p in (ROOT / top).rglob("*")
+                     if p.is_file() and "__pycache__" not in p.parts)
+
+
+class Index:
+    """Fast look-ups over a file list: folders, paths without their extension, and every
+    tail of a path (``kv/rules.py`` of ``simulator/model/kv/rules.py``)."""
+
+    def __init__(self, files) -> None:
+        self.files = set(files)
+        self.dirs, self.stems, self.tails, self.dir_tails = set(), set(), set(), set()
+        for f in self.files:
+            parts = f.split("/")
+            for i in range(1, len(parts)):
+                self.dirs.add("/".join(parts[:i]))
+                for j in range(i):
+                    self.dir_tails.add("/".join(parts[j:i]))
+            if "." in parts[-1]:
+                self.stems.add(f.rsplit(".", 1)[0])
+            for j in range(len(parts)):
+                self.tails.add("/".join(parts[j:]))
 
 
 def docstrings(path: Path):
@@ -82,8 +106,13 @@ def docstrings(path: Path):
     return out
 
 
-def sources():
+@functools.lru_cache(maxsize=1)
+def sources() -> tuple:
     """(where, text) of every document this test reads: README, DEVELOPING, docstrings."""
+    return tuple(_sources())
+
+
+def _sources():
     for name in DOC_FILES:
         p = ROOT / name
         if p.exists():
@@ -95,7 +124,7 @@ def sources():
                 yield f"{rel}:{line}", doc
 
 
-def _exists_path(ref: str, files: set[str]) -> bool:
+def _exists_path(ref: str, ix: Index) -> bool:
     ref = ref.rstrip("/.,")
     ref = re.split(r"::|:(?=[A-Za-z_])", ref)[0]
     if ref in OUTPUTS:
@@ -103,15 +132,12 @@ def _exists_path(ref: str, files: set[str]) -> bool:
     if "{" in ref:                                   # loops/compiled/{plan,loop}.py
         head, rest = ref.split("{", 1)
         alts, tail = rest.split("}", 1) if "}" in rest else (rest, "")
-        return all(_exists_path(head + a + tail, files) for a in alts.split(","))
+        return all(_exists_path(head + a + tail, ix) for a in alts.split(","))
     if "*" in ref:                                   # profiles/*.json
         pat = re.compile(re.escape(ref).replace(r"\*", "[^/]*") + "$")
-        return any(pat.match(f) for f in files)
-    if ref in files:
-        return True
-    if any(f.startswith(ref + ".") for f in files):  # simulator/model/kv/rules (.py)
-        return True
-    return any(f.startswith(ref + "/") for f in files)   # a folder
+        return any(pat.match(f) for f in ix.files)
+    # a file, a file named without its extension (simulator/model/kv/rules), a folder
+    return ref in ix.files or ref in ix.stems or ref in ix.dirs
 
 
 def _module_defines(path: Path, name: str) -> bool:
@@ -133,22 +159,23 @@ def _exists_dotted(ref: str) -> bool:
     return False
 
 
-def _exists_short(ref: str, files: set[str]) -> bool:
+def _exists_short(ref: str, ix: Index) -> bool:
     ref = ref.rstrip("/")
-    tails = [ref] if ref.endswith(".py") else [ref + ".py", ref + "/__init__.py"]
-    return any(f == t or f.endswith("/" + t) for f in files for t in tails) or any(
-        ("/" + f).find("/" + ref + "/") >= 0 for f in files)                # a folder
+    if ref.endswith(".py"):
+        return ref in ix.tails
+    return ref + ".py" in ix.tails or ref in ix.dir_tails
 
 
 def missing_references(files: set[str] | None = None):
     """Every (where, name) a document names that the checkout does not hold."""
     files = _files() if files is None else files
+    ix = Index(files)
     packages = {part for f in files if f.endswith(".py") and f.split("/")[0] in
                 ("simulator", "real_engine") for part in f.split("/")[1:-1]}
     out = []
     for where, text in sources():
         for m in _PATH.finditer(text):
-            if not _exists_path(m.group(1), files):
+            if not _exists_path(m.group(1), ix):
                 out.append((where, m.group(1)))
         for m in _DOTTED.finditer(text):
             if not _exists_dotted(m.group(1)):
@@ -157,7 +184,7 @@ def missing_references(files: set[str] | None = None):
             ref = m.group(1)
             if ref.split("/")[0] in TOPS or ref.split("/")[0] not in packages:
                 continue      # a full path (checked above), or another project's file
-            if not _exists_short(ref, files):
+            if not _exists_short(ref, ix):
                 out.append((where, ref))
     return out
 
