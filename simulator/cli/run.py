@@ -213,6 +213,13 @@ def run(
     table_format: str = typer.Option("auto", "--table-format", help="requests table: csv, "
                                      "parquet, or auto (CSV up to 100,000 requests per run, "
                                      "Parquet above)"),
+    chrome_trace: bool = typer.Option(False, "--chrome-trace", help="also write trace.json "
+                                      "to --out: each traced request's stages and why it "
+                                      "waited at each step, each replica's steps (Chrome "
+                                      "trace / Perfetto; runs on SimPy)"),
+    trace_requests: Optional[str] = typer.Option(None, "--trace-requests", help="with "
+                                                 "--chrome-trace: these request ids only "
+                                                 "(comma-separated; default every request)"),
 ) -> None:
     """Simulate a scenario and print P50/P90/P99 latencies and the E2E breakdown.
 
@@ -220,7 +227,8 @@ def run(
     some never finished (too large for the KV cache, or cut by max_sim_time_s: a line
     says how many and why); 2 on bad input, before anything runs."""
     try:
-        _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_format)
+        _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_format,
+             chrome_trace, trace_requests)
     except LatsimError as e:
         _fail(e)
     except MemoryError:
@@ -229,7 +237,8 @@ def run(
                           source=str(scenario)))
 
 
-def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_format) -> None:
+def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_format,
+         chrome_trace=False, trace_requests=None) -> None:
     """``latsim run``: check everything, simulate each run, write the results at once.
 
     Long because its order is the command's promise: every check (flags, scenario, KV
@@ -245,6 +254,7 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
     if plots and out is None:
         raise LatsimError("--plots needs --out (the plots are drawn from the result files)",
                           source="--plots")
+    trace_ids = _trace_flags(chrome_trace, trace_requests, out, loop)
     from simulator.config.scenario import load_scenario
     from simulator.cost import load_profile, profile_search_dirs, resolve_profile_path
     from simulator.loops.simulate import Unsupported, kv_capacity_blocks, never_fit, simulate
@@ -278,6 +288,9 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
     with about(str(scenario)):
         wl = build_workload(sc.workload, wl_rng, base)
     n = len(wl)
+    if trace_ids and max(trace_ids) >= n:
+        raise LatsimError(f"the run has requests 0..{n - 1}", source="--trace-requests",
+                          value=max(trace_ids), has_value=True)
     if not sized:
         _check_size(n, len(runs), loop, yes, str(scenario))
     fmt = pick_format(table_format, n)
@@ -301,9 +314,13 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
         for label, psc in runs:
             watch = RunProgress(label, n, err_console)
             t0 = time.perf_counter()
+            trace = None
+            if chrome_trace:
+                from simulator.report.decisions import DecisionTrace
+                trace = DecisionTrace(trace_ids)
             try:
                 res = simulate(psc, s, base_dir=base, workload=wl, profile=profile, loop=loop,
-                               progress=watch)
+                               progress=watch, trace=trace)
             except Unsupported as e:
                 raise LatsimError(f"the {loop} loop cannot run this scenario: {e}",
                                   source="--loop", value=loop, has_value=True) from None
@@ -317,6 +334,9 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
                 with writing(out):
                     write_requests(res, staged.path / f"requests{tail}.{ext}", fmt)
                     write_csv([series_table(res)], staged.path / f"timeseries{tail}.csv")
+                    if trace is not None:
+                        from simulator.report.chrome import write_chrome_trace
+                        write_chrome_trace(res, trace, staged.path / f"trace{tail}.json")
                     if "session_table" in res.meta:   # kind: sessions, one row per session
                         write_csv([res.meta["session_table"]],
                                   staged.path / f"sessions{tail}.csv")
@@ -352,6 +372,25 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
                           f"{f' ({escape(label)})' if multi else ''}: {text}", highlight=False)
     if bad:
         raise typer.Exit(1)
+
+
+def _trace_flags(chrome_trace: bool, trace_requests, out, loop: str):
+    """The request ids ``--trace-requests`` names (None: all), after the checks on the
+    trace's options: one line, exit 2, before any work."""
+    if trace_requests is not None and not chrome_trace:
+        raise LatsimError("needs --chrome-trace", source="--trace-requests")
+    if not chrome_trace:
+        return None
+    if out is None:
+        raise LatsimError("--chrome-trace needs --out (trace.json is written there)",
+                          source="--chrome-trace")
+    if loop == "compiled":
+        raise LatsimError("the decision trace is recorded by the SimPy loop: use --loop "
+                          "auto or simpy", source="--chrome-trace")
+    if trace_requests is None:
+        return None
+    from simulator.report.chrome import parse_ids
+    return parse_ids(trace_requests)
 
 
 def _settle_frame(res):

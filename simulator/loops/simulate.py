@@ -96,6 +96,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     a hand-back). ``progress``: called as ``progress(loop, rec)`` when the event loop
     (``"compiled"`` or ``"simpy"``) is about to start filling the recorder ``rec``, so a
     caller can watch the run (the compiled loop may first have to be compiled).
+    ``trace``: a ``report.decisions.DecisionTrace`` to fill (the SimPy loop records it;
+    the results are bit for bit the untraced run's).
 
     Longer than most functions here, on purpose: it is the order of a run (draw the
     seeded streams, build the parts every loop shares, choose the loop and say why, run,
@@ -163,6 +165,10 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         return res
 
     why = None
+    if trace is not None:       # recorded by the SimPy replica (``report.decisions``)
+        if loop == "compiled":
+            raise Unsupported("a decision trace is recorded by the SimPy loop")
+        rec.trace, loop, why = trace, "simpy", "a decision trace"
     if loop != "simpy":
         why = session_reason(workload) or kernel_reason(
                             pol, kv_args["kv_rules"], pools, costs, scenario.cluster.router,

@@ -136,6 +136,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self._cancels: list[SimSeq] = []
         self._copy_s = 0.0
         self.rec = rec
+        self.trace = getattr(rec, "trace", None)   # a ``report.decisions`` trace, or None
         self.frame_time = frame_time
         self.one_way = one_way
         self.on_finish = on_finish
@@ -286,6 +287,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                                    kv.policy_free(hold), kv=kv,
                                    num_running=len(self.decoding) + len(self.prefilling))
             plan = policy.schedule(state)
+            if self.trace is not None:
+                self.trace.decide(self.index, policy, state, plan, hold)
             if plan.admit:
                 plan = self._admit(plan, now)
             if plan.is_empty and len(decoding) < len(self.decoding):
@@ -336,7 +339,10 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 k_room = _epoch_length(self._finish_heap[0][0], self.ticks, kv.paged, nd,
                                         kv.bs, kv.manager.num_free)
             if k_room > 1:
+                t0 = self.ticks
                 yield from self._epoch(nd, k_room)
+                if self.trace is not None:
+                    self.trace.step(self.index, now, env.now - now, plan, self.ticks - t0)
             else:
                 if not nd:
                     dseqs, ctx_max, ctx_sum = (), 0, 0
@@ -371,6 +377,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 if self.util is not None:
                     self.util.step(dt, nd, ctx_sum, chunks)
                 yield env.timeout(dt)
+                if self.trace is not None:
+                    self.trace.step(self.index, now, dt, plan)
                 t = self._step_end = env.now
                 if self.fast:
                     if nd:
