@@ -66,10 +66,12 @@ class Delay(StrictModel):
     (``low_s``..``high_s``). A bare number is a constant."""
 
     kind: Literal["constant", "exponential", "lognormal", "uniform"] = "constant"
-    mean_s: Optional[float] = Field(None, ge=0, le=MAX_DELAY_S)
-    cv: float = Field(1.0, gt=0, le=100)
-    low_s: Optional[float] = Field(None, ge=0, le=MAX_DELAY_S)
-    high_s: Optional[float] = Field(None, ge=0, le=MAX_DELAY_S)
+    mean_s: Optional[float] = Field(None, ge=0, le=MAX_DELAY_S, description="constant, "
+                                    "exponential, lognormal: the mean (s)")
+    cv: float = Field(1.0, gt=0, le=100, description="lognormal: coefficient of variation")
+    low_s: Optional[float] = Field(None, ge=0, le=MAX_DELAY_S, description="uniform: lowest (s)")
+    high_s: Optional[float] = Field(None, ge=0, le=MAX_DELAY_S, description="uniform: highest "
+                                    "(s)")
 
     @model_validator(mode="before")
     @classmethod
@@ -112,34 +114,53 @@ def _const(v: int):
 
 
 class SessionsWorkload(StrictModel):
-    """Closed-loop users running multi-turn sessions (module doc)."""
+    """Closed-loop users, each running its sessions one after another: a turn is sent
+    its think (or tool) time after the previous one's last byte, and its prompt is the
+    session's history plus the new message (``simulator.workload.sessions``)."""
 
     kind: Literal["sessions"] = "sessions"
     users: int = Field(..., ge=1, le=100_000, description="closed-loop clients")
     sessions: Optional[int] = Field(None, ge=1, le=1_000_000, description="sessions in "
                                     "all, dealt to users in turn (default: one per user)")
-    mode: Literal["chat", "reasoning", "agentic"] = "chat"
+    mode: Literal["chat", "reasoning", "agentic"] = Field(
+        "chat", description="chat: the answer joins the history; reasoning: each request "
+        "first generates reasoning_tokens; agentic: each user turn is tool_calls rounds of "
+        "(tool call, tool latency, tool result) and a final answer")
     turns: plugin(LENGTHS) = Field(default_factory=_const(4), description="user turns "
                                    "per session")
-    system_prompt_tokens: int = Field(0, ge=0, le=MAX_TOKENS)
-    user_tokens: plugin(LENGTHS) = Field(default_factory=_const(128))
-    output_tokens: plugin(LENGTHS) = Field(default_factory=_const(128))
-    think_time: Delay = Field(default_factory=lambda: Delay(kind="exponential", mean_s=5.0))
+    system_prompt_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="leading tokens "
+                                      "every session shares")
+    user_tokens: plugin(LENGTHS) = Field(default_factory=_const(128), description="each "
+                                         "user message's new tokens")
+    output_tokens: plugin(LENGTHS) = Field(default_factory=_const(128), description="each "
+                                           "answer's tokens")
+    think_time: Delay = Field(default_factory=lambda: Delay(kind="exponential", mean_s=5.0),
+                              description="from an answer's last byte to the user's next "
+                              "message (a number: constant seconds)")
     session_gap: Optional[Delay] = Field(None, description="before a user's next "
                                          "session (default: think_time)")
     ramp_s: float = Field(0.0, ge=0, le=MAX_DELAY_S, description="user u starts its "
                           "first session at u x ramp_s / users")
-    reasoning_tokens: Optional[plugin(LENGTHS)] = None
-    keep_reasoning: bool = False
-    tool_calls: Optional[plugin(LENGTHS)] = None
-    tool_latency: Optional[Delay] = None
-    tool_call_tokens: Optional[plugin(LENGTHS)] = None
-    tool_result_tokens: Optional[plugin(LENGTHS)] = None
+    reasoning_tokens: Optional[plugin(LENGTHS)] = Field(None, description="reasoning, "
+                                                        "agentic: generated before each answer")
+    keep_reasoning: bool = Field(False, description="the history keeps the reasoning (default: "
+                                 "dropped, as DeepSeek-R1's and Qwen3's chat templates do)")
+    tool_calls: Optional[plugin(LENGTHS)] = Field(None, description="agentic: tool calls per "
+                                                  "user turn (default 1)")
+    tool_latency: Optional[Delay] = Field(None, description="agentic: a tool's run time "
+                                          "(default constant 1 s)")
+    tool_call_tokens: Optional[plugin(LENGTHS)] = Field(None, description="agentic: a tool "
+                                                        "call's output tokens (default 32)")
+    tool_result_tokens: Optional[plugin(LENGTHS)] = Field(None, description="agentic: a "
+                                                          "tool result's tokens (default 256)")
     max_context_tokens: Optional[int] = Field(None, ge=2, le=MAX_TOKENS, description=
                                               "a session ends before a request whose "
                                               "prompt + output would exceed this")
-    hash_block_tokens: int = Field(16, ge=1, le=1 << 20)
-    limit: Optional[int] = Field(None, gt=0, description="keep the first N requests")
+    hash_block_tokens: int = Field(16, ge=1, le=1 << 20, description="tokens per prefix "
+                                   "id (a multiple-of-it KV block size names every shared "
+                                   "block)")
+    limit: Optional[int] = Field(None, gt=0, description="keep the first N requests (whole "
+                                 "sessions in order, the last cut short)")
 
     @model_validator(mode="after")
     def _mode(self):
