@@ -1,8 +1,10 @@
 """The documentation names only what exists, and depends on nothing outside the repository.
 
 Every module or file that a docstring (module, class or function, in ``simulator/``,
-``real_engine/``, ``benchmarks/``, ``notebooks/`` and ``tests/``), ``README.md`` or
-``DEVELOPING.md`` names must exist in the checkout:
+``real_engine/``, ``benchmarks/``, ``notebooks/`` and ``tests/``), ``README.md``,
+``DEVELOPING.md`` or the notebooks', benchmarks' and profiles' READMEs name must exist
+in the checkout (``data/``'s READMEs cite their upstream repositories' paths, so they
+are not read):
 
 - a path under one of the project's top folders (``simulator/loops/compiled/plan.py``,
   ``real_engine/engine.py``, ``benchmarks/sim_speed.py``, ``scenarios/quickstart.yaml``,
@@ -39,7 +41,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC_FILES = ("README.md", "DEVELOPING.md")
+DOC_FILES = ("README.md", "DEVELOPING.md", "notebooks/README.md", "benchmarks/README.md",
+             "profiles/README.md")
 CODE_DIRS = ("simulator", "real_engine", "benchmarks", "notebooks", "tests")
 TOPS = ("simulator", "real_engine", "benchmarks", "scenarios", "notebooks", "profiles",
         "data", "tests")
