@@ -1,0 +1,249 @@
+"""Replica faults and circuit breaking (``cluster.faults``, ``cluster.breaker``), checked
+against closed forms and arithmetic: the availability of an alternating exponential
+up/down process, the exact wait of requests caught by a scheduled outage of the only
+replica, every request ending exactly once with failed attempts and retries adding up,
+the breaker's state machine, routing around an open breaker, the compiled loop's reason,
+and bad YAML."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import make_scenario_dict
+from simulator.cluster.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
+from simulator.cluster.faults import up_down_times
+from simulator.config.faults import BreakerConfig
+from simulator.config.scenario import validate_scenario
+from simulator.loops.simulate import Unsupported, simulate
+from simulator.report.metrics import requests_table
+from simulator.report.output import run_summary as summary_of_run
+from simulator.wire import clients as C
+
+
+def _scenario(cluster: dict, n: int = 120, rate: float = 4.0, arrival="poisson", **wl):
+    d = make_scenario_dict()
+    d["workload"].update({"num_requests": n, "arrival": {"kind": arrival, "rate": rate},
+                          "prompt_tokens": {"kind": "constant", "value": 200},
+                          "output_tokens": {"kind": "constant", "value": 20}, **wl})
+    d["cluster"] = cluster
+    return validate_scenario(d)
+
+
+# -- availability: MTBF / (MTBF + MTTR) ---------------------------------------------------
+
+def test_availability_of_exponential_up_and_down_times():
+    """An alternating renewal process with Exp(a) up and Exp(b) down times is up a
+    fraction a / (a + b) of a long run; the fraction's standard deviation over a horizon
+    T is sqrt(2 a^2 b^2 / ((a + b)^3 T)) (the renewal-reward CLT with both times'
+    variances a^2 and b^2). Held to 5 sigma, for three seeds."""
+    a, b, horizon = 100.0, 10.0, 2e6
+    sigma = math.sqrt(2 * a * a * b * b / ((a + b) ** 3 * horizon))
+    for seed in (1, 2, 3):
+        down = 0.0
+        for f, r in up_down_times(np.random.default_rng(seed), a, b):
+            if f >= horizon:
+                break
+            down += min(r, horizon) - f
+        assert abs((1 - down / horizon) - a / (a + b)) < 5 * sigma, (seed, down / horizon)
+
+
+def test_mtbf_run_accounts_every_outage():
+    """A run with MTBF/MTTR on two replicas: each replica's down time in the summary is
+    the sum of its timeline's fail -> recover intervals, every failure recovers or is
+    still on at the end, and every request completes (retries)."""
+    sc = _scenario({"replicas": 2, "faults": {"mtbf_s": 20.0, "mttr_s": 4.0,
+                                              "max_retries": 10}}, n=200, rate=2.0)
+    res = simulate(sc, loop="simpy")
+    meta = res.meta["faults"]
+    tl = meta["timeline"]
+    assert meta["failures"] == sum(e["event"] == "fail" for e in tl) >= 2
+    for slot in (0, 1):
+        ev = [e for e in tl if e["replica"] == slot and e["event"] in ("fail", "recover")]
+        total = sum(ev[i + 1]["time_s"] - ev[i]["time_s"] for i in range(0, len(ev) - 1, 2))
+        if len(ev) % 2:
+            total += res.sim_end - ev[-1]["time_s"]
+        assert meta["down_s"][slot] == pytest.approx(total, rel=1e-12, abs=1e-12)
+        assert meta["availability"][slot] == pytest.approx(1 - total / res.sim_end)
+    df = requests_table(res)
+    assert (df["outcome"] == "completed").all()
+
+
+# -- one replica, one outage: the wait is the time to recovery ------------------------------
+
+def test_scheduled_outage_of_the_only_replica_waits_until_recovery():
+    """One replica down from s = 10.2 s for D = 5 s, the gateway told at once (detect_s
+    0), requests every 0.5 s: a request reaching the gateway during the outage, or in
+    flight on the replica when it failed (retried), is routed exactly at s + D; its
+    fault_lost_s is s + D minus its first arrival at the gateway (the zero network:
+    its send time); every other request loses nothing. The mean over those sent during
+    the outage is the arithmetic mean of (s + D - arrival)."""
+    s, d = 10.2, 5.0
+    sc = _scenario({"replicas": 1, "faults": {"outages": [{"replica": 0, "start_s": s,
+                                                           "duration_s": d}]}},
+                   n=60, rate=2.0, arrival="constant")
+    res = simulate(sc, loop="simpy")
+    df = requests_table(res)
+    arr = df["arrival"].to_numpy()
+    lost = df["fault_lost_s"].to_numpy()
+    hit = lost > 0
+    during = (arr >= s) & (arr < s + d)
+    assert during.sum() == 10 and (hit & during).sum() == 10
+    # Caught in flight: sent before s, still on the replica at s (a few ms of work).
+    assert (arr[hit & ~during] > s - 1.0).all() and (arr[hit & ~during] < s).all()
+    assert np.allclose(df["enqueued"].to_numpy()[hit], s + d, rtol=0, atol=1e-9)
+    assert np.allclose(lost[hit], s + d - arr[hit], rtol=0, atol=1e-9)
+    assert (lost[~hit] == 0).all()
+    assert (df["outcome"] == "completed").all()
+    phases = summary_of_run(res)["faults"]["phases"]
+    assert phases["during"]["requests"] == 10
+    assert phases["during"]["mean_fault_lost_s"] == pytest.approx(
+        float(np.mean(s + d - arr[during])), abs=1e-9)
+    assert res.meta["faults"]["down_s"] == [pytest.approx(d)]
+
+
+# -- lost vs retried: every request ends exactly once ----------------------------------------
+
+def _outage_run(in_flight: str, max_retries: int = 2, breaker=None):
+    cl = {"replicas": 2, "faults": {"outages": [{"replica": 0, "start_s": 5.0,
+                                                 "duration_s": 6.0}],
+                                    "detect_s": 2.0, "in_flight": in_flight,
+                                    "max_retries": max_retries}}
+    if breaker is not None:
+        cl["breaker"] = breaker
+    sc = _scenario(cl, n=150, rate=10.0)
+    sc.engine.max_num_seqs = 8     # a queue on each replica: in-flight requests to lose
+    return simulate(sc, loop="simpy")
+
+
+@pytest.mark.parametrize("mode", ["lost", "retry"])
+def test_lost_and_retried_requests_add_up(mode):
+    """Every request ends exactly once (completed or failed, nothing unfinished); each
+    failed attempt is one held by the failing replica or routed to it before the health
+    check: lost, each is a failed request; retried, each is a gateway retry (its own
+    attempt row, outcome failed) and every request completes."""
+    res = _outage_run(mode)
+    meta = res.meta["faults"]
+    df = requests_table(res)
+    out = df["outcome"].to_numpy()
+    assert set(out) <= {"completed", "failed"} and len(out) == 150
+    n_failed_attempts = meta["in_flight_failed"] + meta["refused_while_down"]
+    assert meta["in_flight_failed"] > 0 and meta["refused_while_down"] > 0
+    att = res.meta["attempts"]
+    assert int((att["outcome"] == C.FAILED).sum()) == n_failed_attempts
+    assert len(att["rid"]) == 150 + int(df["fault_retries"].sum())
+    if mode == "lost":
+        assert (out == "failed").sum() == n_failed_attempts == meta["lost"]
+        assert df["fault_retries"].sum() == 0
+    else:
+        assert (out == "completed").all()
+        assert df["fault_retries"].sum() == meta["retried"] == n_failed_attempts
+        assert meta["lost"] == 0
+    s = summary_of_run(res)
+    assert sum(s["overall"]["outcomes"].values()) == 150
+    assert s["overall"]["outcomes"]["failed"] == (out == "failed").sum()
+
+
+def test_retries_past_the_limit_fail():
+    """max_retries 0 in retry mode: the first failure is final, as in lost mode."""
+    a, b = _outage_run("retry", max_retries=0), _outage_run("lost")
+    assert (requests_table(a)["outcome"] == requests_table(b)["outcome"]).all()
+
+
+def test_breaker_keeps_requests_off_a_failed_replica():
+    """Without a health check inside the outage (detect_s past it), a replica that
+    failed is routed to until its breaker opens after 3 failures; then only its
+    half-open probes reach it, one per 2 s cool-down: at most 3 + ceil(6 / 2) requests
+    are refused there, where without a breaker about half of 6 s x 10 req/s are."""
+    cl = {"replicas": 2, "faults": {"outages": [{"replica": 0, "start_s": 5.0,
+                                                 "duration_s": 6.0}], "detect_s": 100.0}}
+    with_b = simulate(_scenario({**cl, "breaker": {"failures": 3, "cooldown_s": 2.0}},
+                                n=150, rate=10.0), loop="simpy").meta["faults"]
+    without = simulate(_scenario(cl, n=150, rate=10.0), loop="simpy").meta["faults"]
+    opened = [e for e in with_b["timeline"] if e["event"] == "breaker_open"]
+    assert opened and opened[0]["time_s"] >= 5.0
+    assert with_b["refused_while_down"] <= 3 + math.ceil(6.0 / 2.0)
+    assert without["refused_while_down"] > 20
+    assert with_b["timeline"][-1]["event"] == "breaker_closed"
+
+
+# -- the breaker's state machine ------------------------------------------------------------
+
+def test_breaker_opens_after_exactly_n_failures_and_half_opens_after_cooldown():
+    b = Breaker(BreakerConfig(failures=3, cooldown_s=10.0, probes=2))
+    b.failure(1.0)
+    b.failure(2.0)
+    b.success(2.5, 0.1)          # a success resets the count
+    b.failure(3.0)
+    b.failure(4.0)
+    assert b.state == CLOSED and b.allows(4.0)
+    b.failure(5.0)               # the third in a row
+    assert b.state == OPEN and not b.allows(5.0) and b.opens == 1
+    assert not b.allows(14.999999)
+    assert b.allows(15.0) and b.state == HALF_OPEN
+    assert b.routed(15.0) and b.routed(15.0)
+    assert not b.allows(15.0)    # both probes out
+    b.success(16.0, 0.1)
+    assert b.state == HALF_OPEN
+    b.success(16.5, 0.1)
+    assert b.state == CLOSED and b.fails == 0
+    # A failed probe opens it again, for a fresh cool-down.
+    for t in (20.0, 21.0, 22.0):
+        b.failure(t)
+    assert b.poll(32.0) == HALF_OPEN
+    b.routed(32.0)
+    b.failure(33.0)
+    assert b.state == OPEN and b.reopen_at == 43.0 and b.opens == 3
+    assert [s for _, s in b.log] == [OPEN, HALF_OPEN, CLOSED, OPEN, HALF_OPEN, OPEN]
+
+
+def test_breaker_opens_on_a_rolling_p99():
+    """P99 of the window's TTFTs above the bound opens it, once min_samples are in."""
+    b = Breaker(BreakerConfig(failures=100, p99_ms=500.0, window_s=10.0, min_samples=10))
+    for i in range(9):
+        b.success(float(i), 0.9)       # slow, but too few samples
+    assert b.state == CLOSED
+    b.success(9.0, 0.9)
+    assert b.state == OPEN
+    # 49 x 0.1 s then one 0.9 s: P99 (linear between order statistics, as numpy) is
+    # 0.1 + 0.51 x 0.8 = 0.508 s: over a 500 ms bound, under a 510 ms one.
+    for bound, state in ((500.0, OPEN), (510.0, CLOSED)):
+        b2 = Breaker(BreakerConfig(failures=100, p99_ms=bound, window_s=10.0, min_samples=10))
+        for i in range(50):
+            b2.success(i * 0.1, 0.9 if i == 49 else 0.1)
+        assert b2.state == state, bound
+    b3 = Breaker(BreakerConfig(failures=100, p99_ms=500.0, window_s=1.0, min_samples=5))
+    for i in range(20):                # slow ones leave the 1 s window before 5 gather
+        b3.success(float(i), 0.9)
+    assert b3.state == CLOSED
+
+
+# -- loops, bad input --------------------------------------------------------------------------
+
+def test_compiled_loop_declines_with_a_reason():
+    sc = _scenario({"replicas": 1, "faults": {"outages": [{"replica": 0, "start_s": 1.0,
+                                                           "duration_s": 1.0}]}}, n=20)
+    with pytest.raises(Unsupported, match="replica faults and circuit breaking"):
+        simulate(sc, loop="compiled")
+    assert "replica faults" in simulate(sc).meta["loop"]
+
+
+@pytest.mark.parametrize("faults,field", [
+    ({"mtbf_s": -5, "mttr_s": 10}, "cluster.faults.mtbf_s"),
+    ({"mtbf_s": 100}, "cluster.faults"),
+    ({"outages": [{"replica": 3, "start_s": 1, "duration_s": 2}]}, "cluster.faults.outages"),
+    ({"outages": [{"replica": 0, "start_s": 1, "duration_s": 0}]}, "duration_s"),
+])
+def test_bad_faults_yaml_is_one_line_exit_2(tmp_path, faults, field):
+    from test_fuzz import run_cli
+    d = make_scenario_dict()
+    d["cluster"] = {"replicas": 2, "faults": faults}
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(d))
+    code, _, err = run_cli(["run", p])
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert str(p) in lines[0] or p.name in lines[0]
+    assert field in lines[0], lines[0]
