@@ -139,9 +139,9 @@ fig = plots.plot_timeseries(results, OUT / "timeseries.png")
 show(OUT / "timeseries.png")
 
 # %% [markdown]
-# ## The seed's weighted fair scheduler vs priority with aging, under overload
+# ## The weighted fair scheduler vs priority with aging, under overload
 #
-# `fair_score` admits by the high-concurrency seed's score, `min(wait / 5 s, 3) x 0.5 +
+# `fair_score` admits by a design article's score (`data/README.md`), `min(wait / 5 s, 3) x 0.5 +
 # VIP + progress x 0.5`; `priority_aging` by `priority - floor(wait / aging_s)`. Both
 # keep low classes from starving, differently: aging lets any class catch up with any
 # other given time (one class per `aging_s`), the fair score's starvation bonus is

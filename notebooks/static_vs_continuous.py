@@ -12,9 +12,10 @@
 # ---
 
 # %% [markdown]
-# # Static vs continuous batching: what latsim says about the seed's numbers
+# # Static vs continuous batching: what latsim says about a published claim
 #
-# The high-concurrency seed claims two things about batching on an A100:
+# A design article on high-concurrency serving (`data/README.md`, *Facts from two design
+# articles*) claims two things about batching on an A100:
 #
 # 1. "a single inference request usually uses only 20-30% of the GPU, because the
 #    matrix operations are too small to fill the compute units";
@@ -27,7 +28,7 @@
 # at rising load, on the shipped H200 profile (`profiles/h200-llama3-8b-refbench.json`,
 # through its fitted physics model so that FLOPs, hence MFU, are known) and on an
 # A100-80GB estimated from datasheets (`model.cost: {kind: roofline, gpu: a100-80gb}`),
-# and reports what it finds, including where it does not agree with the seed.
+# and reports what it finds, including where it does not agree with the article.
 #
 # Traffic: chat-like lengths (prompts lognormal, mean 512 tokens; outputs lognormal,
 # mean 128), Poisson arrivals, Llama-3-8B, up to 64 requests in flight.
@@ -147,7 +148,7 @@ show(OUT / "throughput_and_gpu_use.png")
 # ## 3. Saturation throughput: continuous over static, by static batch size
 #
 # Every request offered at once (200 req/s), on both GPUs: the throughput is what the
-# engine sustains. The ratio continuous / static is the seed's "3.75x".
+# engine sustains. The ratio continuous / static is the article's "3.75x".
 
 # %%
 SAT_RATE = 200.0
@@ -163,25 +164,25 @@ sat = pd.DataFrame(rows)
 print(sat.to_string(index=False, float_format=lambda v: f"{v:,.2f}"))
 
 # %% [markdown]
-# ## What latsim gives, and why it differs from the seed
+# ## What latsim gives, and why it differs from the article
 #
 # **Continuous over static: the ratio depends on the static batch size.** Against a
 # static engine batching 16 requests, continuous batching (64 slots) gives about 3.4x
-# the throughput on both GPUs (the seed's 3.75x lies between a static batch of 8 and
+# the throughput on both GPUs (the article's 3.75x lies between a static batch of 8 and
 # one of 16); against a static engine with the same 64 slots, 1.6-1.7x. A static batch
 # holds every slot until its longest output is done (outputs here have a coefficient
 # of variation of 1, so the longest of 64 is several times the mean), and it admits
 # nobody meanwhile, so its queue builds long before its throughput peaks (its median
 # TTFT is seconds even at 2 req/s); continuous batching refills each slot as it
-# frees. The seed gives neither its batch size nor its traffic, so 3.75x is one point
+# frees. The article gives neither its batch size nor its traffic, so 3.75x is one point
 # of this curve, not a constant.
 #
-# **The absolute numbers are lower than the seed's 12 and 45 req/s.** With these
+# **The absolute numbers are lower than the article's 12 and 45 req/s.** With these
 # lengths (512-token prompts, 128-token outputs on average) an 8B model sustains about
 # 13-14 req/s on one GPU with continuous batching, H200 or A100 alike: a decode step of
 # a full batch of 64 costs 12-15 ms and each request needs ~130 of them. 45 req/s
 # would take about three times shorter requests (or a smaller model); latsim's figure
-# moves with the traffic, and the seed's does not say which traffic it had.
+# moves with the traffic, and the article does not say which traffic it had.
 #
 # **Why the H200 is not faster than the A100 here.** The shipped H200 profile is an
 # eager PyTorch engine: every step pays ~9.6 ms of host launches, whatever the batch
@@ -197,7 +198,7 @@ print(sat.to_string(index=False, float_format=lambda v: f"{v:,.2f}"))
 # batch), moves the weights at 34% (H200, host-bound) to 74% (A100) of the HBM
 # bandwidth (MBU), and uses well under 1% of the peak FLOPs (MFU). The busy fraction
 # (time in engine steps) is 72% at 1 req/s and above 99% from 4 req/s on, for every
-# policy: an engine steps back to back while anything runs. The seed's 20-30% matches
+# policy: an engine steps back to back while anything runs. The article's 20-30% matches
 # none of these (it may be a measure of SM occupancy). What batching buys is MFU: it
 # grows with the batch (1% at 1 req/s to 16% at saturation with continuous batching,
 # 9% for a static batch of 64, 4.5% for one of 16), since a decode step costs about the
