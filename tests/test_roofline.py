@@ -187,6 +187,53 @@ def test_a_long_prompt_in_budget_sized_chunks_costs_more_than_in_one_step():
     assert 0.08 < totals[1024] / whole["ms"] - 1 < 0.20
 
 
+def test_piecewise_graphs_price_a_mixed_step_at_its_device_time():
+    """vLLM v1 replays piecewise CUDA graphs for steps that are not a uniform decode
+    batch (``cudagraph_mode`` FULL_AND_PIECEWISE, its default): such a step's host time
+    is a graph replay's (``h_graph_ms``, 2.759 ms, ``real_engine``'s fit) plus one more
+    graph piece per layer, 4.725 µs: vLLM PR #51167's H200 run, piecewise 1.150 s with
+    12,272 cudaGraphLaunch against full graphs 1.093 s with 208 (57 ms / 12,064). So a
+    decode batch joined by a 16-token prefix-hit prefill on Llama-2-70B at TP 4 costs
+    its device time (80 layers: 2.759 + 0.378 ms of host, far under ~18 ms of device),
+    where eager launches (0.411 ms a layer, the reference engine's PyTorch) bound it at
+    ~33 ms; pure decode steps and an engine without piecewise graphs are unchanged."""
+    assert derive.piecewise_piece_us() == pytest.approx(0.057 / 12_064 * 1e6, rel=1e-12)
+    assert defaults.DEFAULTS["h_piece_us"] == pytest.approx(4.725, abs=5e-4)
+    arch, gpu = catalog.model("llama-2-70b"), catalog.gpu("h100-sxm")
+    eager = constants.build_constants(arch, gpu, 4)
+    pw = constants.build_constants(arch, gpu, 4, engine=constants.Engine(piecewise_graphs=True))
+    host = defaults.DEFAULTS["h_graph_ms"] + 80 * 4.725e-3
+    assert pw[ph.C_H_STEP] == pytest.approx(host, rel=1e-12) and pw[ph.C_H_DECODE] == 0.0
+    mixed = ph.step_breakdown(pw, 32, 700, 32 * 700, [(16, 576, True)])
+    assert mixed["host"] == pytest.approx(host, rel=1e-12) and mixed["host"] < 0.25 * mixed["device"]
+    # The device bounds the step: within the p-norm's softening of a 4x smaller host.
+    assert mixed["ms"] == pytest.approx(mixed["device"], rel=1e-3)
+    old = ph.step_breakdown(eager, 32, 700, 32 * 700, [(16, 576, True)])
+    assert old["host"] == pytest.approx(80 * (defaults.DEFAULTS["h_layer_ms"]
+                                              + defaults.DEFAULTS["h_decode_layer_ms"]))
+    assert old["ms"] > 1.5 * mixed["ms"]
+    for c in (eager, pw):     # a pure decode step replays its full graph either way
+        assert _step(c, 32, 700, []) == _step(eager, 32, 700, [])
+    # cuda_graphs off: every step is eager, piecewise or not.
+    off = constants.build_constants(arch, gpu, 4, engine=constants.Engine(
+        cuda_graphs=False, graph_buckets=(), piecewise_graphs=True))
+    assert off[ph.C_H_STEP] == eager[ph.C_H_STEP]
+
+
+def test_the_vllm_preset_turns_on_piecewise_graphs_unless_stated():
+    """``engine: {preset: vllm}`` with a roofline sets ``model.cost.piecewise_graphs``
+    (vLLM v1's FULL_AND_PIECEWISE); a scenario stating it keeps its own; without the
+    preset the roofline launches non-decode steps eagerly, as before."""
+    def sc(**cost):
+        return {**_scenario(name="llama-2-7b", cost={"kind": "roofline", "gpu": "h100-sxm",
+                                                     **cost}),
+                "engine": {"preset": "vllm", "kv": {"max_model_len": 4096}}}
+    assert validate_scenario(sc()).model.cost.piecewise_graphs is True
+    assert validate_scenario(sc(piecewise_graphs=False)).model.cost.piecewise_graphs is False
+    plain = _scenario(name="llama-2-7b", cost={"kind": "roofline", "gpu": "h100-sxm"})
+    assert validate_scenario(plain).model.cost.piecewise_graphs is False
+
+
 def test_pipeline_adds_sends_and_latency_not_throughput():
     """PP2 without micro-batching: a device-bound step takes the same device work as on
     one stage plus one send of the activations; each stage is half of it."""

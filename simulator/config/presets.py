@@ -25,6 +25,10 @@ the constants below did not change across the v0.1x series):
   roofline prices decode graphs at its own buckets
   (``cost.roofline.constants.VLLM_GRAPH_BUCKETS``: up to 256, the constants vector holds
   at most 40), so a decode batch of 257..512 is priced eagerly there: not yet this list.
+  Other steps (prefill, mixed) replay *piecewise* graphs (``cudagraph_mode``
+  ``FULL_AND_PIECEWISE``, the default ``CompilationConfig`` of ``-O2``; docs.vllm.ai
+  design/cuda_graphs): the preset sets the roofline's ``model.cost.piecewise_graphs``
+  (``cost.roofline.constants.piecewise_host_ms``) unless the scenario states it.
 
 The GPU is the roofline's ``model.cost.gpu`` (its catalogue memory); with another cost
 model, ``engine.kv.gpu_memory_gb`` (80 if not given) decides, and no name (so not an A100).
@@ -100,4 +104,10 @@ def apply_presets(data: Any) -> Any:
     if eng.get("preset") != "vllm":
         return data   # None, or a bad name the engine section's own check refuses
     name, mem = _gpu_of(data)
-    return {**data, "engine": _under(vllm_defaults(name, mem), eng)}
+    out = {**data, "engine": _under(vllm_defaults(name, mem), eng)}
+    model = data.get("model")
+    cost = model.get("cost") if isinstance(model, dict) else None
+    if isinstance(cost, dict) and cost.get("kind") == "roofline":
+        # The roofline prices vLLM v1's CUDA graphs: FULL_AND_PIECEWISE (module doc).
+        out["model"] = {**model, "cost": {"piecewise_graphs": True, **cost}}
+    return out

@@ -41,6 +41,9 @@ class Engine:
     bookkeeping_ms: float = 0.0               # host time between steps (not in profile rows)
     bookkeeping_seq_ms: float = 0.0
     custom_allreduce: bool = True             # small all-reduces run vLLM's own kernel
+    # vLLM v1's FULL_AND_PIECEWISE: a step that is not a pure decode replays piecewise
+    # graphs (``piecewise_host_ms``); False: such a step is launched eagerly.
+    piecewise_graphs: bool = False
 
 
 def compute_peak(spec: GpuSpec, weight_dtype: str) -> tuple[float, str]:
@@ -71,6 +74,18 @@ def token_ffn(arch: ModelArch) -> float:
 def has_rotary(arch: ModelArch) -> bool:
     """Whether the model applies rotary embeddings to q and k (OPT and BLOOM do not)."""
     return arch.family not in ("opt", "bloom")
+
+
+def piecewise_host_ms(eff: dict, stage_layers: float) -> float:
+    """Host time (ms) of a step replayed as piecewise CUDA graphs (vLLM v1's default
+    ``FULL_AND_PIECEWISE`` for steps that are not a uniform decode batch: prefill and
+    mixed steps): the per-step work of a graph replay (``h_graph_ms``) plus one more
+    graph piece per layer, the attention call that runs eagerly between two pieces
+    (``h_piece_us``, defaults' sources). vLLM captures pieces up to its largest capture
+    size; a larger step runs the compiled model without graphs, priced the same here
+    (an approximation: such a step's device time, hundreds of tokens through every
+    weight, hides its launches either way)."""
+    return eff["h_graph_ms"] + eff["h_piece_us"] * 1e-3 * stage_layers
 
 
 def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
@@ -121,6 +136,8 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
     stage_layers = L / pp
     c[ph.C_H_STEP] = eff["h_layer_ms"] * stage_layers
     c[ph.C_H_DECODE] = eff["h_decode_layer_ms"] * stage_layers
+    if engine.cuda_graphs and engine.piecewise_graphs:
+        c[ph.C_H_STEP], c[ph.C_H_DECODE] = piecewise_host_ms(eff, stage_layers), 0.0
     c[ph.C_H_CHUNK] = 0.0      # vLLM packs every prefill chunk into one attention call
     c[ph.C_H_PREFIX] = 0.0
     c[ph.C_H_GRAPH] = eff["h_graph_ms"] if engine.cuda_graphs else 0.0

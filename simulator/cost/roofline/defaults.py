@@ -50,6 +50,15 @@ term                          where it comes from
                               reference engine's fit (an eager PyTorch engine, an upper
                               estimate for vLLM's fused kernels); a CUDA-graph replay:
                               ``real_engine``'s fit (``profiles/h200-llama3-8b.json``)
+``h_piece_us``                vLLM v1's piecewise CUDA graphs (``cudagraph_mode``
+                              ``FULL_AND_PIECEWISE``, its default: a step that is not a
+                              uniform decode batch replays the layers' graphs split at
+                              attention, which runs eagerly between the pieces): what
+                              one more piece costs, from vLLM PR #51167's H200 table
+                              (batch 1, 209 output tokens): piecewise 1.150 s with
+                              12,272 ``cudaGraphLaunch`` against full graphs 1.093 s with
+                              208, i.e. 57 ms / 12,064 launches = 4.725 µs per piece
+                              (``derive.piecewise_piece_us``)
 ============================  ==========================================================
 """
 from __future__ import annotations
@@ -69,6 +78,8 @@ DEFAULTS: dict = {
     "p_attn": 2.345,
     # vLLM's custom all-reduce: a line through a published benchmark, and vLLM's size limit.
     "ca_lat_us": 6.686, "e_link_ca": 0.4468, "ca_max_mib": 8.0,
+    # vLLM's piecewise CUDA graphs: one more graph piece (an attention break) per layer.
+    "h_piece_us": 4.725,
 }
 # The all-reduce terms measured on an A100 and an H100 node stand for their families;
 # PCIe-only Ada parts take Ampere's (the lower efficiency), Blackwell and MI300X Hopper's.

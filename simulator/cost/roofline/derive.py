@@ -14,6 +14,8 @@ data (``calibrate_defaults``), and how well they predict the tables.
 - ``e_decode``: where the roofline meets the published KV-bound decode rows
   (``DECODE_CALIBRATION_ROWS``, ``data/published-step-times.csv``).
 - vLLM's custom all-reduce: a line through a published benchmark (``fit_custom_allreduce``).
+- vLLM's piecewise CUDA graphs: the cost of one more graph piece, from a published
+  piecewise / full comparison (``piecewise_piece_us``).
 """
 from __future__ import annotations
 
@@ -292,6 +294,7 @@ def calibrate_defaults(root=None) -> dict:
     eff = {k: _round(v) for k, v in eff.items()}
     eff["ca_lat_us"], eff["e_link_ca"] = (_round(v) for v in fit_custom_allreduce())
     eff["e_decode"] = _round(_fit_decode_efficiency(eff))
+    eff["h_piece_us"] = _round(piecewise_piece_us())
     return eff
 
 
@@ -328,6 +331,19 @@ def fit_custom_allreduce(points=CUSTOM_AR_H100_TP4, gpu: str = "h100-80gb",
     slope, lat = np.polyfit(x, y, 1)                      # µs per byte, µs
     gbs = 2.0 * (n - 1) / n / (slope * 1e-6) / 1e9        # the ring volume's rate
     return float(lat), float(gbs / catalog.gpu(gpu).link_gbs_unidir)
+
+
+# vLLM PR #51167 (H200, Voxtral-Mini-4B-Realtime, batch 1, 209 output tokens, 3
+# iterations averaged): the same decode run under piecewise CUDA graphs and under full
+# graphs, (seconds per run, cudaGraphLaunch calls per run).
+PIECEWISE_RUN = (1.150, 12_272)
+FULL_GRAPH_RUN = (1.093, 208)
+
+
+def piecewise_piece_us(piecewise=PIECEWISE_RUN, full=FULL_GRAPH_RUN) -> float:
+    """What one more graph piece costs a step (µs): the run's extra time over its extra
+    graph launches (each piece's launch plus the eager attention call before it)."""
+    return (piecewise[0] - full[0]) / (piecewise[1] - full[1]) * 1e6
 
 
 def _round(v: float) -> float:

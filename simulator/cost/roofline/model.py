@@ -54,6 +54,8 @@ class RooflineCostConfig(CatalogSized, StrictModel):
     model: Optional[str] = Field(None, description="catalogue name or config.json path "
                                  "(default: the scenario's model.name)")
     cuda_graphs: bool = Field(True, description="pure-decode steps replay CUDA graphs")
+    piecewise_graphs: bool = Field(False, description="prefill and mixed steps replay "
+                                   "piecewise graphs (vLLM v1's FULL_AND_PIECEWISE)")
     decode_attention: Literal["paged", "padded"] = "paged"
     scale: float = Field(1.0, gt=0, description="multiply every step time (what-if)")
 
@@ -70,7 +72,8 @@ class RooflineCostConfig(CatalogSized, StrictModel):
     def engine(self) -> Engine:
         """The engine facts this config states."""
         return Engine(decode_attention=self.decode_attention, cuda_graphs=self.cuda_graphs,
-                      graph_buckets=VLLM_GRAPH_BUCKETS if self.cuda_graphs else ())
+                      graph_buckets=VLLM_GRAPH_BUCKETS if self.cuda_graphs else (),
+                      piecewise_graphs=self.piecewise_graphs and self.cuda_graphs)
 
 
 _CALIBRATIONS: dict = {}
