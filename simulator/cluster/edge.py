@@ -1,5 +1,6 @@
 """The edge node in front of the cluster (``edge``): a result cache and a small model
-that answer some requests near the client, and the cluster for the rest.
+that answer some requests near the client, and the cluster for the rest (the mechanism
+as ``data/README.md``, *Facts from two design articles*, gives it).
 
 A request's way (``h`` = ``edge.rtt_ms`` / 2, ``L`` = ``edge.lookup_ms``): it reaches
 the edge at ``t_e = arrival + h + L`` (``enqueued``). Then, in this order:

@@ -127,14 +127,18 @@ def ttl_hit_ratio(p: np.ndarray, rate: float, ttl_s: float) -> float:
     return float(np.sum(p * x / (1.0 + x)))
 
 
-def expected_hit_ratio(pop, capacity: Optional[int], ttl_s: Optional[float],
-                       n: int) -> Optional[float]:
-    """What the popularity law says of a Zipf cache without a TTL (None otherwise, or
-    when a TTL makes it depend on the arrival process): exact when unbounded (or
-    ``capacity`` >= K), Che's approximation for LRU."""
-    if pop.kind != "zipf" or ttl_s is not None or n == 0:
+def expected_hit_ratios(pop, capacity: Optional[int], ttl_s: Optional[float], n: int,
+                        span_s: float) -> Optional[dict]:
+    """What the popularity law says of a Zipf cache over ``n`` requests spanning
+    ``span_s`` (None for a trace's keys, or a TTL shorter than the span, where it depends
+    on the arrival process): ``no_eviction``, exact for a cache that never evicts
+    (unbounded, or while it holds fewer than ``capacity`` prompts, as a short run from
+    cold may); ``lru_che``, the steady state of an LRU cache (Che's approximation; 1
+    when it holds the whole catalogue)."""
+    if pop.kind != "zipf" or n == 0 or (ttl_s is not None and ttl_s < span_s):
         return None
     p = zipf_probabilities(pop.catalogue, pop.exponent)
-    if capacity is None or capacity >= pop.catalogue:
-        return expected_hits_unbounded(p, n) / n
-    return che_hit_ratio(p, capacity)
+    out = {"no_eviction": expected_hits_unbounded(p, n) / n}
+    if capacity is not None:
+        out["lru_che"] = che_hit_ratio(p, capacity)
+    return out

@@ -200,8 +200,9 @@ def edge_summary(sc, wl, plan, rec, cluster_cost, chunk: int | None) -> dict:
             "hits": count["hit"], "hit_ratio": count["hit"] / n if n else None,
             "coalesced_hits": int(coalesced.sum()),
             "distinct_prompts": int(len(np.unique(plan.keys))) if n else 0,
-            "expected_hit_ratio": edgecache.expected_hit_ratio(c.popularity, c.capacity,
-                                                               c.ttl_s, n)}
+            "expected_hit_ratio": edgecache.expected_hit_ratios(
+                c.popularity, c.capacity, c.ttl_s, n,
+                float(np.ptp(wl.arrival_s)) if n else 0.0)}
     if cfg.speculation is not None:
         sp = cfg.speculation
         tried = count["edge"] + count["escalated"]
