@@ -16,7 +16,10 @@ are not read):
   ``simulator.cost.step_ms`` is fine when ``simulator/cost/__init__.py`` defines or
   imports ``step_ms``);
 - a shortened path inside ``simulator/`` written from its package, such as
-  ``kv/rules.py`` or ``model/kv/rules``: it must be the tail of some file's path.
+  ``kv/rules.py`` or ``model/kv/rules``: it must be the tail of some file's path;
+- a dotted module named from inside the package in double backticks
+  (``loops.compiled``, ``cost.physics``, ``wire.per_request.Wire``): the tail of a
+  module's path, then at most one name it defines.
 
 Paths a command *writes* (``results/...``, ``profiles/my-calibrated.json``,
 ``profiles/cpu-tiny.json`` from ``latsim profile``) are outputs, not references; the
@@ -57,6 +60,12 @@ OUTPUTS = {
 _PATH = re.compile(
     r"(?<![\w./-])(?:\.\./)?((?:%s)/[A-Za-z0-9_.*/{},-]*[A-Za-z0-9_/])" % "|".join(TOPS))
 _DOTTED = re.compile(r"(?<![\w./-])((?:simulator|real_engine)(?:\.[A-Za-z_]\w*)+)")
+# A module named from inside the package (``loops.compiled``, ``cost.physics``,
+# ``wire.per_request.Wire``) in double backticks: its first part is one of these
+# subpackages (not a YAML section such as ``model.cost`` or ``engine.kv``).
+_REL_DOTTED = re.compile(
+    r"``((?:cost|loops|wire|scheduling|compiled|calibration|catalog|roofline|deploy|planning|"
+    r"config|policies)(?:\.[A-Za-z_]\w*)+)``")
 # ``kv/rules.py``, ``model/kv/rules``, ``cost/calibration/settings.py`` in backticks:
 _SHORT = re.compile(r"`([a-z_]+(?:/[a-z_]+)+(?:\.py)?/?)`")
 # Documents outside the repository: the sibling folder, or the design articles the project
@@ -143,22 +152,43 @@ def _exists_path(ref: str, ix: Index) -> bool:
     return ref in ix.files or ref in ix.stems or ref in ix.dirs
 
 
-def _module_defines(path: Path, name: str) -> bool:
-    """``name`` is defined, imported, lazily exported or a submodule of ``path``."""
-    if path.name == "__init__.py" and ((path.parent / f"{name}.py").exists()
-                                        or (path.parent / name / "__init__.py").exists()):
-        return True
-    return re.search(rf"\b{re.escape(name)}\b", path.read_text(encoding="utf-8")) is not None
+def _module_defines(mod: str, name: str, ix: Index) -> bool:
+    """``name`` is a submodule of the package ``mod`` (a path in ``ix``), or a name its
+    source defines, imports or exports lazily."""
+    if mod.endswith("/__init__.py"):
+        pkg = mod[:-len("__init__.py")]
+        if pkg + name + ".py" in ix.files or pkg + name + "/__init__.py" in ix.files:
+            return True
+        if (ROOT / (pkg + name + ".py")).exists() or (ROOT / pkg / name).is_dir():
+            return False                              # a submodule taken out of ``ix``
+    text = (ROOT / mod).read_text(encoding="utf-8")
+    return re.search(rf"\b{re.escape(name)}\b", text) is not None
 
 
-def _exists_dotted(ref: str) -> bool:
+def _exists_dotted(ref: str, ix: Index) -> bool:
     parts = ref.rstrip(".").split(".")
     for i in range(len(parts), 0, -1):
-        base = ROOT.joinpath(*parts[:i])
-        mod = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-        if mod.exists():
-            rest = parts[i:]
-            return not rest or _module_defines(mod, rest[0])
+        base = "/".join(parts[:i])
+        for mod in (base + "/__init__.py", base + ".py"):
+            if mod in ix.files:
+                rest = parts[i:]
+                return not rest or _module_defines(mod, rest[0], ix)
+    return False
+
+
+def _exists_relative(ref: str, ix: Index) -> bool:
+    """``loops.compiled.plan`` / ``cost.physics.step_ms``: the longest run of its parts that
+    is a module of ``simulator/`` or ``real_engine/`` (by its path's tail), then at most
+    one name that module defines."""
+    if ref.endswith((".json", ".yaml", ".yml", ".csv")):
+        return True                                   # a file name (``config.json``)
+    parts = ref.split(".")
+    for i in range(len(parts), 0, -1):
+        tail = "/".join(parts[:i])
+        mods = [f for f in ix.files if f.startswith(("simulator/", "real_engine/"))
+                and (f.endswith("/" + tail + ".py") or f.endswith("/" + tail + "/__init__.py"))]
+        if mods:
+            return len(parts) == i or any(_module_defines(m, parts[i], ix) for m in mods)
     return False
 
 
@@ -181,7 +211,10 @@ def missing_references(files: set[str] | None = None):
             if not _exists_path(m.group(1), ix):
                 out.append((where, m.group(1)))
         for m in _DOTTED.finditer(text):
-            if not _exists_dotted(m.group(1)):
+            if not _exists_dotted(m.group(1), ix):
+                out.append((where, m.group(1)))
+        for m in _REL_DOTTED.finditer(text):
+            if not _exists_relative(m.group(1), ix):
                 out.append((where, m.group(1)))
         for m in _SHORT.finditer(text):
             ref = m.group(1)
@@ -216,11 +249,16 @@ def test_no_docstring_cites_documents_outside_the_repository():
 
 
 def test_a_removed_file_is_found():
-    """Without ``simulator/loops/compiled/plan.py`` in the file list, the check names it."""
+    """Without ``simulator/loops/simpy/replica.py`` (named by path in DEVELOPING.md and
+    docstrings) and ``simulator/wire/per_request.py`` (named as ``wire.per_request.Wire``
+    in ``simulate``'s docstring) in the file list, the check names both."""
     files = _files()
-    assert "simulator/loops/compiled/plan.py" in files
-    missing = {r for _, r in missing_references(files - {"simulator/loops/compiled/plan.py"})}
-    assert any(r.startswith("simulator/loops/compiled/plan") for r in missing), missing
+    gone = {"simulator/loops/simpy/replica.py", "simulator/wire/per_request.py"}
+    assert gone <= files
+    missing = {r for _, r in missing_references(files - gone)}
+    assert "simulator/loops/simpy/replica.py" in missing, missing
+    assert "wire.per_request.Wire" in missing, missing
+    assert not missing_references(files)
 
 
 def test_readme_yaml_reference_is_the_scenario_tree():
