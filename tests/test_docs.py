@@ -283,3 +283,25 @@ def test_every_command_is_documented_in_the_readme():
         "trace " + (c.name or c.callback.__name__) for c in trace_app.registered_commands]
     missing = [n for n in names if f"latsim {n}" not in text]
     assert not missing, f"commands README.md does not show: {missing}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation but ``-`` and
+    ``_`` dropped, spaces to ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_and_developing_links_resolve():
+    """Every ``](#anchor)`` link of README.md and DEVELOPING.md names a heading of its
+    file, and every ``](FILE)`` link a file of the checkout."""
+    bad = []
+    for name in ("README.md", "DEVELOPING.md"):
+        text = (ROOT / name).read_text(encoding="utf-8")
+        anchors = {_slug(h) for h in re.findall(r"(?m)^#+ (.+)$", text)}
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith("#"):
+                if target[1:] not in anchors:
+                    bad.append(f"{name}: {target}")
+            elif "://" not in target and not (ROOT / target.split("#")[0]).exists():
+                bad.append(f"{name}: {target}")
+    assert not bad, bad
