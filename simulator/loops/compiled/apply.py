@@ -60,7 +60,7 @@ def lt_add(r, t, delta, RS, LT_T, LT_C):
 
 @jit
 def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN):
-    """``FastApply._finish``."""
+    """``ReplicaApply._finish``."""
     TS[S.T_LAST][rid] = t
     arrived = depart + FP[S.D_ONEWAY]
     TS[S.T_LASTDEL][rid] = arrived
@@ -73,7 +73,7 @@ def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN):
 
 @jit
 def join(r, rid, t, swapped_in, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C, prompt, output):
-    """``FastApply._join``: ``rid`` decodes from now on, its last token left at ``t``."""
+    """``ReplicaMemory._join_fast``: ``rid`` decodes from now on, its last token left at ``t``."""
     ticks = RS[r, S.R_TICKS]
     gen = RQ[rid, S.Q_GENERATED]
     key = tick_key(prompt[rid], gen, ticks)
@@ -130,7 +130,7 @@ def pre_remove(r, rid, RS, PRE):
 @jit
 def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT_T, LT_C, ITL,
             prompt, output, clients, IDL, ILEN):
-    """``FastApply._prefill``: the step's chunks; a completed prefill yields a token
+    """``ReplicaApply._prefill``: the step's chunks; a completed prefill yields a token
     (the first, or, recomputing after a preemption, the next: one more ITL gap)."""
     ft = FP[S.D_FT]
     flush = IP[S.P_FLUSH]
@@ -164,7 +164,7 @@ def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT
 
 @jit
 def catch_up_growth(r, start, RS, IP, PHASE):
-    """``FastApply._catch_up_growth``: the blocks an epoch's later steps took."""
+    """``ReplicaMemory._catch_up_growth``: the blocks an epoch's later steps took."""
     last = RS[r, S.R_TICKS] - 1
     if last <= start:
         return
@@ -187,7 +187,7 @@ def clean_top(heap, RQ):
 @jit
 def finish_due(r, t, FH, RS, RQ, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output,
                clients, IDL, ILEN):
-    """``FastApply._finish_due``: decoders whose last token came at ``t``, in the
+    """``ReplicaApply._finish_due``: decoders whose last token came at ``t``, in the
     heap's (tick, rid) order."""
     heap = FH[r]
     clean_top(heap, RQ)
@@ -246,7 +246,7 @@ def key_max(r, skip, RS, RQ, DEC):
 
 @jit
 def sample(r, t, RS, RF, IP, SER):
-    """``FastApply._sample`` into the replica's buffer (``R_NSER`` rows so far)."""
+    """``ReplicaApply._sample`` into the replica's buffer (``R_NSER`` rows so far)."""
     i = RS[r, S.R_NSER]
     SER[r, 0, i] = t
     SER[r, 1, i] = RS[r, S.R_WLEN] + RS[r, S.R_SLEN]

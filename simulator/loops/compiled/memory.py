@@ -32,7 +32,7 @@ def victim(r, RS, IP, DEC, PRE, TS, prio):
 @jit
 def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, LT_T, LT_C,
             prompt, output):
-    """``FastApply._preempt``: ``rid`` loses its blocks; a decoder whose context fits
+    """``ReplicaMemory._preempt``: ``rid`` loses its blocks; a decoder whose context fits
     the swap space is copied out, anything else recomputes from the queue."""
     TS[S.T_PREEMPTIONS][rid] += 1
     swap = False
@@ -83,7 +83,7 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
 @jit
 def make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio, DEC, PRE, PHASE,
               LT_T, LT_C, prompt, output):
-    """``FastApply._make_room``: ``due`` decoders need a block and fewer are free:
+    """``ReplicaMemory._make_room``: ``due`` decoders need a block and fewer are free:
     preempt victims until the rest fit; returns how many are still due."""
     ticks = RS[r, S.R_TICKS]
     ph = ticks % IP[S.P_BS]
@@ -98,7 +98,7 @@ def make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio, DE
 
 @jit
 def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output):
-    """``FastApply._swap_in``: swapped requests back, oldest first, while they fit."""
+    """``ReplicaMemory._swap_in``: swapped requests back, oldest first, while they fit."""
     bs = IP[S.P_BS]
     while RS[r, S.R_SLEN] and RS[r, S.R_ND] + RS[r, S.R_NP] < IP[S.P_MAXSEQS]:
         rid = RS[r, S.R_SHEAD]
