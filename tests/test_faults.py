@@ -247,3 +247,80 @@ def test_bad_faults_yaml_is_one_line_exit_2(tmp_path, faults, field):
     assert code == 2 and len(lines) == 1, err
     assert str(p) in lines[0] or p.name in lines[0]
     assert field in lines[0], lines[0]
+
+
+# -- degradation under overload ----------------------------------------------------------------
+
+class _Rep:
+    def __init__(self, q):
+        self.q = q
+
+    def n_queued(self):
+        return self.q
+
+
+def test_degrade_rule_routes_to_the_small_pool_and_caps_the_output():
+    """Overloaded means the main replicas' mean waiting count reaches the bound: then the
+    request goes to the degrade pool and its output (and KV reservation) is cut; below
+    it, it never goes to the pool."""
+    from types import SimpleNamespace
+
+    from simulator.cluster.degrade import Degrade
+    from simulator.config.faults import DegradeConfig
+    from simulator.loops.simpy.replica import SimSeq
+    from simulator.model.kv.blocks import request_blocks
+    wl = SimpleNamespace(output_tokens=np.array([300, 300]))
+    dg = Degrade(DegradeConfig(queue_per_replica=3, max_output_tokens=50, pool="small"),
+                 wl, [2], lambda aid: aid, 16)
+    reps = [_Rep(2), _Rep(3), _Rep(100)]        # mean over the main two: 2.5 < 3
+    seq = SimSeq(0, 0.0, 1000, 300, 0, request_blocks(1000, 300, 16), 0, False)
+    assert dg.route([0, 1, 2], seq, reps) == [0, 1] and seq.output_tokens == 300
+    reps[0].q = 3                               # mean 3: overloaded
+    seq1 = SimSeq(1, 0.0, 1000, 300, 0, request_blocks(1000, 300, 16), 0, False)
+    assert dg.route([0, 1, 2], seq1, reps) == [2]
+    assert seq1.output_tokens == 50 and seq1.blocks_needed == request_blocks(1000, 50, 16)
+    assert list(dg.columns()["degraded"]) == [False, True]
+    assert list(dg.columns()["output_tokens"]) == [300, 50]
+    # The pool down (not routable): the cap alone, on the main replicas.
+    seq2 = SimSeq(0, 0.0, 1000, 300, 0, request_blocks(1000, 300, 16), 0, False)
+    assert dg.route([0, 1], seq2, reps) == [0, 1] and seq2.output_tokens == 50
+
+
+def _degrade_scenario(degrade):
+    d = make_scenario_dict()
+    d["workload"].update({"num_requests": 200, "arrival": {"kind": "poisson", "rate": 40.0},
+                          "prompt_tokens": {"kind": "constant", "value": 400},
+                          "output_tokens": {"kind": "constant", "value": 120}})
+    d["cluster"] = {"pools": [{"name": "big", "replicas": 1}, {"name": "small", "replicas": 1}]}
+    if degrade is not None:
+        d["cluster"]["degrade"] = degrade
+    d["engine"]["max_num_seqs"] = 8
+    return validate_scenario(d)
+
+
+def test_degraded_requests_are_served_by_the_small_pool_with_the_cap():
+    """Under a burst the degraded requests (and only they) run on the small pool's replica
+    and generate exactly the cap; the table's output_tokens and the summary's output
+    total count what was served."""
+    res = simulate(_degrade_scenario({"queue_per_replica": 2, "max_output_tokens": 16,
+                                      "pool": "small"}), loop="simpy")
+    df = requests_table(res)
+    deg = df["degraded"].to_numpy(bool)
+    assert 0 < deg.sum() < len(df) and (df["outcome"] == "completed").all()
+    assert ((df["replica"] == 1).to_numpy() == deg).all()
+    assert (df["output_tokens"][deg] == 16).all() and (df["output_tokens"][~deg] == 120).all()
+    assert (res.rec.generated == df["output_tokens"].to_numpy()).all()
+    s = summary_of_run(res)
+    assert s["overall"]["total_output_tokens"] == 16 * deg.sum() + 120 * (~deg).sum()
+    assert s["degrade"]["degraded_requests"] == deg.sum()
+
+
+def test_degrade_never_triggered_is_the_plain_run():
+    """A bound no queue reaches: the run is the one without degrade, bit for bit (the
+    degrade pool then serves nothing, as a pool it is kept out of routing)."""
+    a = simulate(_degrade_scenario({"queue_per_replica": 1e9, "max_output_tokens": 16}),
+                 loop="simpy")
+    b = simulate(_degrade_scenario(None), loop="simpy")
+    assert not requests_table(a)["degraded"].any()
+    for col in ("first_delivered", "last_delivered", "replica"):
+        assert np.array_equal(getattr(a.rec, col), getattr(b.rec, col), equal_nan=True), col

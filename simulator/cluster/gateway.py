@@ -53,7 +53,7 @@ class Gateway:
 
     def __init__(self, env, workload, arec, fleet, router, pools, net, clients, admission,
                  estimator, keys_of, block_size: int, client_ids,
-                 track_ttft: bool = False, entry=None, faults=None) -> None:
+                 track_ttft: bool = False, entry=None, faults=None, degrade=None) -> None:
         self.env, self.wl, self.arec, self.fleet = env, workload, arec, fleet
         self.router, self.pools, self.net = router, pools, net
         self.clients, self.admission, self.estimator = clients, admission, estimator
@@ -63,6 +63,7 @@ class Gateway:
         # fits nowhere); None: every ready one.
         self.entry = entry
         self.faults = faults     # replicas that fail (``cluster.faults``) or None
+        self.degrade = degrade   # degradation under overload (``cluster.degrade``) or None
         n = len(workload)
         self.n = n
         cap = arec.n
@@ -166,6 +167,8 @@ class Gateway:
             if not ready:
                 self.faults.hold(seq)       # routed again when a replica is routable
                 return
+        if self.degrade is not None:
+            ready = self.degrade.route(ready, seq, fleet.replicas)
         reps = [fleet.replicas[i] for i in ready]
         slot = ready[self.router.pick(reps, seq)]
         if self.faults is not None and self.faults.refused(slot, seq):

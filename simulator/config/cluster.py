@@ -6,7 +6,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from simulator.config.faults import BreakerConfig, FaultsConfig
+from simulator.config.faults import BreakerConfig, DegradeConfig, FaultsConfig
 from simulator.config.traffic import (AdmissionConfig, AutoscalerConfig, check_router_params,
                                       router_spec)
 from simulator.config.pluginfield import plugin
@@ -86,6 +86,9 @@ class ClusterConfig(StrictModel):
                                            "recover (config.faults)")
     breaker: Optional[BreakerConfig] = Field(None, description="a circuit breaker per "
                                              "replica in the gateway (config.faults)")
+    degrade: Optional[DegradeConfig] = Field(None, description="degradation when "
+                                             "overloaded: a smaller model's pool or "
+                                             "shorter outputs (config.faults)")
     kv_transfer: Optional[KVTransferConfig] = Field(
         None, description="the KV link from prefill to decode pools (disaggregated "
         "serving; default: one 400 Gb/s InfiniBand port, 50 GB/s, 10 us)")
@@ -119,11 +122,20 @@ class ClusterConfig(StrictModel):
             if o.replica >= self.replicas:
                 raise ValueError(f"cluster.faults.outages[{i}].replica: {o.replica} is not a "
                                  f"replica (there are {self.replicas}, numbered from 0)")
-        if f is not None or self.breaker is not None:
-            what = "cluster.faults" if f is not None else "cluster.breaker"
+        dg = self.degrade
+        if dg is not None and dg.pool is not None and dg.pool not in [p.name for p in
+                                                                      self.pools or []]:
+            raise ValueError(f"cluster.degrade.pool {dg.pool!r} is not a pool of cluster.pools"
+                             f" ({', '.join(p.name for p in self.pools or []) or 'none given'})")
+        if dg is not None and dg.pool is not None and len(self.pools) < 2:
+            raise ValueError("cluster.degrade.pool needs another pool beside it to serve "
+                             "the traffic that is not degraded")
+        if f is not None or self.breaker is not None or dg is not None:
+            what = ("cluster.faults" if f is not None else "cluster.breaker"
+                    if self.breaker is not None else "cluster.degrade")
             if self.autoscaler is not None:
-                raise ValueError(f"{what} with cluster.autoscaler is not modelled (a failed "
-                                 "replica's slot is not the autoscaler's); leave one out")
+                raise ValueError(f"{what} with cluster.autoscaler is not modelled (the "
+                                 "autoscaler's slots come and go); leave one out")
             if self.disaggregated:
                 raise ValueError(f"{what} on a disaggregated cluster (pools with roles) is "
                                  "not modelled; leave it out")

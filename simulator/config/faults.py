@@ -1,7 +1,8 @@
-"""The scenario's fault-tolerance sections (the seeds' 容错 and 熔断): replicas that
+"""The scenario's fault-tolerance sections (容错 and 熔断): replicas that
 fail and recover (``cluster.faults``), the gateway's per-replica circuit breaker
-(``cluster.breaker``). The models
-they configure live in ``simulator.cluster.faults`` and ``simulator.cluster.breaker``.
+(``cluster.breaker``) and degradation under overload (``cluster.degrade``). The models
+they configure live in ``simulator.cluster.faults``, ``simulator.cluster.breaker`` and
+``simulator.cluster.degrade``.
 
 Defaults are the common production ones where there is one: Envoy's outlier detection
 ejects a host after 5 consecutive 5xx (``consecutive_5xx``) for a base ejection time of
@@ -42,7 +43,7 @@ class FaultsConfig(StrictModel):
                                         "outages: {replica, start_s, duration_s}")
     detect_s: float = Field(0.0, ge=0, description="health-check delay: the gateway stops "
                             "routing to a failed replica this long after it fails (until "
-                            "then a request sent there fails at once: connection refused)")
+                            "then a request sent there fails, refuse_s later)")
     refuse_s: float = Field(0.0, ge=0, le=3600, description="how long a request routed to a "
                             "failed replica (not yet detected) takes to fail there: ~0 for a "
                             "refused connection on a live node, a connect timeout for a dead "
@@ -87,3 +88,25 @@ class BreakerConfig(StrictModel):
     probes: int = Field(1, ge=1, le=10_000, description="half-open: requests let through; "
                         "all must succeed to close")
 
+
+
+class DegradeConfig(StrictModel):
+    """Degradation when overloaded (降级): while the replicas a request may be routed to
+    (those of the other pools, with ``pool``) hold on average at least
+    ``queue_per_replica`` waiting requests, a newly routed request is sent to the smaller
+    model's ``pool`` (a pool of ``cluster.pools`` that otherwise takes no traffic) and/or
+    has its output cut to ``max_output_tokens``: a cheaper answer instead of a longer
+    wait."""
+
+    queue_per_replica: float = Field(..., gt=0, description="overload: waiting requests "
+                                     "per routable replica at or above this")
+    max_output_tokens: Optional[int] = Field(None, ge=1, description="output cap of a "
+                                             "request routed while overloaded")
+    pool: Optional[str] = Field(None, min_length=1, description="a pool of cluster.pools "
+                                "(a smaller model) that serves only what overload sends it")
+
+    @model_validator(mode="after")
+    def _something(self):
+        if self.max_output_tokens is None and self.pool is None:
+            raise ValueError("cluster.degrade: give max_output_tokens, pool, or both")
+        return self

@@ -40,7 +40,8 @@ def traffic_reason(scenario) -> Optional[str]:
          if cl.disaggregated else "replica pools"),
         (scenario.report.utilization, "utilisation series"),
         (cl.faults is not None or cl.breaker is not None,
-         "replica faults and circuit breaking")) if on]
+         "replica faults and circuit breaking"),
+        (cl.degrade is not None, "degradation under overload")) if on]
     return ", ".join(parts) or None
 
 
@@ -139,12 +140,18 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
         faults = Faults(env, fc, cl.breaker, n, slots, rng_traffic.spawn(1)[0],
                         eng.kv.block_size)
     gateway = Gateway(env, workload, arec, fleet, router, pools, net,
+    degrade = None
+    if cl.degrade is not None:
+        from simulator.cluster.degrade import Degrade
+        small = [s for p in fleet_pools or [] if p.name == cl.degrade.pool for s in p.slots]
+        degrade = Degrade(cl.degrade, workload, small, lambda aid: int(gateway.a_rid[aid]),
+                          eng.kv.block_size)
                       Clients(ccfg, rng_traffic),
                       Admission(adm, workload.class_names) if adm is not None else None,
                       estimator, keys_of, eng.kv.block_size, clients,
                       track_ttft=auto is not None and auto.metric == "p99_ttft",
                       entry=disagg.entry if disagg is not None else None,
-                      faults=faults)
+                      faults=faults, degrade=degrade)
     if faults is not None:
         faults.attach(gateway)
     scaler = None
@@ -164,12 +171,16 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
             "fleet_timeline": fleet.timeline()}
     if fleet_pools is not None:
         meta["slot_pools"] = [(p.name, p.capacity, p.gpus) for p in of_slot]
-    if faults is not None:
-        # Per-request columns (the recorder's generic slot; faults are not modelled with
+    if faults is not None or degrade is not None:
+        # Per-request columns (the recorder's generic slot; neither is modelled with
         # disaggregation, whose columns use it otherwise).
-        rec.set_disagg(faults.columns())
+        rec.set_disagg({**(faults.columns() if faults is not None else {}),
+                        **(degrade.columns() if degrade is not None else {})})
+    if faults is not None:
         meta["faults"] = faults.meta(end)
     if disagg is not None:
+    if degrade is not None:
+        meta["degrade"] = degrade.meta()
         rec.set_disagg(disagg.columns(gateway.final_attempts()))
         meta["disaggregation"] = disagg.summary()
     if track:

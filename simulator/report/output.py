@@ -78,6 +78,8 @@ def _outputs(res, df: pd.DataFrame) -> dict:
     if "faults" in res.meta:
         from simulator.report.faults import fault_summary
         out["faults"] = fault_summary(res, df, good_mask(df, res.scenario))
+    if "degrade" in res.meta:
+        out["degrade"] = res.meta["degrade"]
     # The rich stream/network model's totals (see simulate._Wire), when it was on; the
     # gateway's attempt tallies (``loops.traffic``), when traffic control was on.
     for key in ("stream", "network", "traffic", "speculative", "disaggregation", "edge"):
