@@ -189,6 +189,24 @@ def test_compiled_loop_declines_and_auto_says_why():
     assert "edge" in res.meta["loop"] and res.meta["loop"].startswith("simpy")
 
 
+def test_what_the_edge_plan_cannot_follow_is_refused():
+    """A decision trace follows the cluster's request ids; closed-loop sessions send a
+    turn when the previous answer is back, which a plan made from the arrivals cannot
+    know: both are one-line errors naming ``edge``, before any run."""
+    from simulator.errors import LatsimError
+    from simulator.report.decisions import DecisionTrace
+    d = _edge_dict(n=5, cache={"popularity": {"kind": "zipf", "catalogue": 3}})
+    with pytest.raises(LatsimError, match="edge"):
+        simulate(validate_scenario(d), trace=DecisionTrace(None))
+    sc = validate_scenario(d).model_copy(update={"workload": _Sessions()})
+    with pytest.raises(LatsimError, match="sessions"):
+        simulate(sc)
+
+
+class _Sessions:
+    kind = "sessions"
+
+
 @pytest.mark.parametrize("edge,field", [
     ({"cache": {"popularity": {"kind": "zipf", "catalogue": 10}, "capacity": 0}},
      "edge.cache.capacity"),
@@ -208,3 +226,28 @@ def test_bad_edge_yaml_is_one_line_exit_2(tmp_path, edge, field):
     assert r.exit_code == 2, r.output
     line = r.output.strip()
     assert "\n" not in line and "bad.yaml" in line and field in line
+
+
+def test_trace_prompt_identity_is_its_hash_ids():
+    """``popularity: trace``: equal ``hash_ids`` lists are the same prompt, so an
+    unbounded cache hits exactly the repeats; on the shipped Mooncake conversation trace
+    (200 requests) that is N - distinct lists, and the hits do no engine work."""
+    from pathlib import Path
+
+    from simulator.config.scenario import load_scenario
+    from simulator.workload import Workload
+    wl = Workload(arrival_s=[0.0, 1, 2, 3, 4], prompt_tokens=[10] * 5, output_tokens=[5] * 5,
+                  priority=[0] * 5, hash_ids=[np.array([1, 2]), np.array([1]), np.array([1, 2]),
+                                              np.array([2, 1]), np.array([1])])
+    keys = C.prompt_keys(PopularityConfig(kind="trace"), wl, None)
+    assert list(C.lookup(keys, wl.arrival_s, None, None)) == [-1, -1, 0, -1, 1]
+    sc, base = load_scenario(Path(__file__).parents[1] / "scenarios" / "mooncake-conv.yaml",
+                             ["workload.limit=200", "policies=null"])
+    sc = sc.model_copy(update={"edge": validate_scenario(_edge_dict(
+        cache={"popularity": {"kind": "trace"}})).edge})
+    res = simulate(sc, base_dir=base)
+    df = requests_table(res)
+    distinct = len({tuple(h) for h in res.workload.hash_ids})
+    assert res.meta["edge"]["hit"] == 200 - distinct > 0
+    hits = df[df["edge"] == "hit"]
+    assert (hits["t_prefill"] == 0).all() and (hits["t_decode"] == 0).all()

@@ -45,7 +45,17 @@ def simulate_edge(simulate, scenario, seed, *, base_dir=None, workload=None,
     from simulator.workload import build_workload
     if loop == "compiled":
         raise Unsupported(EDGE_REASON)
+    if kw.pop("trace", None) is not None:
+        from simulator.errors import LatsimError
+        raise LatsimError("a decision trace (--chrome-trace) follows the cluster's requests "
+                          "by id, not an edge node's: run it without edge", field="edge")
     cfg = scenario.edge
+    if getattr(scenario.workload, "kind", None) == "sessions":
+        from simulator.errors import LatsimError
+        # The edge is planned from the arrivals; a session's next turn is sent when the
+        # previous answer is back, which the plan cannot know beforehand.
+        raise LatsimError("an edge node is not modelled with closed-loop sessions "
+                          "(workload kind sessions)", field="edge")
     seed = scenario.seed if seed is None else seed
     if workload is None:
         # The stream ``simulate`` draws its workload from (its first spawned child), so

@@ -110,7 +110,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
         from simulator.cluster.edgerun import simulate_edge
         return simulate_edge(simulate, scenario, seed, base_dir=base_dir, policy=policy,
                              workload=workload, profile=profile, mode=mode,
-                             cost_model=cost_model, loop=loop, progress=progress)
+                             cost_model=cost_model, loop=loop, progress=progress,
+                             trace=trace)
     seed = scenario.seed if seed is None else seed
     ss = np.random.SeedSequence(seed)
     rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
