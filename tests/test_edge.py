@@ -251,3 +251,20 @@ def test_trace_prompt_identity_is_its_hash_ids():
     assert res.meta["edge"]["hit"] == 200 - distinct > 0
     hits = df[df["edge"] == "hit"]
     assert (hits["t_prefill"] == 0).all() and (hits["t_decode"] == 0).all()
+
+
+def test_console_shows_the_edge_table():
+    """``latsim run``'s console: an 'Edge node' table whose hit count is the summary's."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from simulator.report.output import run_outputs
+    from simulator.report.tables import print_run
+    d = _edge_dict(n=20, cache={"popularity": {"kind": "zipf", "catalogue": 4}})
+    _, s = run_outputs(simulate(validate_scenario(d)))
+    buf = StringIO()
+    print_run(Console(file=buf, width=200), {"cache": s})
+    text = buf.getvalue()
+    row = next(line for line in text.splitlines() if "cache hits" in line)
+    assert "Edge node" in text and row.split()[-2] == str(s["edge"]["hit"]) and s["edge"]["hit"] > 0
