@@ -213,7 +213,8 @@ class _Sessions:
     ({"cache": {"popularity": {"kind": "zipf"}}}, "edge.cache.popularity"),
     ({"speculation": {"cost": ROOF, "acceptance": 1.5}}, "edge.speculation.acceptance"),
     ({"rtt_ms": -1, "cache": {"popularity": {"kind": "trace"}}}, "edge.rtt_ms"),
-    ({}, "edge")])
+    ({}, "edge"),
+    ({"cache": {"popularity": {"kind": "trace"}}}, "edge.cache.popularity.kind")])
 def test_bad_edge_yaml_is_one_line_exit_2(tmp_path, edge, field):
     import yaml
     from simulator.cli.main import app

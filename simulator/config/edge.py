@@ -97,3 +97,28 @@ class EdgeConfig(StrictModel):
         if self.cache is None and self.speculation is None:
             raise ValueError("an edge needs cache or speculation (or leave edge out)")
         return self
+
+
+# Workload kinds whose requests carry no prompt identity (``hash_ids``) by construction.
+_NO_PROMPT_IDS = ("synthetic",)
+
+
+def check_edge(sc) -> None:
+    """What the edge cannot do with the scenario's workload, refused when it is read
+    (``ValueError`` naming the field): a ``trace`` popularity on a workload kind with no
+    prompt identities, and closed-loop sessions (the edge is planned from the arrivals;
+    a session's next turn is sent when the previous answer is back)."""
+    kind = getattr(sc.workload, "kind", None)
+    edges = [("edge", sc.edge)] + [
+        (f"policies ({p.name!r}): edge", EdgeConfig.model_validate(p.edge))
+        for p in sc.policies or [] if not isinstance(p, str) and p.edge]
+    for where, e in edges:
+        if e is None:
+            continue
+        if kind == "sessions":
+            raise ValueError(f"{where}: an edge node is not modelled with closed-loop "
+                             f"sessions (workload kind sessions)")
+        if e.cache is not None and e.cache.popularity.kind == "trace" and kind in _NO_PROMPT_IDS:
+            raise ValueError(f"{where}.cache.popularity.kind: trace needs a workload with "
+                             f"prompt identities (a trace's hash_ids); kind {kind} has none: "
+                             f"use kind zipf")

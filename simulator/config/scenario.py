@@ -79,6 +79,14 @@ class Scenario(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _edge(self):
+        if self.edge is not None or any(not isinstance(p, str) and p.edge
+                                        for p in self.policies or []):
+            from simulator.config.edge import check_edge
+            check_edge(self)
+        return self
+
+    @model_validator(mode="after")
     def _pool_costs(self, info):
         if self.cluster.pools:
             settle_pool_costs(self, getattr(info, "context", None))
