@@ -121,12 +121,38 @@ def test_frontend_adds_its_closed_form_to_ttft_and_sits_in_t_net_and_t_stream():
 def test_frontend_constants_are_the_cited_ones():
     """The defaults are the module's cited constants: 1.5 us per prompt token (HF fast
     tokenizers, 1.1-1.6 us/token single-threaded), 1.0 ms per request, 0.04 ms per ZMQ
-    hop (40 us per small message), 0.1 ms per output token (3.4 ms at batch 32,
-    vllm-project/vllm#6913)."""
+    hop (40 us per small message), 0.0699 ms per output token (vLLM v1's API server at
+    its limit: 14,308.94 output tokens/s, vllm-project/vllm#12287)."""
     t = F.FrontendTiming.from_config(F.FrontendConfig())
     assert t.request_s(1000) == pytest.approx((1.0 + 0.04) / 1000 + 1000 * 1.5e-6, abs=1e-15)
-    assert t.response_s == pytest.approx((0.04 + 0.1) / 1000, abs=1e-15)
-    assert F.FrontendTiming.from_config(None).request_s(10**6) == 0.0
+    assert F.OUTPUT_MS_PER_TOKEN == pytest.approx(1000 / 14_308.94, abs=5e-5)
+    assert t.response_s == pytest.approx((0.04 + 0.0699) / 1000, abs=1e-15)
+    assert t.first_token_s(83) == pytest.approx(83 * 0.0699e-3, abs=1e-15)
+    none = F.FrontendTiming.from_config(None)
+    assert none.request_s(10**6) == 0.0 and none.first_token_s(10**6) == 0.0
+
+
+def test_first_token_waits_for_the_steps_other_outputs_in_the_api_server():
+    """vLLM's API server handles a step's outputs in the engine core's order, running
+    requests first and the step's newly admitted ones last, one event loop for all: a
+    first token is sent after every output listed before it. A lone request arriving
+    while ``k`` requests decode (one 10 ms step each, constant profile) has its first
+    token delivered ``k x output_ms_per_token`` later than with nobody decoding (zero
+    network, so delivery = token + response side); later tokens are not held back."""
+    fe = {"request_ms": 0.0, "tokenize_us_per_token": 0.0, "ipc_ms": 0.0,
+          "output_ms_per_token": 0.5}
+    extra = {}
+    for k in (0, 1, 5):
+        n = k + 1
+        wl = Workload(arrival_s=np.r_[np.zeros(k), 1.0], prompt_tokens=np.full(n, 16),
+                      output_tokens=np.r_[np.full(k, 400), 3], priority=np.zeros(n, int))
+        rec = simulate(make_scenario(engine=_engine(frontend=fe)), 0, workload=wl,
+                       profile=_const_decode_profile()).rec
+        # The response side's per-token part, then the outputs ahead of it: k decodes.
+        extra[k] = float(rec.first_delivered[k] - rec.first_token[k]) - 0.5e-3
+        np.testing.assert_allclose(rec.last_delivered - rec.last_token, 0.5e-3, atol=1e-12)
+    np.testing.assert_allclose([extra[0], extra[1], extra[5]], [0.0, 0.5e-3, 2.5e-3],
+                               rtol=0, atol=1e-12)
 
 
 def _vllm_scenario(gpu: str = "h100-sxm", **engine) -> dict:

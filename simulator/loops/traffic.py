@@ -113,6 +113,7 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
                       stream.one_way, on_finish, series_interval=series_interval, mode=mode,
                       **kva)
         rep.util = trackers[slot]
+        rep.first_out_s = net.frontend.per_output_s   # the API server (wire.frontend)
         if disagg is not None:
             rep.handoff = disagg
             rep.hands_off = of_slot[slot].role == "prefill"

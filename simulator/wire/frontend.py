@@ -19,9 +19,23 @@ is enqueued at the replica: ``network.NetworkTiming.send_time``), the response s
 of ``T_stream`` (added to each token's delivery, after the frame's transmit time: the
 stream timing's ``one_way``). Both are computed here, once, for every loop.
 
-Not modelled: the output handler's per-step cost grows with the batch (it processes the
-outputs of every sequence of the step before the frames go out); here each token pays
-the per-token constant only, so ITL is unchanged by the front end.
+The API server is one process with one asyncio event loop, and each engine step's
+outputs reach it as one message: ``AsyncLLM``'s output handler runs
+``OutputProcessor.process_outputs`` over the step's outputs (in slices of
+``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``, yielding between slices), which puts each request's
+``RequestOutput`` on its queue; then each request's generator runs in turn and writes
+its SSE frame. The engine core lists a step's outputs in scheduling order, running
+requests first and the ones it admitted in that step last (the scheduler's
+``num_scheduled_tokens`` order, which ``update_from_output`` follows). So a request's
+*first* token leaves after the API server has handled every other output of that step
+(``first_token_s``: the outputs ahead of it times ``output_ms_per_token``) and each
+later token after its own (in ``response_s``). The first token's wait is added to
+its delivery (TTFT) on the plain stream path (``loops.simpy.apply``); a rich client
+stream (``wire.clientstream``) sees the per-token part only. Later tokens' waits for
+the outputs ahead of them are not modelled: they shift a request's frames by about
+the same amount (its place in the list changes only when an older request ends), so
+they move neither its ITL nor, its place being near the front by its last token
+(older requests end first), its E2E by more than a few outputs' handling.
 """
 from __future__ import annotations
 
@@ -48,11 +62,15 @@ REQUEST_FIXED_MS = 1.0
 # tutorialspoint's "ZeroMQ - Performance Considerations"); msgspec encoding of a request
 # or a step's outputs is a few us on top. We take 0.04 ms each way.
 IPC_HOP_MS = 0.04
-# Response side, per token: detokenising it and building its output object, then its
-# SSE chunk. vLLM's output processing measured 3.4 ms per step at batch 32 on 4xH100
-# (vllm-project/vllm#6913, Llama-3-70B, "_process_model_outputs") = 0.106 ms per
-# sequence per step; we take 0.1 ms per token (detokenise + output + SSE frame).
-OUTPUT_MS_PER_TOKEN = 0.1
+# Response side, per output token, all of the API server's work on it: detokenising,
+# its RequestOutput, its generator's turn, the chunk's JSON and its SSE write. vLLM v1's
+# API server bound a serving run of Llama-3.2-1B on an A100 at 400 concurrent streams
+# (vllm-project/vllm#12287, njhill: "if I disable the chunking completely, the
+# throughput increases": the front end, not the GPU, set the pace) at 14,308.94 output
+# tokens/s: 1 / 14,308.94 s = 0.0699 ms per output token, every per-request cost of
+# that process included (so an upper bound on the per-token part). (vLLM v0 measured
+# 0.106 ms per sequence per step inside its engine loop, vllm-project/vllm#6913.)
+OUTPUT_MS_PER_TOKEN = round(1000.0 / 14_308.94, 4)
 
 
 class FrontendConfig(StrictModel):
@@ -72,13 +90,15 @@ class FrontendConfig(StrictModel):
 
 @dataclass(frozen=True)
 class FrontendTiming:
-    """The front end's two delays (seconds): request side, before the engine core sees
-    the request (``request_s``), and response side, added to every token's delivery
-    (``response_s``)."""
+    """The front end's delays (seconds): request side, before the engine core sees the
+    request (``request_s``); response side, added to every token's delivery
+    (``response_s``), and to a first token the outputs ahead of it in its step
+    (``first_token_s``)."""
 
     fixed_s: float = 0.0
     per_prompt_token_s: float = 0.0
     response_s: float = 0.0
+    per_output_s: float = 0.0
 
     @classmethod
     def from_config(cls, cfg) -> "FrontendTiming":
@@ -87,8 +107,15 @@ class FrontendTiming:
             return cls()
         return cls(fixed_s=(cfg.request_ms + cfg.ipc_ms) / 1000.0,
                    per_prompt_token_s=cfg.tokenize_us_per_token / 1e6,
-                   response_s=(cfg.ipc_ms + cfg.output_ms_per_token) / 1000.0)
+                   response_s=(cfg.ipc_ms + cfg.output_ms_per_token) / 1000.0,
+                   per_output_s=cfg.output_ms_per_token / 1000.0)
 
     def request_s(self, prompt_tokens: int) -> float:
         """From the request's arrival at the server to the engine core having it."""
         return self.fixed_s + prompt_tokens * self.per_prompt_token_s
+
+    def first_token_s(self, ahead: int) -> float:
+        """What a request's first token waits beyond ``response_s``: the API server
+        handling the ``ahead`` outputs listed before it in the step that produced it
+        (module doc)."""
+        return ahead * self.per_output_s

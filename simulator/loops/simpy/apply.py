@@ -15,6 +15,10 @@ _held_tokens = python_of(kvr.held_tokens)
 class ReplicaApply:
     """Mixin: a step's effects on the replica's requests (see module doc)."""
 
+    #: The API server's time per output (``wire.frontend.FrontendTiming.per_output_s``):
+    #: a first token waits for the step's outputs listed before it (0: no front end).
+    first_out_s: float = 0.0
+
     def _decode_fast(self, t: float, m: int, first_end: float, later_gaps) -> None:
         """``m`` decode steps of every decoder ended, the first at ``first_end``, the
         last at ``t``; ``later_gaps`` are the gaps between the later steps' ends."""
@@ -143,7 +147,8 @@ class ReplicaApply:
             if not resumed:
                 rec.first_token[rid] = t
                 if s.stream is None:
-                    rec.first_delivered[rid] = t + ft + self.one_way
+                    rec.first_delivered[rid] = (t + ft + self.one_way + self.first_out_s
+                                                * len(self.decoding))
             if s.stream is not None:
                 s.stream.emit(t)
             if last:

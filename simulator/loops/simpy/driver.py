@@ -42,6 +42,8 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
                         stream.one_way, on_finish, series_interval=series_interval,
                         mode="slow" if rich else mode, streams=rich, **kv_args)
                 for i in range(n_rep)]
+    for r in replicas:
+        r.first_out_s = net.frontend.per_output_s     # the API server (wire.frontend)
     router = make_router(scenario.cluster.router, n_rep, rng_router, topology=topo,
                          params=scenario.cluster.router_params)
     if rich:
