@@ -244,10 +244,19 @@ def test_bad_input_is_one_line_exit_2(tmp_path, over, field):
     assert "\n" not in line and str(p) in line and field in line, line
 
 
-def test_sessions_refuse_traffic_control(tmp_path):
-    p = _write(tmp_path, _wl(), cluster={"admission": {"action": "reject"}})
+@pytest.mark.parametrize("over, what", [
+    ({"cluster": {"admission": {"action": "reject"}}}, "cluster.admission"),
+    ({"report": {"utilization": True}}, "report.utilization"),
+    ({"stream": {"disconnect": {"probability": 0.1}}}, "per-request stream"),
+])
+def test_sessions_refuse_traffic_control(tmp_path, over, what):
+    """The gateway's clients and the per-request wire model send on clocks of their own:
+    combined with closed-loop sessions, a one-line error (exit 2)."""
+    p = _write(tmp_path, _wl(), **over)
     r = CliRunner().invoke(app, ["run", str(p)])
-    assert r.exit_code == 2 and "sessions" in r.output and "cluster.admission" in r.output
+    line = r.output.strip()
+    assert r.exit_code == 2 and "\n" not in line and str(p) in line, r.output
+    assert "sessions" in line and what in line, line
 
 
 def test_shipped_scenario_writes_sessions_csv(tmp_path):
@@ -257,6 +266,7 @@ def test_shipped_scenario_writes_sessions_csv(tmp_path):
     r = CliRunner().invoke(app, ["run", str(REPO / "scenarios" / "sessions-chat.yaml"),
                                  "--set", "workload.limit=40", "--out", str(out)])
     assert r.exit_code == 0, r.output
+    assert "Sessions (closed-loop users)" in r.output and "time to last turn" in r.output
     import pandas as pd
     for label in ("no-cache", "prefix-cache"):
         t = pd.read_csv(out / f"sessions-{label}.csv")

@@ -261,10 +261,17 @@ def check_traffic(sc) -> None:
         if names and unknown:
             raise ValueError(f"cluster.admission.classes names {unknown[0]!r}, not a class of "
                              f"the workload ({', '.join(sorted(names))}) nor 'default'")
-    if getattr(sc.workload, "kind", None) == "sessions" and (on or sc.stream.rich
-                                                            or sc.network.rich):
+    if getattr(sc.workload, "kind", None) == "sessions":
         # Closed-loop sessions run on the plain SimPy driver (``loops.simpy.sessions``):
-        # the gateway's clients and the per-request wire model send on their own clocks.
-        what = on[0] if on else "the per-request stream and network model"
-        raise ValueError(f"workload kind sessions (closed-loop users) cannot be combined "
-                         f"with {what}: leave one of them out")
+        # the gateway's clients, the edge and the per-request wire model send on their own
+        # clocks.
+        other = on + (["edge"] if getattr(sc, "edge", None) is not None else []) + (
+            ["the per-request stream and network model"] if sc.stream.rich or sc.network.rich
+            else [])
+        if other:
+            _sessions_alone(other[0])
+
+
+def _sessions_alone(what: str) -> None:
+    raise ValueError(f"workload kind sessions (closed-loop users) cannot be combined with "
+                     f"{what}: leave one of them out")

@@ -94,8 +94,9 @@ def law(plan: SessionPlan, rec) -> dict:
     user = plan.s_user[plan.session]
     ends = np.zeros(plan.users)
     np.maximum.at(ends, user[done], last[done])
-    return {"users": plan.users, "throughput": x, "mean_response_s": r, "mean_think_s": z,
-            "law_throughput": plan.users / (r + z) if r + z > 0 else math.nan,
+    n = min(plan.users, plan.n_sessions)     # users with a session to run
+    return {"users": n, "throughput": x, "mean_response_s": r, "mean_think_s": z,
+            "law_throughput": n / (r + z) if r + z > 0 else math.nan,
             "mean_active_users": float(ends.sum() / span) if span and span > 0 else math.nan}
 
 
@@ -126,3 +127,36 @@ def session_meta(plan: SessionPlan, rec, aborted: np.ndarray, prompt) -> dict:
     """What a sessions run adds to ``Results.meta``: the table and its summary."""
     table = session_table(plan, rec, aborted, prompt)
     return {"sessions": session_summary(table, plan, rec), "session_table": table}
+
+
+CONSOLE_ROWS = (
+    ("sessions_completed", "sessions completed"), ("sessions_aborted", "sessions aborted"),
+    ("sessions_unfinished", "sessions unfinished"),
+    ("mean_turns_per_session", "turns per session"),
+    ("mean_requests_per_session", "requests per session"),
+    ("median_time_to_last_turn_ms", "time to last turn P50 (ms)"),
+    ("p99_time_to_last_turn_ms", "time to last turn P99 (ms)"),
+    ("median_session_ttft_ms", "session TTFT P50 (ms)"),
+    ("p99_session_ttft_ms", "session TTFT P99 (ms)"),
+    ("mean_think_time_ms", "mean think time (ms)"), ("mean_tool_time_ms", "mean tool time (ms)"),
+)
+
+
+def sessions_console_table(outs: dict):
+    """The console table of the runs' ``sessions`` sections, one column per run, with the
+    response-time law's prediction beside the measured throughput."""
+    from rich.table import Table
+
+    from simulator.report.tables import fmt
+    t = Table(title="Sessions (closed-loop users)", title_justify="left")
+    t.add_column("")
+    for name in outs:
+        t.add_column(name, justify="right")
+    sess = [o.get("sessions", {}) for o in outs.values()]
+    for key, label in CONSOLE_ROWS:
+        t.add_row(label, *[fmt(s.get(key)) for s in sess])
+    law_rows = (("throughput", "requests/s"), ("law_throughput", "users / (E2E + think)"),
+                ("mean_active_users", "users in the loop, mean"))
+    for key, label in law_rows:
+        t.add_row(label, *[fmt(s.get("response_time_law", {}).get(key)) for s in sess])
+    return t

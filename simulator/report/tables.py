@@ -125,6 +125,9 @@ def print_run(console: Console, outs: dict[str, dict]) -> None:
         print_fitting(console, kv_table, outs)
     if any("stream" in o for o in outs.values()):
         print_fitting(console, stream_table, outs)
+    if any("sessions" in o for o in outs.values()):
+        from simulator.report.sessions import sessions_console_table   # kind: sessions
+        print_fitting(console, sessions_console_table, outs)
     if any("edge" in o for o in outs.values()):
         from simulator.report.edge import edge_table   # an edge node (``cluster.edgerun``)
         print_fitting(console, edge_table, outs)
