@@ -244,8 +244,9 @@ def test_trace_prompt_identity_is_its_hash_ids():
     assert list(C.lookup(keys, wl.arrival_s, None, None)) == [-1, -1, 0, -1, 1]
     sc, base = load_scenario(Path(__file__).parents[1] / "scenarios" / "mooncake-conv.yaml",
                              ["workload.limit=200", "policies=null"])
-    sc = sc.model_copy(update={"edge": validate_scenario(_edge_dict(
-        cache={"popularity": {"kind": "trace"}})).edge})
+    from simulator.config.edge import EdgeConfig
+    sc = sc.model_copy(update={"edge": EdgeConfig.model_validate(
+        {"cache": {"popularity": {"kind": "trace"}}})})
     res = simulate(sc, base_dir=base)
     df = requests_table(res)
     distinct = len({tuple(h) for h in res.workload.hash_ids})
