@@ -24,14 +24,14 @@ class ServingRegion(StrictModel):
     """A serving region and how many of the cluster's replicas run there (in order:
     the first region gets replicas 0..n-1, the next the following ones)."""
 
-    name: str
-    replicas: int = Field(..., ge=1)
+    name: str = Field(..., description="the region's name (client regions' distance_km keys)")
+    replicas: int = Field(..., ge=1, description="replicas of the cluster running here")
 
 
 class ClientRegion(StrictModel):
     """Where a share of the clients sits: its distance to every serving region."""
 
-    name: str
+    name: str = Field(..., description="the client region's name")
     share: float = Field(..., gt=0, description="share of the clients (normalised)")
     distance_km: dict[str, float] = Field(..., description="serving region name -> km")
 
@@ -55,7 +55,8 @@ class RegionsConfig(StrictModel):
 
     serving: list[ServingRegion] = Field(..., min_length=1)
     clients: list[ClientRegion] = Field(..., min_length=1)
-    rtt_penalty_tokens_per_ms: float = Field(50.0, ge=0)
+    rtt_penalty_tokens_per_ms: float = Field(
+        50.0, ge=0, description="region_load_rtt: outstanding tokens one ms of RTT is worth")
 
     @model_validator(mode="after")
     def _names(self) -> "RegionsConfig":
@@ -81,13 +82,17 @@ class NetworkConfig(StrictModel):
                                description="RTT floor: switching, last mile")
     fibre_km_per_s: float = Field(200_000.0, ge=1_000.0, le=300_000.0,
                                   description="propagation speed in fibre (at most light's)")
-    tls: Literal["none", "1.2", "1.3", "0rtt"] = "1.3"
-    connection_reuse: bool = True
+    tls: Literal["none", "1.2", "1.3", "0rtt"] = Field(
+        "1.3", description="handshake round trips on a new connection: TLS 1.2 two, 1.3 one, "
+        "0rtt none (after TCP's one)")
+    connection_reuse: bool = Field(True, description="keep-alive: reuse a client's idle "
+                                   "connections (false: a new one per request)")
     clients: int = Field(64, ge=1, le=10_000_000,
                          description="distinct clients, each with its own pool")
     pool_size: int = Field(8, ge=1, le=100_000, description="keep-alive connections per client")
     keepalive_s: float = Field(300.0, ge=0, description="idle connection expiry")
-    uplink_mbps: float = Field(100.0, ge=MIN_MBPS, le=MAX_MBPS)
+    uplink_mbps: float = Field(100.0, ge=MIN_MBPS, le=MAX_MBPS,
+                               description="client upload bandwidth (the request body)")
     request_overhead_bytes: int = Field(400, ge=0, description="HTTP headers + JSON envelope")
     bytes_per_prompt_token: float = Field(4.0, ge=0, description="prompt text bytes per token")
     gateway_ms: float = Field(0.5, ge=0, le=MAX_WIRE_MS,
@@ -215,11 +220,13 @@ class DisconnectConfig(StrictModel):
     reported, priced at ``gpu_cost_per_hour`` when given (the planner's
     ``--cost-per-gpu-hour`` is a command-line option a run does not see)."""
 
-    probability: float = Field(0.0, ge=0, le=1)
+    probability: float = Field(0.0, ge=0, le=1, description="share of requests whose client "
+                               "disconnects")
     after_first_token: DurationDist = Field(
         default_factory=lambda: ExponentialDuration(kind="exponential", mean_s=5.0))
     signalled: float = Field(1.0, ge=0, le=1, description="fraction that close cleanly")
-    heartbeat_timeout_s: float = Field(45.0, gt=0)
+    heartbeat_timeout_s: float = Field(45.0, gt=0, description="a silent disconnect is "
+                                       "found this long after it happens")
     gpu_cost_per_hour: Optional[float] = Field(None, gt=0, description="$ per GPU-hour")
 
 
@@ -231,7 +238,8 @@ class StreamConfig(StrictModel):
 
     frame_overhead_bytes: int = Field(80, ge=0, description="SSE + JSON envelope per frame")
     bytes_per_token: float = Field(4.0, ge=0, description="token text bytes")
-    downlink_mbps: float = Field(50.0, gt=0)
+    downlink_mbps: float = Field(50.0, gt=0, description="every client's downlink (one "
+                                 "fixed rate)")
     downlink: Optional[DownlinkDist] = Field(
         None, description="per-client downlink distribution (replaces downlink_mbps)")
     every_tokens: Optional[int] = Field(1, ge=1, description="coalesce: a frame per k tokens")
