@@ -128,13 +128,23 @@ class RegionLoadRTT(NearestRegion):
         return best
 
 
-for _name, _cls in (("round_robin", RoundRobin), ("random", RandomRouter),
-                    ("least_outstanding", LeastOutstanding)):
-    ROUTERS.register(_name, RouterName,
-                     (lambda c: (lambda cfg, n, rng, topology=None: c(n, rng)))(_cls))
-for _name, _cls in (("nearest_region", NearestRegion), ("region_load_rtt", RegionLoadRTT)):
-    ROUTERS.register(_name, RouterName,
-                     (lambda c: (lambda cfg, n, rng, topology=None: c(n, rng, topology)))(_cls))
+class _Build:
+    """``ROUTERS``' factory for a router class without parameters of its own: the
+    registry calls it with ``(cfg, n, rng, topology)``; a region-aware router takes the
+    topology too."""
+
+    def __init__(self, cls, regional: bool = False) -> None:
+        self.cls, self.regional = cls, regional
+
+    def __call__(self, cfg, n: int, rng, topology: Topology | None = None):
+        return self.cls(n, rng, topology) if self.regional else self.cls(n, rng)
+
+
+ROUTERS.register("round_robin", RouterName, _Build(RoundRobin))
+ROUTERS.register("random", RouterName, _Build(RandomRouter))
+ROUTERS.register("least_outstanding", RouterName, _Build(LeastOutstanding))
+ROUTERS.register("nearest_region", RouterName, _Build(NearestRegion, regional=True))
+ROUTERS.register("region_load_rtt", RouterName, _Build(RegionLoadRTT, regional=True))
 
 
 def make_router(name: str, n: int, rng, topology: Topology | None = None,
@@ -144,5 +154,3 @@ def make_router(name: str, n: int, rng, topology: Topology | None = None,
     cfg = ROUTERS.validate({"kind": name, **(params or {})})
     return ROUTERS.build(cfg, n, rng, topology=topology)
 
-
-from simulator.cluster import prefix_router  # noqa: E402,F401  (registers cache_aware)

@@ -64,7 +64,7 @@ def _bare(e: Exception) -> str:
 def _search_dirs(info) -> list[Path]:
     """Where a relative model or profile path is looked up: the scenario's folder (when
     the loader passes it as context ``base_dir``), the working directory, the checkout."""
-    from simulator.cost import profile_search_dirs
+    from simulator.cost.profile import profile_search_dirs
     ctx = getattr(info, "context", None) or {}
     base = ctx.get("base_dir") if isinstance(ctx, dict) else None
     return profile_search_dirs(base)
@@ -82,7 +82,8 @@ def _profile_model_check(name: Optional[str], shape: "ModelShape", path: str, di
     (or, lacking them, its catalogued name) must match (one-line error otherwise)."""
     import json
 
-    from simulator.cost import catalog, resolve_profile_path
+    from simulator.cost import catalog
+    from simulator.cost.profile import resolve_profile_path
     # Found as the cost model will find it (scenario folder, cwd, checkout); a profile that
     # is not there is refused here: checking nothing would let another model's pass.
     try:

@@ -20,6 +20,7 @@ from typing import Optional
 
 from simulator import cost as _cost  # noqa: F401  cost models
 from simulator import workload as _workload  # noqa: F401  arrivals, lengths, synthetic
+from simulator.cluster import prefix_router as _prefix_router  # noqa: F401  cache_aware
 from simulator.cluster import routers as _routers  # noqa: F401  replica routers
 from simulator.errors import LatsimError, about, check_file, present
 from simulator.model import policies as _policies  # noqa: F401  scheduling policies

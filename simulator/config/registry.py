@@ -1,84 +1,16 @@
-"""Plug-in registries: policies, arrival processes, length distributions, workload
-sources, cost models and routers are picked by a ``kind:`` (or name) field and
-registered here by name, GuideLLM style.
-
-A registry maps a name to a pydantic config class (and, for builders, a factory).
-Config fields typed with ``plugin(REGISTRY)`` validate a mapping by looking up its
-``kind`` in that registry, so a new plug-in needs one ``register`` call and no edit
-to the schema.
+"""The plug-in families, each a ``simulator.registry.Registry``: scheduling policies
+(``POLICIES``, filled by ``model.scheduling.register_policy``), arrival processes,
+length distributions, workload sources, cost models and routers, picked by a ``kind:``
+(or name) field. The built-in plug-ins register themselves when imported; the
+composition root ``config.plugins`` imports them all (and a user's own).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Generic, Optional, Tuple, Type, TypeVar
+from simulator.registry import Registry
 
-from pydantic import BaseModel, ValidationError
-from pydantic_core import PydanticCustomError
+__all__ = ["Registry", "POLICIES", "ARRIVALS", "LENGTHS", "WORKLOADS", "COST_MODELS", "ROUTERS"]
 
-T = TypeVar("T")
-
-
-class Registry(Generic[T]):
-    """Named plug-ins of one kind: ``name -> (config class, factory)``."""
-
-    def __init__(self, what: str, default: Optional[str] = None) -> None:
-        self.what = what
-        self.default = default
-        self._items: Dict[str, Tuple[Type[BaseModel], Optional[Callable[..., T]]]] = {}
-
-    def register(self, name: str, config_cls: Type[BaseModel],
-                 factory: Optional[Callable[..., T]] = None) -> None:
-        if name in self._items:
-            raise RuntimeError(f"{self.what} {name!r} registered twice")
-        self._items[name] = (config_cls, factory)
-
-    def names(self) -> list[str]:
-        return sorted(self._items)
-
-    def config_class(self, name: str) -> Type[BaseModel]:
-        return self._lookup(name)[0]
-
-    def build(self, cfg: BaseModel, *args: Any, **kwargs: Any) -> T:
-        factory = self._lookup(cfg.kind)[1]  # type: ignore[attr-defined]
-        if factory is None:
-            raise RuntimeError(f"{self.what} {cfg.kind!r} has no factory")  # type: ignore[attr-defined]
-        return factory(cfg, *args, **kwargs)
-
-    def _lookup(self, name: str):
-        if name not in self._items:
-            raise KeyError(name)
-        return self._items[name]
-
-    def validate(self, value: Any) -> BaseModel:
-        """Validate a mapping (or an already built config) against its ``kind``."""
-        if isinstance(value, BaseModel):
-            return value
-        if not isinstance(value, dict):
-            raise PydanticCustomError("plugin_type", "expected a mapping with a 'kind' key")
-        kind = value.get("kind", self.default)
-        if not isinstance(kind, str) or kind not in self._items:
-            raise PydanticCustomError(
-                "plugin_kind", "unknown {what} kind '{kind}'; known: {known}",
-                {"what": self.what, "kind": kind, "known": ", ".join(self.names())})
-        cls = self._items[kind][0]
-        data = dict(value)
-        data.setdefault("kind", kind)
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            msg, value = err["msg"].removeprefix("Value error, "), err.get("input")
-            if err["type"] == "plugin_field":
-                # A plug-in nested in this one: fold its location and value into ours.
-                ctx = err["ctx"]
-                loc = ".".join(p for p in (loc, ctx["loc"]) if p)
-                msg, value = ctx["msg"], ctx["value"]
-            elif err["type"] == "extra_forbidden":
-                msg = "unknown key"
-            raise PydanticCustomError("plugin_field", "{loc}: {msg}",
-                                      {"loc": loc, "msg": msg, "value": value}) from None
-
-
+POLICIES: Registry = Registry("policy")
 ARRIVALS: Registry = Registry("arrival process", default="poisson")
 LENGTHS: Registry = Registry("length distribution", default="constant")
 WORKLOADS: Registry = Registry("workload", default="synthetic")

@@ -16,18 +16,12 @@ from pathlib import Path
 from typing import Sequence
 
 from simulator.config.registry import COST_MODELS
-from simulator.cost.profile import ProfileCostConfig, ProfileCostModel, load_profile, resolve_profile_path
+from simulator.cost.profile import (REPO_ROOT, ProfileCostConfig, ProfileCostModel,  # noqa: F401
+                                    load_profile, profile_search_dirs, resolve_profile_path)
 
 __all__ = ["ProfileCostConfig", "ProfileCostModel", "load_profile", "build_cost_model",
            "profile_search_dirs", "step_ms"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def profile_search_dirs(base_dir: Path | None) -> list[Path]:
-    """Where a relative profile path is looked up: scenario dir, cwd, repository root."""
-    dirs = [Path(base_dir)] if base_dir is not None else []
-    return dirs + [Path.cwd(), REPO_ROOT]
 
 
 def _build_profile(cfg: ProfileCostConfig, rng, base_dirs: Sequence[Path], profile: dict | None = None):

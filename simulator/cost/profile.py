@@ -54,6 +54,15 @@ class ProfileCostConfig(ShapeSized, StrictModel):
     scale: float = Field(1.0, gt=0, description="multiply every step time (what-if)")
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def profile_search_dirs(base_dir: Path | None) -> list[Path]:
+    """Where a relative profile path is looked up: scenario dir, cwd, repository root."""
+    dirs = [Path(base_dir)] if base_dir is not None else []
+    return dirs + [Path.cwd(), REPO_ROOT]
+
+
 def resolve_profile_path(path: str, base_dirs: Sequence[Path]) -> Path:
     """Find a profile: absolute, or relative to each base dir (scenario dir, cwd, repo)."""
     p = Path(path)

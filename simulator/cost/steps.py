@@ -81,7 +81,7 @@ def roofline_model(model: str, gpu: str, tp: int, pp: int, weight_dtype: str, kv
 
 def measured_model(profile: Path, kind: str, model: Optional[str]):
     """A measured profile's ``fitted`` or ``profile`` cost model (and the profile)."""
-    from simulator.cost import load_profile
+    from simulator.cost.profile import load_profile
     from simulator.cost.fitted import FittedCostModel
     from simulator.cost.profile import ProfileCostModel
     if not profile.exists():

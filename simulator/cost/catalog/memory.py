@@ -215,10 +215,10 @@ class MemoryPlan:
 
 
 def _resolve(model, gpu) -> tuple[ModelArch, GpuSpec]:
-    from simulator.cost import catalog   # the lookup functions live in the package
+    from simulator.cost.catalog import lookup
 
-    arch = model if isinstance(model, ModelArch) else catalog.model(model)
-    spec = gpu if isinstance(gpu, GpuSpec) else catalog.gpu(gpu)
+    arch = model if isinstance(model, ModelArch) else lookup.model(model)
+    spec = gpu if isinstance(gpu, GpuSpec) else lookup.gpu(gpu)
     return arch, spec
 
 

@@ -54,10 +54,14 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 
+from simulator.config.registry import POLICIES
 from simulator.config.strict import StrictModel
 
 from simulator.kernel import kernel, python_of
 from simulator.model.scheduling.plan import EMPTY_PLAN, SchedulerState, StepPlan, admission_cost
+# A discipline's requeue rules are the queue's (``queues``); named here for policies.
+from simulator.model.scheduling.queues import (REQUEUE_ARRIVAL, REQUEUE_FRONT,  # noqa: F401
+                                               REQUEUE_RESUMED, WaitingQueue)
 
 
 @kernel(inline=True)
@@ -79,13 +83,6 @@ _next_offer = python_of(next_offer)      # once per fill: no compiled dispatch
 __all__ = ["Limits", "Policy", "PolicyParams", "POLICIES", "register_policy", "policy_names",
            "policy_class", "make_policy", "check_policy_name", "REQUEUE_FRONT",
            "REQUEUE_ARRIVAL", "REQUEUE_RESUMED"]
-
-# Where a request preempted by recompute waits again (a discipline's requeue rule):
-# at the very front of the queue (vLLM's ``appendleft``), in its class in arrival order
-# (it keeps the waiting time it earned), or among the "resumed" requests, which are
-# compared with the classes' heads by key at every decision (for an order whose key
-# depends on a request's progress, where arrival order within a class is not key order).
-REQUEUE_FRONT, REQUEUE_ARRIVAL, REQUEUE_RESUMED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -142,7 +139,6 @@ class Policy:
 
     def new_queue(self):
         """An empty waiting queue ordered by this policy's discipline."""
-        from simulator.model.scheduling.queues import WaitingQueue
         return WaitingQueue(self)
 
     def warm_up(self) -> None:
@@ -200,14 +196,16 @@ class Policy:
 
 
 # -- the registry ----------------------------------------------------------------------
-POLICIES: dict[str, type[Policy]] = {}
+# ``POLICIES`` (``config.registry``): name -> (the policy's ``Params``, its class). The
+# built-in policies (``simulator.model.policies``) are imported by the composition root
+# ``config.plugins``, and by this package (``model.scheduling``) for library use.
 
 
 def register_policy(name: str):
     """Class decorator: register a ``Policy`` subclass under ``name`` (unique)."""
 
     def deco(cls: type[Policy]) -> type[Policy]:
-        if name in POLICIES and POLICIES[name] is not cls:
+        if name in POLICIES and POLICIES.factory(name) is not cls:
             raise RuntimeError(f"policy {name!r} registered twice")
         if not (isinstance(cls, type) and issubclass(cls, Policy)):
             raise TypeError(f"policy {name!r} must subclass simulator.model.scheduling.Policy")
@@ -219,28 +217,19 @@ def register_policy(name: str):
                 setattr(cls, attr, staticmethod(v))
         if cls.fill_kernel is None:
             raise TypeError(f"policy {name!r} has no fill_kernel")
-        POLICIES[name] = cls
+        POLICIES.register(name, cls.Params, cls)
         return cls
 
     return deco
 
 
-def _builtins() -> None:
-    import simulator.model.policies  # noqa: F401  (registers the built-in policies)
-
-
 def policy_names() -> list[str]:
-    _builtins()
-    return sorted(POLICIES)
+    return POLICIES.names()
 
 
 def policy_class(name: str) -> type[Policy]:
     """The class registered as ``name``; ``ValueError`` listing the known ones."""
-    _builtins()
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    return cls
+    return POLICIES.factory(name)
 
 
 def check_policy_name(name: str) -> str:

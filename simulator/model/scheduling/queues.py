@@ -30,8 +30,14 @@ from typing import Iterator
 from simulator.errors import LatsimError
 from simulator.kernel import kernel, python_of
 from simulator.model.scheduling.plan import Seq
-from simulator.model.scheduling.policy import REQUEUE_ARRIVAL, REQUEUE_FRONT
 from simulator.model.scheduling.view import Waiting, class_info
+
+# Where a request preempted by recompute waits again (a discipline's requeue rule):
+# at the very front of the queue (vLLM's ``appendleft``), in its class in arrival order
+# (it keeps the waiting time it earned), or among the "resumed" requests, which are
+# compared with the classes' heads by key at every decision (for an order whose key
+# depends on a request's progress, where arrival order within a class is not key order).
+REQUEUE_FRONT, REQUEUE_ARRIVAL, REQUEUE_RESUMED = 0, 1, 2
 
 __all__ = ["WaitingQueue", "progress_of", "progress", "goes_before", "arrival_ordered",
            "heads_suffice"]

@@ -1,0 +1,89 @@
+"""``Registry``: the one type every plug-in family is registered in (policies, arrival
+processes, length distributions, workload sources, cost models, routers), GuideLLM
+style: a name (a ``kind:`` field or a policy name) maps to a pydantic config class and
+a factory. A config field typed with ``config.pluginfield.plugin(REGISTRY)`` validates a
+mapping by looking up its ``kind``, so a new plug-in needs one ``register`` call and no
+edit to the schema. The families are ``config.registry``'s; the built-in plug-ins are
+imported by the composition root, ``config.plugins``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Generic, Optional, Tuple, Type, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Named plug-ins of one family: ``name -> (config class, factory)``. A family whose
+    plug-ins are classes (policies) registers the class as its factory."""
+
+    def __init__(self, what: str, default: Optional[str] = None) -> None:
+        self.what = what
+        self.default = default
+        self._items: Dict[str, Tuple[Type[BaseModel], Optional[Callable[..., T]]]] = {}
+
+    def register(self, name: str, config_cls: Type[BaseModel],
+                 factory: Optional[Callable[..., T]] = None) -> None:
+        """Add ``name``; the same entry again is a no-op, another one an error."""
+        if name in self._items and self._items[name] != (config_cls, factory):
+            raise RuntimeError(f"{self.what} {name!r} registered twice")
+        self._items[name] = (config_cls, factory)
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._items
+
+    def factory(self, name: str) -> Callable[..., T]:
+        """What ``name`` builds with; ``ValueError`` naming the known ones."""
+        if name not in self:
+            raise ValueError(f"unknown {self.what} {name!r}; known: {', '.join(self.names())}")
+        return self._items[name][1]
+
+    def config_class(self, name: str) -> Type[BaseModel]:
+        return self._lookup(name)[0]
+
+    def build(self, cfg: BaseModel, *args: Any, **kwargs: Any) -> T:
+        factory = self._lookup(cfg.kind)[1]  # type: ignore[attr-defined]
+        if factory is None:
+            raise RuntimeError(f"{self.what} {cfg.kind!r} has no factory")  # type: ignore[attr-defined]
+        return factory(cfg, *args, **kwargs)
+
+    def _lookup(self, name: str):
+        if name not in self._items:
+            raise KeyError(name)
+        return self._items[name]
+
+    def validate(self, value: Any) -> BaseModel:
+        """Validate a mapping (or an already built config) against its ``kind``."""
+        if isinstance(value, BaseModel):
+            return value
+        if not isinstance(value, dict):
+            raise PydanticCustomError("plugin_type", "expected a mapping with a 'kind' key")
+        kind = value.get("kind", self.default)
+        if not isinstance(kind, str) or kind not in self._items:
+            raise PydanticCustomError(
+                "plugin_kind", "unknown {what} kind '{kind}'; known: {known}",
+                {"what": self.what, "kind": kind, "known": ", ".join(self.names())})
+        cls = self._items[kind][0]
+        data = dict(value)
+        data.setdefault("kind", kind)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            msg, value = err["msg"].removeprefix("Value error, "), err.get("input")
+            if err["type"] == "plugin_field":
+                # A plug-in nested in this one: fold its location and value into ours.
+                ctx = err["ctx"]
+                loc = ".".join(p for p in (loc, ctx["loc"]) if p)
+                msg, value = ctx["msg"], ctx["value"]
+            elif err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            raise PydanticCustomError("plugin_field", "{loc}: {msg}",
+                                      {"loc": loc, "msg": msg, "value": value}) from None
