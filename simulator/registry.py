@@ -24,10 +24,18 @@ class Registry(Generic[T]):
         self.what = what
         self.default = default
         self._items: Dict[str, Tuple[Type[BaseModel], Optional[Callable[..., T]]]] = {}
+        # The family's contract, where it has one: ``check(config_cls)`` lists what a
+        # config class lacks (``cost.model`` sets it for cost models).
+        self.check: Optional[Callable[[type], list]] = None
 
     def register(self, name: str, config_cls: Type[BaseModel],
                  factory: Optional[Callable[..., T]] = None) -> None:
-        """Add ``name``; the same entry again is a no-op, another one an error."""
+        """Add ``name``; the same entry again is a no-op, another one an error, and so is
+        a config class that lacks what the family's ``check`` asks for."""
+        missing = self.check(config_cls) if self.check is not None else []
+        if missing:
+            raise TypeError(f"{self.what} {name!r}: {config_cls.__name__} lacks "
+                            f"{', '.join(missing)}")
         if name in self._items and self._items[name] != (config_cls, factory):
             raise RuntimeError(f"{self.what} {name!r} registered twice")
         self._items[name] = (config_cls, factory)

@@ -42,6 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Protocol, Sequence, runtime_checkable
 
+from simulator.config.registry import COST_MODELS
+
 __all__ = ["CostModel", "ReplicaMemory", "StepCost", "compiled_reason", "cost_class", "kind_fact",
            "missing_methods"]
 
@@ -119,10 +121,12 @@ def missing_methods(config_cls: type) -> list[str]:
     return [m for m in _CONFIG_METHODS + _CONFIG_FACTS if not hasattr(config_cls, m)]
 
 
+COST_MODELS.check = missing_methods
+
+
 def cost_class(kind: str) -> type:
     """The config class of a registered kind (its class facts answer questions about
     a ``model.cost`` mapping before it is validated, e.g. in a planner's search)."""
-    from simulator.config.registry import COST_MODELS
     return COST_MODELS.config_class(kind)
 
 

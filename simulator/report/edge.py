@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from simulator.report.tables import fmt
+from simulator.report.cells import fmt
 
 EDGE_ROWS = (
     (("hit",), "cache hits"), (("edge",), "answered by the edge model"),

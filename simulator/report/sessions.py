@@ -147,7 +147,7 @@ def sessions_console_table(outs: dict):
     response-time law's prediction beside the measured throughput."""
     from rich.table import Table
 
-    from simulator.report.tables import fmt
+    from simulator.report.cells import fmt
     t = Table(title="Sessions (closed-loop users)", title_justify="left")
     t.add_column("")
     for name in outs:

@@ -9,17 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from simulator.report.cells import fmt
 from simulator.report.kv import kv_table
 from simulator.report.metrics import BREAKDOWN
-
-
-def fmt(v, digits: str = ".2f") -> str:
-    """A number for a table cell: thousands separators, '-' for missing."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:,{digits}}"
-    return str(v)
 
 
 def latency_table(title: str, columns: dict[str, dict], side_by_side: bool | None = None) -> Table:
