@@ -270,3 +270,17 @@ def test_console_shows_the_edge_table():
     text = buf.getvalue()
     row = next(line for line in text.splitlines() if "cache hits" in line)
     assert "Edge node" in text and row.split()[-2] == str(s["edge"]["hit"]) and s["edge"]["hit"] > 0
+
+
+def test_max_sim_time_cuts_the_edge_too():
+    """``max_sim_time_s``: no timestamp past the clock's stop, for the edge's answers
+    as for the cluster's (a hit past it is unfinished)."""
+    cache = {"popularity": {"kind": "zipf", "catalogue": 2}, "stream_tokens_per_s": 5.0}
+    d = _edge_dict(n=30, rate=2.0, cache=cache)
+    d["max_sim_time_s"] = 8.0
+    res, df = _run(d)
+    cols = ["enqueued", "scheduled", "first_token", "last_token", "first_delivered",
+            "last_delivered"]
+    assert not (df[cols] > 8.0).any().any()
+    assert res.sim_end == 8.0 and df["last_delivered"].isna().any()
+    assert (df["edge"] == "hit").sum() > 20

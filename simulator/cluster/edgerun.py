@@ -80,10 +80,15 @@ def simulate_edge(simulate, scenario, seed, *, base_dir=None, workload=None,
                                                                           plan.leave[idx]),
                    loop="simpy", **kw)
     rec = _fold(res.rec, idx, workload, plan, cfg)
+    end = res.sim_end
+    if scenario.max_sim_time_s is not None:
+        end = _cut(rec, float(scenario.max_sim_time_s))
+    elif np.isfinite(rec.last_delivered).any():
+        end = max(end, float(np.nanmax(rec.last_delivered)))
     cluster_cost = build_cost_model(scenario.model.cost, np.random.default_rng(rng_cost.integers(2**63)),
                                     dirs, profile=kw.get("profile"))
     out = dataclasses.replace(res, scenario=scenario, workload=workload, rec=rec,
-                              meta=dict(res.meta))
+                              meta=dict(res.meta), sim_end=end)
     out.meta["loop"] = f"simpy ({EDGE_REASON})"
     # A saved request's prefill is priced in the engine's chunks (the policy's size).
     from simulator.config.engine import engine_policy
@@ -142,6 +147,16 @@ def _fold(sub: Recorder, idx: np.ndarray, wl, plan, cfg) -> Recorder:
     rec.edge_columns = ("edge",)
     rec.edge = np.array(E.KINDS, dtype=object)[plan.kind]
     return rec
+
+
+def _cut(rec, until: float) -> float:
+    """``max_sim_time_s``: what would happen after the clock stops does not (a timestamp
+    past it is NaN, as the plain model never reaches it); returns the clock's end."""
+    from simulator.report.recorder import TIMESTAMPS
+    for name in TIMESTAMPS[1:]:
+        col = getattr(rec, name)
+        col[col > until] = np.nan
+    return until
 
 
 def _edge_answers(rec, wl, plan, h: float) -> None:
