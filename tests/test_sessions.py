@@ -162,6 +162,34 @@ def test_prefix_hits_cover_the_previous_prompt():
     assert off.rec.cached_tokens.sum() == 0
 
 
+def test_prefix_ids_never_share_what_differs():
+    """Prefix ids of 10 tokens under KV blocks of 16 (not a multiple): a hit never
+    covers more than the two prompts share (the previous prompt within a session, the
+    system prompt across sessions), and still finds the previous prompt's blocks up to
+    the last whole id unit inside it."""
+    res = _run(_wl(hash_block_tokens=10, system_prompt_tokens=70), prefix=True)
+    rec, wl, plan = res.rec, res.workload, _plan(res)
+    bs = res.scenario.engine.kv.block_size
+    s = plan.session
+    same = np.r_[False, s[1:] == s[:-1]]
+    prev = np.r_[0, wl.prompt_tokens[:-1]]
+    assert (rec.cached_tokens[same] <= prev[same]).all()
+    assert (rec.cached_tokens[same] >= (prev[same] - 10 - bs) // bs * bs).all()
+    assert (rec.cached_tokens[~same] <= 70).all()
+
+
+def test_clock_stop_leaves_sessions_unfinished():
+    """``max_sim_time_s`` cuts the loop: the turns never sent have no arrival, their
+    sessions are unfinished, and the summary still has a finite duration."""
+    from simulator.report.output import run_outputs
+    sc = _scenario(_wl(think_time=2.0), prefix=False, max_sim_time_s=3.0)
+    res = simulate(sc, 1, loop="simpy")
+    assert np.isnan(res.rec.arrival).any() and not np.isnan(res.rec.arrival).all()
+    _, summary = run_outputs(res)
+    assert summary["sessions"]["sessions_unfinished"] == 8
+    assert np.isfinite(summary["overall"]["duration_s"])
+
+
 def test_interactive_response_time_law():
     """X (R + Z) = the mean number of users still in the loop, exactly (every user's
     time is its delays plus its requests' E2E), so ``N - X (R + Z)`` lies in

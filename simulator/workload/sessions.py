@@ -330,6 +330,9 @@ def build_sessions(cfg: SessionsWorkload, rng: np.random.Generator, base_dir: Pa
                           field="workload.max_context_tokens", value=cfg.max_context_tokens,
                           has_value=True)
     a = {k: np.asarray(v) for k, v in cols.items()}
+    if a["prompt"].max() + a["output"].max() > MAX_TOKENS:
+        raise LatsimError(f"a session's history grows past {MAX_TOKENS:.0e} tokens: lower "
+                          "turns or the lengths, or set max_context_tokens", field="workload")
     n_s = len(s_first)
     s_user = np.arange(n_s) % cfg.users
     start = np.asarray(d["session_gap"][:n_s], dtype=np.float64)
