@@ -284,3 +284,22 @@ def test_max_sim_time_cuts_the_edge_too():
     assert not (df[cols] > 8.0).any().any()
     assert res.sim_end == 8.0 and df["last_delivered"].isna().any()
     assert (df["edge"] == "hit").sum() > 20
+
+
+def test_a_policies_entry_changes_the_edge_sections_it_names():
+    """A ``policies:`` entry's ``edge`` changes the sections it names of the scenario's
+    edge (``null``: no edge), in a run as in a sweep point."""
+    from simulator.planning.sweep import point_scenario, policy_axis
+    d = _edge_dict(cache={"popularity": {"kind": "zipf", "catalogue": 3}})
+    d["policies"] = [{"policy": "chunked", "label": "none", "edge": None},
+                     {"policy": "chunked", "label": "both",
+                      "edge": {"speculation": {"cost": ROOF, "acceptance": 0.5}}}]
+    runs = dict(validate_scenario(copy.deepcopy(d)).policy_runs())
+    assert runs["none"].edge is None
+    both = runs["both"].edge
+    assert both.cache.popularity.catalogue == 3 and both.speculation.acceptance == 0.5
+    assert both.rtt_ms == 6.0
+    _, entries = policy_axis(d)
+    for label, want in (("none", None), ("both", both)):
+        point = validate_scenario(point_scenario(d, {"engine.policy": label}, entries))
+        assert point.edge == want

@@ -110,7 +110,7 @@ def check_edge(sc) -> None:
     a session's next turn is sent when the previous answer is back)."""
     kind = getattr(sc.workload, "kind", None)
     edges = [("edge", sc.edge)] + [
-        (f"policies ({p.name!r}): edge", EdgeConfig.model_validate(p.edge))
+        (f"policies ({p.name!r}): edge", p.edge_of(sc))
         for p in sc.policies or [] if not isinstance(p, str) and p.edge]
     for where, e in edges:
         if e is None:

@@ -161,8 +161,7 @@ class Scenario(StrictModel):
                     data["kv"] = {**data.get("kv", {}), **p.kv}
                 eng = EngineConfig.model_validate(data)
                 label = p.name
-                edge = ({"edge": EdgeConfig.model_validate(p.edge) if p.edge else None}
-                        if "edge" in p.model_fields_set else {})
+                edge = ({"edge": p.edge_of(self)} if "edge" in p.model_fields_set else {})
                 if p.cluster or "client" in p.model_fields_set:
                     runs.append((label, self.model_copy(update={"engine": eng, **edge,
                                                                 **p.traffic_update(self)})))
@@ -211,7 +210,8 @@ class PolicyRun(StrictModel):
                                              "this run; null: patient clients")
     speculative: Optional[dict[str, Any]] = Field(None, description="engine.speculative for "
                                                   "this run; null: off")
-    edge: Optional[dict[str, Any]] = Field(None, description="edge for this run; null: none")
+    edge: Optional[dict[str, Any]] = Field(None, description="edge sections to change for "
+                                           "this run; null: no edge")
 
     @field_validator("edge")
     @classmethod
@@ -219,6 +219,14 @@ class PolicyRun(StrictModel):
         if v is not None:
             EdgeConfig.model_validate(v)
         return v
+
+    def edge_of(self, base: "Scenario") -> Optional[EdgeConfig]:
+        """This run's edge: the base scenario's with this entry's sections changed
+        (``edge: null``: none)."""
+        if self.edge is None:
+            return None
+        old = base.edge.model_dump(exclude_unset=True) if base.edge is not None else {}
+        return EdgeConfig.model_validate({**old, **self.edge})
 
     @field_validator("speculative")
     @classmethod

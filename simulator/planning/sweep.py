@@ -152,7 +152,9 @@ def _apply_run(data: dict, entry) -> None:
             data["client"] = None if v is None else {**(data.get("client") or {}), **v}
             continue
         if k == "edge":
-            data["edge"] = v     # the run's edge node, a section of its own (null: none)
+            # The run's edge node, a section of its own: the base's with the entry's
+            # sections changed (``PolicyRun.edge_of``; null: none).
+            data["edge"] = None if v is None else {**(data.get("edge") or {}), **v}
             continue
         if k == "label" or v is None:
             continue
