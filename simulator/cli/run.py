@@ -283,8 +283,8 @@ def _run(scenario, set_, out, seed, policies, plots, loop, force, yes, table_for
     with about(str(scenario)):
         capacity = kv_capacity_blocks(sc)
     # Same traffic for every policy: build the workload once from the seed.
-    import numpy as np   # here, not at the top: ``latsim run --help`` needs no numpy
-    wl_rng = np.random.default_rng(np.random.SeedSequence(s).spawn(4)[0])
+    from simulator.seeds import stream   # numpy: not at the top (``run --help`` needs none)
+    wl_rng = stream(s, "workload")       # the stream ``simulate`` draws its traffic from
     with about(str(scenario)):
         wl = build_workload(sc.workload, wl_rng, base)
     n = len(wl)
@@ -424,6 +424,8 @@ def _unfinished_text(counts: dict, max_sim_time_s) -> tuple[str, bool]:
                      "(cluster.admission; see rejected_by_reason)")
     if counts.get("timed_out"):
         parts.append(f"{counts['timed_out']:,} given up by their clients (client timeouts)")
+    if counts.get("failed"):
+        parts.append(f"{counts['failed']:,} lost to replica failures (cluster.faults)")
     failed = bool(counts["rejected"] or counts["cut"] or counts["stuck"])
     return "; ".join(parts), failed
 
@@ -452,5 +454,3 @@ def _never_fit_lines(runs, wl, never_fit, capacity_of, source: str) -> None:
                               field="engine.kv")
         console.print(f"[yellow]warning[/]{where}: {bad:,} of {len(wl):,} requests can never "
                       f"run and will be rejected: {'; '.join(why)}", highlight=False)
-    if counts.get("failed"):
-        parts.append(f"{counts['failed']:,} lost to replica failures (cluster.faults)")

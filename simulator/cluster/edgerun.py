@@ -58,9 +58,10 @@ def simulate_edge(simulate, scenario, seed, *, base_dir=None, workload=None,
                           "(workload kind sessions)", field="edge")
     seed = scenario.seed if seed is None else seed
     if workload is None:
-        # The stream ``simulate`` draws its workload from (its first spawned child), so
-        # a run with the edge and one without see the same requests.
-        rng_wl = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
+        # The stream ``simulate`` draws its workload from (``simulator.seeds``), so a
+        # run with the edge and one without see the same requests.
+        from simulator.seeds import stream
+        rng_wl = stream(seed, "workload")
         workload = build_workload(scenario.workload, rng_wl, base_dir or Path.cwd())
     rng_keys, rng_accept, rng_cost = edge_rngs(seed)
     dirs = profile_search_dirs(base_dir)

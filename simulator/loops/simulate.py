@@ -1,7 +1,7 @@
 """``simulate(scenario, seed) -> Results``: one run of the whole SimPy model.
 
 The run is a pure function of the scenario and the seed: one
-``numpy.random.Generator`` per concern is spawned from the seed (workload,
+``numpy.random.Generator`` per concern is spawned from the seed (``simulator.seeds``: workload,
 network, router, cost noise), nothing global is touched, and nothing is written
 to disk here (the CLI writes files).
 
@@ -44,6 +44,7 @@ from simulator.loops.compiled import (COMPILE_MIN_REQUESTS, Handback, kernel_rea
 from simulator.loops.simpy.driver import run_simpy
 from simulator.loops.traffic import run_traffic, traffic_reason
 from simulator.workload import Workload, build_workload
+from simulator.seeds import run_streams
 from simulator.workload.sessions import session_reason
 # A replica's set-up is computed before any loop (``simulator.deploy``); named here too,
 # where callers have long imported them from.
@@ -113,11 +114,9 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                              cost_model=cost_model, loop=loop, progress=progress,
                              trace=trace)
     seed = scenario.seed if seed is None else seed
-    ss = np.random.SeedSequence(seed)
-    rng_wl, rng_net, rng_router, rng_cost = (np.random.default_rng(s) for s in ss.spawn(4))
-    # Spawned after the first four, which (hence every default run) they leave unchanged.
-    rng_link, rng_disc = (np.random.default_rng(s) for s in ss.spawn(2))
-    rng_traffic = np.random.default_rng(ss.spawn(1)[0])   # client backoff jitter
+    streams = run_streams(seed)       # one generator per concern (``simulator.seeds``)
+    rng_wl, rng_net, rng_router, rng_cost = streams[:4]
+    rng_link, rng_disc, rng_traffic = streams.link, streams.disconnect, streams.traffic
     if workload is None:
         workload = build_workload(scenario.workload, rng_wl, base_dir or Path.cwd())
     eng = scenario.engine
@@ -138,11 +137,11 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     spec = None
     if eng.speculative is not None:
         # Speculative decoding (``engine.speculative``): its acceptance draws have their
-        # own stream, spawned after every other one (which it leaves unchanged).
+        # own stream (``simulator.seeds``), after every other one (left unchanged).
         from dataclasses import replace
         from simulator.model.speculative import build_speculative
         spec = build_speculative(eng.speculative, scenario.model.cost, costs[0],
-                                 int(np.random.default_rng(ss.spawn(1)[0]).integers(2**63)),
+                                 int(streams.speculative.integers(2**63)),
                                  profile_search_dirs(base_dir))
         kv_args["kv_rules"] = replace(kv_args["kv_rules"], lookahead=spec.k)
         kv_args["speculative"] = spec
