@@ -324,3 +324,59 @@ def test_degrade_never_triggered_is_the_plain_run():
     assert not requests_table(a)["degraded"].any()
     for col in ("first_delivered", "last_delivered", "replica"):
         assert np.array_equal(getattr(a.rec, col), getattr(b.rec, col), equal_nan=True), col
+
+
+def test_a_failed_replica_comes_back_with_an_empty_prefix_cache():
+    """Prefix caching on, every prompt opening with the same 512-token system prompt: before
+    the outage a request finds it cached; the requests routed at the recovery find a fresh
+    replica (its KV, prefix cache included, dropped), so the first of them computes it
+    again (cached_tokens 0), and the ones after it hit again."""
+    d = make_scenario_dict()
+    d["workload"].update({"num_requests": 40, "arrival": {"kind": "constant", "rate": 2.0},
+                          "prompt_tokens": {"kind": "constant", "value": 100},
+                          "output_tokens": {"kind": "constant", "value": 10},
+                          "classes": [{"name": "all", "share": 1.0,
+                                       "system_prompt_tokens": 512}]})
+    d["engine"]["kv"]["prefix_caching"] = True
+    d["cluster"] = {"replicas": 1, "faults": {"outages": [{"replica": 0, "start_s": 10.2,
+                                                           "duration_s": 5.0}]}}
+    df = requests_table(simulate(validate_scenario(d), loop="simpy"))
+    cached = df["cached_tokens"].to_numpy()
+    routed_at_recovery = np.isclose(df["enqueued"].to_numpy(), 15.2, rtol=0, atol=1e-9)
+    before = df["arrival"].to_numpy() < 10.0
+    assert (cached[before][1:] >= 512).all()          # after the first, the prefix hits
+    first = np.flatnonzero(routed_at_recovery)[0]
+    assert cached[first] == 0
+    later = df["arrival"].to_numpy() > 16.0
+    assert (cached[later] >= 512).all()
+
+
+def test_gateway_breakers_half_open_on_a_timer_and_fail_an_abandoned_probe():
+    """``Breakers`` in simulated time: the cool-down's timer half-opens the breaker (the
+    held requests are released), the one probe goes out, its client gives up (it will
+    never succeed nor fail): the next check, a cool-down later, counts it as a failure
+    and the breaker opens again."""
+    import simpy
+
+    from simulator.cluster.breaker import Breakers
+    env = simpy.Environment()
+    log, released, gone = [], [], set()
+    br = Breakers(env, BreakerConfig(failures=2, cooldown_s=5.0, probes=1), 1,
+                  lambda s, e: log.append((env.now, e)), lambda: released.append(env.now),
+                  lambda aid: aid in gone)
+    env.run(until=1.0)
+    br.failure(0, 1.0)
+    br.failure(0, 1.0)
+    assert not br.allows(0, 1.0)
+    env.run(until=6.5)
+    assert log == [(1.0, "breaker_open"), (6.0, "breaker_half_open")] and released == [6.0]
+    br.routed(0, 7, 6.5)
+    assert not br.allows(0, 6.5)          # its one probe is out
+    gone.add(7)                           # its client left
+    env.run(until=12.0)
+    assert log[-1] == (11.0, "breaker_open") and br.opens == [2]
+    env.run(until=16.5)
+    br.routed(0, 8, 16.5)
+    env.run(until=17.0)
+    br.success(0, 8, 17.0, 0.05)
+    assert log[-1] == (17.0, "breaker_closed") and br.allows(0, 17.0)

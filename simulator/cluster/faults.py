@@ -25,17 +25,15 @@ replica and ``detect_s`` 0, a request arriving during an outage waits exactly un
 the recovery.
 
 Per request: ``fault_retries`` (gateway retries after faults) and ``fault_lost_s``
-(from the request's first arrival at the gateway to the routing of the attempt that
-served it: time lost on failed attempts and waiting for a routable replica).
+(time lost to faults: on attempts that failed, from their routing to their failure, and
+waiting at the gateway for a routable replica; a client's own backoff is not in it).
 ``timeline``: every failure, detection, recovery and breaker transition.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from simulator.cluster.breaker import HALF_OPEN, OPEN, Breaker
+from simulator.cluster.breaker import Breakers
 from simulator.cluster.gateway import FAILED, UNFINISHED
 from simulator.loops.simpy.replica import SimSeq
 from simulator.model.kv.blocks import request_blocks
@@ -87,18 +85,17 @@ class Faults:
         self.known = [False] * n_slots       # the gateway knows it is down
         self.outage = [0] * n_slots          # outages so far (which one is on)
         self.recover_at = [0.0] * n_slots
-        self.breaker_cfg = breaker_cfg
-        self.breakers = ([Breaker(breaker_cfg) for _ in range(n_slots)]
-                         if breaker_cfg is not None else None)
-        self.probes: set[int] = set()        # attempts routed as half-open probes
+        self.breakers = (Breakers(env, breaker_cfg, n_slots, self._log, self.release,
+                                  self._abandoned) if breaker_cfg is not None else None)
         self.rngs = rng.spawn(n_slots)
         self.timeline: list[tuple[float, int, str]] = []
         self.held: list[SimSeq] = []
         self.forward: dict[int, int] = {}    # failed attempt -> the retry that replaced it
         self.avoid: dict[int, tuple[int, int]] = {}   # request -> (slot, outage) it failed on
         self.fault_retries = np.zeros(n_requests, dtype=np.int32)
-        self.first_reach = np.full(n_requests, np.nan)
-        self.routed_at = np.full(n_requests, np.nan)
+        self.lost_s = np.zeros(n_requests)   # time lost to faults, per request
+        self.held_since: dict[int, float] = {}   # attempt -> when it was first held
+        self.routed_t: dict[int, float] = {}     # attempt -> when it was routed
         self.tally = {"failures": 0, "in_flight_failed": 0, "refused_while_down": 0,
                       "retried": 0, "lost": 0, "held": 0}
         self.gw = None
@@ -175,13 +172,11 @@ class Faults:
         """Of the ready ``slots``, those a request may be routed to now (module doc)."""
         rid = int(self.gw.a_rid[seq.rid])
         now = self.env.now
-        if math.isnan(self.first_reach[rid]):
-            self.first_reach[rid] = now
         avoid = self.avoid.get(rid)
         br = self.breakers
         out = []
         for s in slots:
-            if self.known[s] or (br is not None and not br[s].allows(now)):
+            if self.known[s] or (br is not None and not br.allows(s, now)):
                 continue
             if avoid is not None and avoid == (s, self.outage[s]) and self.down[s]:
                 continue
@@ -191,6 +186,7 @@ class Faults:
     def hold(self, seq: SimSeq) -> None:
         """No replica is routable: ``seq`` waits at the gateway (``release``)."""
         self.tally["held"] += 1
+        self.held_since.setdefault(seq.rid, self.env.now)
         self.held.append(seq)
 
     def release(self) -> None:
@@ -203,10 +199,14 @@ class Faults:
         """``seq`` was routed to ``slot`` now: True when the replica is down (the request
         failed there, connection refused); else it is taken (a breaker probe, perhaps)."""
         now = self.env.now
+        aid = seq.rid
+        rid = int(self.gw.a_rid[aid])
+        if aid in self.held_since:
+            self.lost_s[rid] += now - self.held_since.pop(aid)
+        self.routed_t[aid] = now
         if self.down[slot]:
             self.tally["refused_while_down"] += 1
             gw = self.gw
-            aid = seq.rid
             gw.a_slot[aid] = slot
             gw.seqs[aid] = seq
             if self.cfg.refuse_s > 0:
@@ -216,9 +216,8 @@ class Faults:
             else:
                 self._failed(aid, slot)
             return True
-        if self.breakers is not None and self.breakers[slot].routed(now):
-            self.probes.add(seq.rid)
-        self.routed_at[int(self.gw.a_rid[seq.rid])] = now
+        if self.breakers is not None:
+            self.breakers.routed(slot, aid, now)
         return False
 
     def succeeded(self, slot: int, aid: int) -> None:
@@ -226,12 +225,8 @@ class Faults:
         if self.breakers is None:
             return
         gw = self.gw
-        b = self.breakers[slot]
-        before = b.poll(self.env.now)
-        if before == HALF_OPEN and aid not in self.probes:
-            return      # routed before it opened: says nothing of the replica now
-        b.success(self.env.now, float(gw.arec.first_token[aid] - gw.a_admit[aid]))
-        self._breaker_moved(slot, before)
+        self.breakers.success(slot, aid, self.env.now,
+                              float(gw.arec.first_token[aid] - gw.a_admit[aid]))
 
     def follow(self, aid: int) -> int:
         """The attempt that now stands for ``aid`` (its gateway retries replace it)."""
@@ -240,40 +235,26 @@ class Faults:
         return aid
 
     # -- a failed attempt ---------------------------------------------------------------------
-    def _breaker_moved(self, slot: int, before: str) -> None:
-        b = self.breakers[slot]
-        if b.state == before:
-            return
-        self._log(slot, f"breaker_{b.state}")
-        if b.state == OPEN:
-            k = b.opens
-            self.env.timeout(self.breaker_cfg.cooldown_s).callbacks.append(
-                lambda _e: self._half_open(slot, k))
-        else:
-            self.release()      # half-open or closed: routable again
-
-    def _half_open(self, slot: int, k: int) -> None:
-        b = self.breakers[slot]
-        if b.opens == k:
-            before = b.state
-            b.poll(self.env.now)
-            self._breaker_moved(slot, before)
+    def _abandoned(self, aid: int) -> bool:
+        """Attempt ``aid``'s client left before it succeeded or failed (a breaker probe
+        that will never resolve)."""
+        return int(self.gw.a_out[aid]) not in (C.OPEN, C.COMPLETED, C.FAILED)
 
     def _failed(self, aid: int, slot: int) -> None:
         """Attempt ``aid`` on ``slot`` failed now: the breaker counts it; retry or lose."""
         gw, env = self.gw, self.env
         now = env.now
+        if gw.a_out[aid] == C.FAILED:
+            return       # (refused, then caught in a new failure before it learned so)
         gw.seqs.pop(aid, None)
-        seq_ok = gw.a_out[aid] == C.OPEN
+        rid = int(gw.a_rid[aid])
+        self.lost_s[rid] += now - self.routed_t.pop(aid, now)
+        if self.breakers is not None:
+            self.breakers.failure(slot, now)
+        if gw.a_out[aid] != C.OPEN or gw.outcome[rid] != UNFINISHED:
+            return       # its client had already left: its own outcome stands
         gw.a_out[aid] = C.FAILED
         gw.a_end[aid] = now
-        if self.breakers is not None:
-            before = self.breakers[slot].state
-            self.breakers[slot].failure(now)
-            self._breaker_moved(slot, before)
-        rid = int(gw.a_rid[aid])
-        if not seq_ok or gw.outcome[rid] != UNFINISHED:
-            return       # its client had already left
         if self.cfg.in_flight == "retry" and self.fault_retries[rid] < self.cfg.max_retries:
             self.fault_retries[rid] += 1
             self.tally["retried"] += 1
@@ -309,9 +290,7 @@ class Faults:
     def columns(self) -> dict:
         """Per-request columns: gateway retries after faults, and the time lost to them
         (a request that failed: up to its last routing)."""
-        lost = self.routed_at - self.first_reach
-        lost = np.where(np.isnan(lost), 0.0, lost)
-        return {"fault_retries": self.fault_retries.copy(), "fault_lost_s": lost}
+        return {"fault_retries": self.fault_retries.copy(), "fault_lost_s": self.lost_s.copy()}
 
     def meta(self, end: float) -> dict:
         """``summary.json``'s ``faults`` raw parts (``report.faults`` adds the phases)."""
@@ -324,7 +303,7 @@ class Faults:
                "timeline": [{"time_s": t, "replica": s, "event": e}
                             for t, s, e in self.timeline]}
         if self.breakers is not None:
-            out["breaker_opens"] = [b.opens for b in self.breakers]
+            out["breaker_opens"] = self.breakers.opens
         return out
 
 

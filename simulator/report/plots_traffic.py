@@ -63,6 +63,11 @@ def plot_cluster(results, path: Optional[Path] = None) -> Figure:
         ax.stackplot(t, ready, prov, drain, step="pre", labels=["ready", "provisioning",
                                                                   "draining"],
                      colors=["#1f77b4", "#ff7f0e", "#9467bd"], alpha=0.8)
+        for col, color, label in (("replicas_down", "#d62728", "down (faults)"),
+                                  ("breakers_open", "#000000", "breaker open")):
+            if col in c and c[col].notna().any():     # a run with cluster.faults / breaker
+                ax.step(t, c[col].to_numpy(float), where="pre", color=color, lw=1.3,
+                        ls="--" if col == "breakers_open" else "-", label=label)
         ax.set_ylabel("replicas (window mean)")
         ax.set_ylim(bottom=0)
         ax.set_title(f"{name}: fleet", fontsize=10)
