@@ -260,6 +260,7 @@ def _write(tmp_path, wl: dict, **over):
     ({"think_time": {"kind": "exponential", "mean_s": -2}}, "workload.think_time.mean_s"),
     ({"think_time": {"kind": "uniform", "low_s": 3, "high_s": 1}}, "workload.think_time"),
     ({"tool_calls": {"kind": "constant", "value": 2}}, "workload"),
+    ({"keep_reasoning": True}, "workload"),
     ({"mode": "reasoning"}, "workload"),
     ({"sessions": 0}, "workload.sessions"),
     ({"max_context_tokens": 10}, "workload.max_context_tokens"),
@@ -270,6 +271,15 @@ def test_bad_input_is_one_line_exit_2(tmp_path, over, field):
     assert r.exit_code == 2, r.output
     line = r.output.strip()
     assert "\n" not in line and str(p) in line and field in line, line
+
+
+@pytest.mark.parametrize("mode", ["chat", "reasoning", "agentic"])
+def test_a_dumped_scenario_validates_again(mode):
+    """The results folder's scenario.yaml (every key, defaults included) is a scenario."""
+    extra = {"reasoning_tokens": {"kind": "constant", "value": 8}} if mode == "reasoning" else {}
+    sc = _scenario(_wl(mode=mode, **extra))
+    again = validate_scenario(sc.model_dump(mode="json"))
+    assert again.workload == sc.workload
 
 
 @pytest.mark.parametrize("over, what", [

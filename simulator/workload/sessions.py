@@ -164,13 +164,15 @@ class SessionsWorkload(StrictModel):
 
     @model_validator(mode="after")
     def _mode(self):
+        # A key left at its default (None, false) is no request: a dumped scenario, which
+        # holds every key, validates again.
         reasoning = ("reasoning_tokens", "keep_reasoning")
         tools = ("tool_calls", "tool_latency", "tool_call_tokens", "tool_result_tokens")
         for name in tools:
-            if name in self.model_fields_set and self.mode != "agentic":
+            if getattr(self, name) is not None and self.mode != "agentic":
                 raise ValueError(f"{name} is for mode: agentic (mode is {self.mode})")
         for name in reasoning:
-            if name in self.model_fields_set and self.mode == "chat":
+            if getattr(self, name) not in (None, False) and self.mode == "chat":
                 raise ValueError(f"{name} is for mode: reasoning or agentic (mode is chat)")
         if self.mode == "reasoning" and self.reasoning_tokens is None:
             raise ValueError("mode: reasoning needs reasoning_tokens")
