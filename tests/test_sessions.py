@@ -140,6 +140,20 @@ def test_the_loop_closes_and_time_to_last_turn_is_the_sum():
         t["time_to_last_turn_s"].mean() * 1e3, rel=1e-12)
 
 
+def test_users_ramp_and_run_their_sessions_in_turn():
+    """User u starts at u x ramp_s / users; session s + users (the same user's next)
+    starts its session gap after session s's last byte."""
+    res = _run(_wl(ramp_s=2.0, session_gap={"kind": "uniform", "low_s": 1, "high_s": 3}),
+               prefix=False)
+    t, plan = res.meta["session_table"], _plan(res)
+    np.testing.assert_allclose(t["start_s"][:4], [0.0, 0.5, 1.0, 1.5], rtol=0, atol=ABS)
+    nxt = np.arange(4, 8)
+    np.testing.assert_allclose(t["start_s"][nxt], t["end_s"][nxt - 4] + plan.start_gap_s[nxt],
+                               rtol=0, atol=ABS)
+    assert ((plan.start_gap_s[nxt] >= 1) & (plan.start_gap_s[nxt] <= 3)).all()
+    np.testing.assert_array_equal(t["user"], np.arange(8) % 4)
+
+
 def test_prefix_hits_cover_the_previous_prompt():
     """One replica, a cache far larger than the run: turn k's hit is exactly the full
     blocks of turn k-1's prompt (the history up to the last answer; vLLM would also
