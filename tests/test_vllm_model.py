@@ -118,6 +118,38 @@ def test_frontend_adds_its_closed_form_to_ttft_and_sits_in_t_net_and_t_stream():
                                - (off.last_delivered - off.last_token), resp, atol=1e-12)
 
 
+def test_ttft_at_low_load_is_front_end_plus_one_more_step_plus_prefill():
+    """The closed form of a first token under async scheduling and the API server,
+    one long request decoding (steps of D = 10 ms) and newcomers arriving uniformly
+    within a step: TTFT = request side (request_ms + ipc + prompt x tokenise) + the
+    step wait (U(D, 2D) under async scheduling: mean 3D/2, 4 standard errors D /
+    sqrt(12 n)) + the newcomer's own step (the cost model's mixed step) + response side
+    (ipc + output_ms_per_token) + one output ahead of it in the API server (the
+    decoder's)."""
+    fe = {"request_ms": 1.0, "tokenize_us_per_token": 1.5, "ipc_ms": 0.04,
+          "output_ms_per_token": 0.0699}
+    n = 240
+    wl = _busy_decode(n)
+    res = simulate(make_scenario(engine=_engine(async_scheduling=True, frontend=fe)), 0,
+                   workload=wl, profile=_const_decode_profile())
+    rec = res.rec
+    new = slice(1, None)
+    req = (1.0 + 0.04) / 1000 + 16 * 1.5e-6
+    np.testing.assert_allclose((rec.enqueued - rec.arrival)[new], req, rtol=0, atol=1e-12)
+    step = (rec.first_token - rec.scheduled)[new]
+    # Every newcomer's step is one decode plus its 16-token prefill: the same step.
+    np.testing.assert_allclose(step, step[0], rtol=0, atol=1e-12)
+    resp = (0.04 + 0.0699) / 1000 + 1 * 0.0699e-3
+    np.testing.assert_allclose((rec.first_delivered - rec.first_token)[new], resp,
+                               rtol=0, atol=1e-12)
+    ttft = (rec.first_delivered - rec.arrival)[new]
+    d = D_MS / 1000
+    assert ttft.mean() == pytest.approx(req + 1.5 * d + step[0] + resp,
+                                        abs=4 * d / np.sqrt(12 * n))
+    assert ttft.min() >= req + d + step[0] + resp - 1e-9
+    assert ttft.max() <= req + 2 * d + step[0] + resp + 1e-9
+
+
 def test_frontend_constants_are_the_cited_ones():
     """The defaults are the module's cited constants: 1.5 us per prompt token (HF fast
     tokenizers, 1.1-1.6 us/token single-threaded), 1.0 ms per request, 0.04 ms per ZMQ

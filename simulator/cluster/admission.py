@@ -22,6 +22,8 @@ the replica the router chose.
 """
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -83,7 +85,10 @@ class WaitEstimator:
       decodes, which is what a user can judge from the error this reports.
     - ``little`` (Little's law, ``W = L / lambda``): waiting requests / the replica's
       completion rate over the last ``window_s`` (the seed estimate while nothing has
-      completed in the window)."""
+      completed in the window);
+    - ``work`` (the default, ``cluster.waitest``): the queued prefill and the running
+      requests' remaining decode projected on the replica's step costs, not waiting
+      for requests ahead whose clients will have left (``patience``)."""
 
     def __init__(self, cfg, chunk: int, n_replicas: int) -> None:
         self.kind = cfg.kind
@@ -92,6 +97,9 @@ class WaitEstimator:
         self.chunk = max(1, int(chunk))
         self._done = [deque() for _ in range(n_replicas)]
         self._first_chunk: dict[int, float] = {}
+        # How long clients wait for a first byte before they leave (``work``: the
+        # requests ahead that will have left by their turn are not waited for).
+        self.patience = math.inf
 
     def completed(self, replica: int, now: float) -> None:
         """A request finished on ``replica`` at ``now`` (for ``little``)."""
@@ -119,6 +127,10 @@ class WaitEstimator:
             if done:
                 w = len(waiting) / (len(done) / self.window)
                 return w, w * self.p99_factor
+        if self.kind == "work":     # the work ahead on the step costs (``waitest``)
+            from simulator.cluster.waitest import work_wait
+            w = work_wait(rep, waiting, now, self.patience)
+            return w, w * self.p99_factor
         tokens = sum(s.remaining_prefill for s in waiting)
         w = tokens / self.chunk * self._mean_step(rep)
         return w, w * self.p99_factor

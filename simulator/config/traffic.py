@@ -42,10 +42,12 @@ class WaitEstimateConfig(StrictModel):
     """How the server estimates a request's queue wait (published to the client at
     admission, and used by ``max_wait_s``)."""
 
-    kind: Literal["seed", "little"] = Field(
-        "seed", description="seed: sum of waiting prompts / chunk size x mean step time "
-        "(estimate_wait_time, data/README.md); little: waiting requests / recent "
-        "admission rate")
+    kind: Literal["work", "seed", "little"] = Field(
+        "work", description="work: the queued prefill and the running requests' remaining "
+        "decode projected on the step costs (cluster.waitest; within 20% of the median "
+        "wait on the shipped scenarios); seed: sum of waiting prompts / chunk size x mean "
+        "step time (estimate_wait_time, data/README.md: it ignores the running decodes); "
+        "little: waiting requests / recent admission rate")
     p99_factor: float = Field(2.5, ge=1, description="published P99 = factor x estimate "
                               "(the article's 2.5)")
     window_s: float = Field(30.0, gt=0, description="little: admissions counted over this")

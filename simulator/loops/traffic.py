@@ -81,6 +81,8 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     arec = Recorder(n * ((ccfg.max_attempts if ccfg is not None else 1)
                          + (fc.max_retries if fc is not None else 0)), slots)
     rec.arrival[:] = workload.arrival_s
+    # A decision trace (``report.decisions``) follows the attempts (a retry: its own id).
+    arec.trace = getattr(rec, "trace", None)
     track = sc.report.utilization
     trackers = [UtilTracker(costs[i]) if track else None for i in range(slots)]
     gateway = None
@@ -134,6 +136,10 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
     adm = cl.admission
     estimator = WaitEstimator(adm.wait_estimate if adm is not None else _default_estimate(),
                               policy.chunk_size, slots)
+    if ccfg is not None and ccfg.read_timeout_s is not None:
+        # How long clients wait before they leave: what the server learns from their
+        # cancellations (the ``work`` estimate does not wait for those ahead that leave).
+        estimator.patience = ccfg.read_timeout_s
     auto = cl.autoscaler
     faults = None
     if fc is not None or cl.breaker is not None:
