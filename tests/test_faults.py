@@ -50,6 +50,30 @@ def test_availability_of_exponential_up_and_down_times():
         assert abs((1 - down / horizon) - a / (a + b)) < 5 * sigma, (seed, down / horizon)
 
 
+def test_the_simulated_failure_process_has_that_availability():
+    """The fault model's own SimPy process (``Faults`` with MTBF 100 s, MTTR 10 s on two
+    replicas, no requests) over 2e5 s: each replica's down time from its timeline is
+    within 5 sigma of MTTR / (MTBF + MTTR) (sigma as above)."""
+    from types import SimpleNamespace
+
+    import simpy
+
+    from simulator.cluster.faults import Faults
+    from simulator.config.faults import FaultsConfig
+    a, b, horizon = 100.0, 10.0, 2e5
+    env = simpy.Environment()
+    fl = Faults(env, FaultsConfig(mtbf_s=a, mttr_s=b), None, 0, 2,
+                np.random.default_rng(7), 16)
+    fleet = SimpleNamespace(replicas=[None, None], built=[], make_replica=lambda s: None)
+    fl.attach(SimpleNamespace(all_resolved=False, fleet=fleet, seqs={}))
+    env.run(until=horizon)
+    sigma = math.sqrt(2 * a * a * b * b / ((a + b) ** 3 * horizon))
+    meta = fl.meta(horizon)
+    for avail in meta["availability"]:
+        assert abs(avail - a / (a + b)) < 5 * sigma, avail
+    assert meta["failures"] > 2 * 0.9 * horizon / (a + b)
+
+
 def test_mtbf_run_accounts_every_outage():
     """A run with MTBF/MTTR on two replicas: each replica's down time in the summary is
     the sum of its timeline's fail -> recover intervals, every failure recovers or is
