@@ -481,7 +481,7 @@ def test_seed_wait_estimate_is_waiting_prompt_over_chunk_times_mean_step():
         def __init__(self, r):
             self.remaining_prefill = r
 
-    est = WaitEstimator(WaitEstimateConfig(), 512, 1)
+    est = WaitEstimator(WaitEstimateConfig(kind="seed"), 512, 1)
     w, w99 = est.estimate(Rep(), [S(1024), S(512)], 5.0)
     assert math.isclose(w, 1536 / 512 * 0.02) and math.isclose(w99, 2.5 * w)
     lit = WaitEstimator(WaitEstimateConfig(kind="little", window_s=10.0), 512, 1)
