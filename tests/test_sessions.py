@@ -326,3 +326,19 @@ def test_shipped_scenario_writes_sessions_csv(tmp_path):
     doc = json.loads((out / "summary.json").read_text())
     assert doc["prefix-cache"]["sessions"]["sessions_completed"] == len(t)
     assert doc["prefix-cache"]["kv"]["token_hit_ratio"] > 0.3
+
+
+def test_sweep_rows_carry_the_session_metrics(tmp_path):
+    """A sweep over the number of users: each row has the sessions section's metrics
+    (``sessions.<metric>``), and more users complete the same sessions at a higher rate."""
+    import pandas as pd
+    p = _write(tmp_path, _wl(sessions=8, think_time=1.0))
+    out = tmp_path / "sw"
+    r = CliRunner().invoke(app, ["sweep", str(p), "--grid", "workload.users=1,4",
+                                 "--workers", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    df = pd.read_csv(out / "results.csv").sort_values("workload.users")
+    assert (df["sessions.sessions_completed"] == 8).all()
+    assert (df["sessions.response_time_law.users"] == [1, 4]).all()
+    x = df["sessions.response_time_law.throughput"].to_numpy()
+    assert x[1] > x[0]

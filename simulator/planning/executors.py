@@ -3,8 +3,9 @@
 ``run_point((scenario dict, seed, base_dir, profile)) -> row`` simulates one point and
 returns a flat row: the overall summary metrics under their ``vllm bench serve``
 names, each class's as ``<class>:<metric>`` (when there are several classes), run
-facts as ``run.<fact>``, and ``offered_rate`` (requests per second of arrivals). A user
-error in the point becomes an ``error`` cell instead.
+facts as ``run.<fact>``, closed-loop sessions' metrics as ``sessions.<metric>``
+(``sessions.response_time_law.<field>``), and ``offered_rate`` (requests per second of
+arrivals). A user error in the point becomes an ``error`` cell instead.
 
 Executors take a batch of such tasks and yield ``(index, row)`` as each finishes:
 ``LocalExecutor`` (a process pool over the cores, forked once and reused) and
@@ -56,6 +57,9 @@ def flatten(summary: dict, offered_rate: float) -> dict:
                     row[f"run.{k}.{k2}"] = v2
         else:
             row[f"run.{k}"] = v
+    for k, v in summary.get("sessions", {}).items():   # closed-loop sessions
+        for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)]):
+            row[f"sessions.{k}" + (f".{k2}" if k2 else "")] = v2
     row["offered_rate"] = offered_rate
     return row
 
