@@ -17,7 +17,8 @@ retry it); with ``retry`` it re-enters the gateway at once as a new attempt (its
 row in the attempts table, outcome ``failed`` for the one that failed) routed to
 another replica, up to ``max_retries`` times per request, after which it fails.
 
-Routing avoids replicas known to be down and those whose breaker is open (or
+A retried request starts over on its new replica (prefill included; its stream starts
+again, and its TTFT is the retry's). Routing avoids replicas known to be down and those whose breaker is open (or
 half-open with its probes out), and a retry avoids the replica it failed on while
 that outage lasts. When no replica is routable the request waits at the gateway and
 is routed again as soon as one is (a recovery, a breaker half-opening): so with one
@@ -321,3 +322,6 @@ def _stop(rep) -> None:
     rep.by_id = {}
     rep._wakeup = None
     rep._in_epoch = False
+    # Its time series (shared by the slot's next replica) shows it empty while down.
+    for col, v in zip(rep._series, (float(rep.env.now), 0, 0, 0, 0, 0)):
+        col.append(v)

@@ -21,6 +21,10 @@ cancels the attempt one way later (dropped from the queue, or its KV freed at th
 step boundary); a request that reaches the gateway after its client gave up is
 dropped there. After a refusal or a timeout the client may retry after a backoff.
 
+Replicas that fail, circuit breakers and degradation under overload act on the routing
+(``cluster.faults``, ``cluster.degrade``: which replicas a request may go to, a request
+held or failed there).
+
 With nothing of this configured (no admission, patient clients, a fixed fleet) the
 events are exactly the plain model's: the same results, bit for bit (tested).
 """
