@@ -27,7 +27,8 @@ class PoolConfig(StrictModel):
     engine), ``prefill`` runs its prompt and first token and hands its KV on,
     ``decode`` takes that KV and generates the rest."""
 
-    name: str = Field(..., min_length=1, max_length=64)
+    name: str = Field(..., min_length=1, max_length=64, description="the pool's name "
+                      "(summary.json cluster.pools, autoscaler.pool)")
     role: Literal["mixed", "prefill", "decode"] = Field(
         "mixed", description="mixed (whole requests), prefill or decode (disaggregated "
         "serving: a prefill pool and a decode pool with a KV link between them)")
@@ -68,8 +69,11 @@ class ClusterConfig(StrictModel):
     ``pools``: a mixed fleet, replicas of different GPU types or cost models behind one
     router (``cluster.pools``); ``replicas`` is then their total (set when left out)."""
 
-    replicas: int = Field(1, ge=1, le=10_000)
-    router: str = "round_robin"
+    replicas: int = Field(1, ge=1, le=10_000, description="serving replicas (with pools: "
+                          "their total)")
+    router: str = Field("round_robin", description="a registered router's name: "
+                        "round_robin, random, least_outstanding, cache_aware, "
+                        "nearest_region, region_load_rtt")
     router_params: dict[str, Any] = Field(default_factory=dict,
                                           description="the router's own parameters")
     gpus_per_replica: int = Field(1, ge=1, description="GPUs one replica occupies (what the "

@@ -18,22 +18,27 @@ class KVConfig(StrictModel):
     """KV cache: capacity from GPU memory (or an explicit block count), allocation,
     preemption under memory pressure, and prefix caching (see ``simulator.model.kv.space``)."""
 
-    block_size: int = Field(16, ge=1, le=4096)
+    block_size: int = Field(16, ge=1, le=4096, description="token slots per KV block")
     num_blocks: Optional[int] = Field(None, ge=1, description="overrides the memory-derived count")
-    gpu_memory_gb: float = Field(80.0, gt=0)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    gpu_memory_gb: float = Field(80.0, gt=0, description="one GPU's memory (profile and "
+                                 "fitted cost models; a roofline's GPU says its own)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of the GPU's "
+                                          "memory for weights, activations and KV")
     allocation: Literal["paged", "contiguous"] = Field(
         "paged", description="paged: blocks on demand; contiguous: reserve max length up front")
     max_model_len: Optional[int] = Field(None, ge=1, description="longest request (prompt + "
                                          "output); contiguous reserves this much per request")
     watermark: float = Field(0.0, ge=0, lt=1, description="fraction of blocks kept free "
                              "at admission")
-    preemption: Literal["recompute", "swap"] = "recompute"
+    preemption: Literal["recompute", "swap"] = Field(
+        "recompute", description="a preempted request's KV: dropped and prefilled again, or "
+        "copied to CPU memory and back")
     victim: Literal["priority", "latest"] = Field(
         "priority", description="whom to preempt: lowest class then latest arrival, or latest")
     swap_space_gb: float = Field(4.0, ge=0, description="CPU memory for swapped-out KV")
     swap_gb_per_s: float = Field(25.0, gt=0, description="GPU<->CPU copy bandwidth (PCIe)")
-    prefix_caching: bool = False
+    prefix_caching: bool = Field(False, description="reuse cached blocks of a shared "
+                                 "prompt prefix (block hashes, LRU of unreferenced blocks)")
 
     @model_validator(mode="after")
     def _coherent(self):
@@ -114,10 +119,12 @@ class EngineConfig(StrictModel):
     they depend on the GPU), ``async_scheduling`` and ``frontend`` model vLLM v1's
     engine-core loop and API server."""
 
-    policy: str = "chunked"
+    policy: str = Field("chunked", description="a registered policy's name (latsim "
+                        "policies), or {kind: name, ...its parameters}")
     policy_params: dict[str, Any] = Field(default_factory=dict,
                                           description="the policy's own parameters")
-    max_num_seqs: int = Field(256, ge=1, le=1_000_000)
+    max_num_seqs: int = Field(256, ge=1, le=1_000_000,
+                              description="requests running at once (batch slots)")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
     chunk_size: Optional[int] = Field(None, ge=1, description="max prefill chunk (default: "
                                       "budget), for policies that chunk")
