@@ -180,6 +180,12 @@ class Gateway:
         rep = fleet.replicas[slot]
         waiting = [s for s in rep.queued() if s.rid not in self.leaving]
         est, est99 = self.estimator.estimate(rep, waiting, now)
+        if est > self.clients.patience:     # clients that act on it (``cluster.patience``)
+            from simulator.cluster.patience import long_wait
+            moved = long_wait(self, seq, ready, slot, now, est, est99)
+            if moved is None:
+                return
+            slot, rep, waiting, est, est99 = moved
         self.a_est[aid], self.a_est99[aid] = est, est99
         dec = (self.admission.decide(seq, now, waiting, est) if self.admission is not None
                else Decision())

@@ -119,10 +119,22 @@ class ClientConfig(StrictModel):
     deadline_s: Optional[float] = Field(None, gt=0)
     retry: Optional[RetryConfig] = Field(default_factory=RetryConfig,
                                          description="null: never retry")
+    wait_patience_s: Optional[float] = Field(None, gt=0, description="act on the wait "
+                                             "estimate the gateway publishes when it is past "
+                                             "this (on_long_wait; null: ignore it)")
+    on_long_wait: Literal["give_up", "elsewhere", "later"] = Field(
+        "give_up", description="past wait_patience_s: give_up (leave: timed_out, attempt "
+        "balked), elsewhere (the ready replica with the least estimate, if within "
+        "patience, else give up), later (come back after come_back_s)")
+    come_back_s: Optional[float] = Field(None, gt=0, description="later: come back after "
+                                         "this (default: the estimate the client was told)")
+    max_come_backs: int = Field(3, ge=0, le=100, description="later: at most this many")
 
     @property
     def max_attempts(self) -> int:
-        return 1 + (self.retry.max_retries if self.retry is not None else 0)
+        later = self.wait_patience_s is not None and self.on_long_wait == "later"
+        return (1 + (self.retry.max_retries if self.retry is not None else 0)
+                + (self.max_come_backs if later else 0))
 
 
 class AutoscalerConfig(StrictModel):

@@ -251,6 +251,8 @@ def _traffic_meta(gw: Gateway, scaler, fleet) -> dict:
         "read_timeouts": int((out == C.READ_TIMEOUT).sum()),
         "deadlines": int((out == C.DEADLINE).sum()),
         "retry_budget_denied": gw.clients.budget.denied if gw.clients.budget else 0,
+        "balked": gw.clients.balked, "moved_elsewhere": gw.clients.moved,
+        "came_back": gw.clients.came_back,      # acting on the estimate (cluster.patience)
         "wasted_tokens": gw.wasted_tokens(),
         "abandoned_attempts_with_work": len(gw.gone),
     }

@@ -10,6 +10,9 @@ deadline. When it gives up it closes the connection; the server learns that one 
 later and cancels the request (``Replica.cancel``: dropped from the queue, or its KV
 freed at the next step boundary).
 
+A client may also act on the wait estimate the gateway publishes when it exceeds its
+patience: give up, go to another replica, or come back later (``cluster.patience``).
+
 After a 429 (rate or queue limit), a 503 (shed) or a timeout, a client retries when
 its retry policy says so (``client.retry.retry_on``), while attempts remain and the retry
 budget allows, after an exponential backoff with jitter (and at least the server's
@@ -26,9 +29,10 @@ from collections import deque
 from simulator.cluster.admission import STATUS
 
 # How an attempt ended (per attempt; ``OPEN`` while in flight).
-OPEN, COMPLETED, REFUSED, CONNECT_TIMEOUT, READ_TIMEOUT, DEADLINE, FAILED = range(7)
+# ``BALKED``: its client was told a wait past its patience and left (``cluster.patience``).
+OPEN, COMPLETED, REFUSED, CONNECT_TIMEOUT, READ_TIMEOUT, DEADLINE, FAILED, BALKED = range(8)
 ATTEMPT_OUTCOMES = ("open", "completed", "refused", "connect_timeout", "read_timeout",
-                    "deadline", "failed")
+                    "deadline", "failed", "balked")
 
 
 def backoff_delay(cfg, retry: int, rng) -> float:
@@ -84,6 +88,14 @@ class Clients:
         self.retry = retry
         self.budget = RetryBudget(retry.budget) if retry is not None and retry.budget else None
         self.max_attempts = cfg.max_attempts if cfg is not None else 1
+        # Acting on the published wait estimate (``cluster.patience``): the tallies.
+        self.balked = self.moved = self.came_back = 0
+
+    @property
+    def patience(self) -> float:
+        """The wait estimate past which a client acts (``client.wait_patience_s``)."""
+        c = self.cfg.wait_patience_s if self.cfg is not None else None
+        return math.inf if c is None else c
 
     @property
     def connect_timeout(self) -> float:
