@@ -262,8 +262,8 @@ def check_traffic(sc) -> None:
                          ("cluster.autoscaler", auto), ("cluster.pools", pools),
                          ("cluster.faults", getattr(cl, "faults", None)),
                          ("cluster.breaker", getattr(cl, "breaker", None)),
-                         ("report.utilization", sc.report.utilization or None))
                          ("cluster.degrade", getattr(cl, "degrade", None)),
+                         ("report.utilization", sc.report.utilization or None))
           if v is not None]
     if on and (sc.stream.rich or sc.network.rich):
         raise ValueError(f"{on[0]} cannot be combined with the per-request stream and network "
