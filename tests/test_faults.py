@@ -404,3 +404,17 @@ def test_gateway_breakers_half_open_on_a_timer_and_fail_an_abandoned_probe():
     env.run(until=17.0)
     br.success(0, 8, 17.0, 0.05)
     assert log[-1] == (17.0, "breaker_closed") and br.allows(0, 17.0)
+
+
+def test_faults_that_never_strike_give_the_plain_run_bit_for_bit():
+    """An outage after the last request and a breaker that never opens: the run is the
+    plain one (no gateway sections), every recorded time bit for bit."""
+    plain = _scenario({"replicas": 2}, n=150, rate=10.0)
+    idle = _scenario({"replicas": 2, "faults": {"outages": [{"replica": 1, "start_s": 1e6,
+                                                             "duration_s": 1.0}]},
+                      "breaker": {"failures": 1000, "p99_ms": 1e9}}, n=150, rate=10.0)
+    a, b = simulate(plain, loop="simpy"), simulate(idle, loop="simpy")
+    for col in ("enqueued", "scheduled", "first_token", "last_token", "first_delivered",
+                "last_delivered", "replica"):
+        assert np.array_equal(getattr(a.rec, col), getattr(b.rec, col), equal_nan=True), col
+    assert b.meta["faults"]["failures"] == 0
