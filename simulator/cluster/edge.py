@@ -80,10 +80,11 @@ class EdgePlan:
         return idx[np.argsort(self.leave[idx], kind="stable")]
 
 
-def plan_edge(cfg, workload, keys, rng_accept: np.random.Generator, edge_cost) -> EdgePlan:
+def plan_edge(cfg, workload, keys, rng_accept: np.random.Generator, edge_cost,
+              serve=None) -> EdgePlan:
     """The edge's part of the run (module doc) for a workload whose requests carry
     ``keys`` (None without a cache); ``edge_cost``: the edge model's built cost model
-    (None without speculation)."""
+    (None without speculation); ``serve``: see ``_speculate``."""
     n = len(workload)
     arrival = workload.arrival_s
     reach = arrival + cfg.rtt_ms / 2000.0 + cfg.lookup_ms / 1000.0
@@ -96,37 +97,63 @@ def plan_edge(cfg, workload, keys, rng_accept: np.random.Generator, edge_cost) -
                     first_token=nan.copy(), last_token=nan.copy(),
                     leave=np.where(src >= 0, np.nan, reach), keys=keys)
     if cfg.speculation is not None:
-        _speculate(cfg.speculation, workload, plan, rng_accept, edge_cost)
+        _speculate(cfg.speculation, workload, plan, rng_accept, edge_cost, serve)
     return plan
 
 
-def _speculate(sp, workload, plan: EdgePlan, rng, cost) -> None:
-    """The edge model's pass over the misses, in the order they reach the edge: FIFO
-    over ``servers`` (each takes the next request when free: the earliest-free server,
-    exact for first come first served), one acceptance draw per request."""
+def edge_tokens(sp, output: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Tokens the edge model generates for each request: a kept one its whole answer;
+    an escalated one ``decide_after_tokens`` (0: the prefill's one, deciding on the
+    prompt; None: its whole answer, judged then), at most its answer's length."""
+    if sp.decide_after_tokens is None:
+        return output.copy()
+    return np.where(kept, output, np.minimum(output, max(sp.decide_after_tokens, 1)))
+
+
+def _speculate(sp, workload, plan: EdgePlan, rng, cost, serve=None) -> None:
+    """The edge model's pass over the misses, one acceptance draw per request, served
+    by ``serve(misses, tokens)`` (the engine loop on the edge's GPUs, ``edgeengine``)
+    or, None, by ``_one_at_a_time``: per request (start, first token, last token), the
+    busy seconds, each one's decode steps (s), and which the edge refused (escalated as
+    they arrive)."""
     misses = np.flatnonzero(plan.kind == MISS)
     kept = rng.random(len(misses)) < sp.acceptance
+    tokens = edge_tokens(sp, workload.output_tokens[misses], kept)
+    run = serve or (lambda m, t: _one_at_a_time(sp, workload, plan.reach, m, t, cost))
+    start, first, last, busy, gaps, refused = run(misses, tokens)
+    plan.edge_busy_s = busy
+    ok = np.isfinite(last)
+    plan.start[misses] = start
+    answered = kept & ok
+    i = misses[answered]
+    plan.kind[i] = EDGE
+    plan.first_token[i] = first[answered]
+    plan.last_token[i] = last[answered]
+    plan.leave[i] = np.nan
+    plan.gaps.extend(g for g, a in zip(gaps, answered) if a)
+    i = misses[~answered]
+    plan.kind[i] = ESCALATED
+    # Escalated when the edge decided; one the edge refused (it can never hold it) as
+    # it arrives; one the clock cut at the edge never leaves it.
+    plan.leave[i] = np.where(ok[~answered], last[~answered],
+                             np.where(refused[~answered], plan.reach[i], np.nan))
+
+
+def _one_at_a_time(sp, workload, reach, misses, tokens, cost):
+    """Each of ``servers`` edge GPUs serves one request at a time, first come first
+    served (the next request goes to the earliest-free server: exact for FCFS): its
+    prefill, then ``tokens - 1`` decode steps at batch 1, priced by ``cost``. Returns
+    per request (start, first token, last token), the busy seconds, the decode steps,
+    and none refused."""
     free = [0.0] * sp.servers
-    prompt, output = workload.prompt_tokens, workload.output_tokens
-    busy = 0.0
+    start, first, last = (np.full(len(misses), np.nan) for _ in range(3))
+    busy, gaps = 0.0, []
     for j, i in enumerate(misses):
-        p, o = int(prompt[i]), int(output[i])
-        steps = o - 1 if kept[j] or sp.decide_after_tokens is None else \
-            min(o - 1, max(sp.decide_after_tokens - 1, 0))
-        pre, dec = alone_times(cost, p, steps)
-        t0 = max(plan.reach[i], heapq.heappop(free))
+        pre, dec = alone_times(cost, int(workload.prompt_tokens[i]), int(tokens[j]) - 1)
+        t0 = max(reach[i], heapq.heappop(free))
         done = t0 + pre + float(np.sum(dec))
         heapq.heappush(free, done)
         busy += done - t0
-        plan.start[i] = t0
-        if kept[j]:
-            plan.kind[i] = EDGE
-            plan.first_token[i] = t0 + pre
-            plan.last_token[i] = done
-            plan.leave[i] = np.nan
-            plan.gaps.append(dec)
-        else:
-            plan.kind[i] = ESCALATED
-            # decide_after_tokens 0: it decided on the prompt alone, after the prefill.
-            plan.leave[i] = done
-    plan.edge_busy_s = busy
+        start[j], first[j], last[j] = t0, t0 + pre, done
+        gaps.append(dec)
+    return start, first, last, busy, gaps, np.zeros(len(misses), dtype=bool)
