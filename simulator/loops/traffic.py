@@ -146,13 +146,13 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
         from simulator.cluster.faults import Faults
         faults = Faults(env, fc, cl.breaker, n, slots, rng_traffic.spawn(1)[0],
                         eng.kv.block_size)
-    gateway = Gateway(env, workload, arec, fleet, router, pools, net,
     degrade = None
     if cl.degrade is not None:
         from simulator.cluster.degrade import Degrade
         small = [s for p in fleet_pools or [] if p.name == cl.degrade.pool for s in p.slots]
         degrade = Degrade(cl.degrade, workload, small, lambda aid: int(gateway.a_rid[aid]),
                           eng.kv.block_size)
+    gateway = Gateway(env, workload, arec, fleet, router, pools, net,
                       Clients(ccfg, rng_traffic),
                       Admission(adm, workload.class_names) if adm is not None else None,
                       estimator, keys_of, eng.kv.block_size, clients,
@@ -185,9 +185,9 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
                         **(degrade.columns() if degrade is not None else {})})
     if faults is not None:
         meta["faults"] = faults.meta(end)
-    if disagg is not None:
     if degrade is not None:
         meta["degrade"] = degrade.meta()
+    if disagg is not None:
         rec.set_disagg(disagg.columns(gateway.final_attempts()))
         meta["disaggregation"] = disagg.summary()
     if track:
