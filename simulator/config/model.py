@@ -18,12 +18,12 @@ class ModelShape(StrictModel):
     """The served model's shape: what sets weight and KV memory. Filled from the
     catalogue when ``model.name`` names the model."""
 
-    name: str = "llama3-8b"
-    n_layers: int = Field(32, ge=1)
-    d_model: int = Field(4096, ge=1)
-    n_heads: int = Field(32, ge=1)
-    n_kv_heads: int = Field(8, ge=1)
-    head_dim: int = Field(128, ge=1)
+    name: str = Field("llama3-8b", description="the shape's label (model.name fills it)")
+    n_layers: int = Field(32, ge=1, description="transformer layers")
+    d_model: int = Field(4096, ge=1, description="hidden size")
+    n_heads: int = Field(32, ge=1, description="attention (query) heads")
+    n_kv_heads: int = Field(8, ge=1, description="key/value heads (grouped-query attention)")
+    head_dim: int = Field(128, ge=1, description="dimension of one head")
     params_b: float = Field(8.03, gt=0, description="parameters, billions")
     dtype_bytes: int = Field(2, ge=1, description="bytes of a K or V element (and of a "
                              "weight unless weight_dtype_bytes says otherwise)")

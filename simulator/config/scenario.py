@@ -194,13 +194,15 @@ class PolicyRun(StrictModel):
     """One entry of ``policies:`` with its own engine settings (``policy``: a name, or
     ``{kind: name, ...its parameters}``)."""
 
-    policy: str
-    policy_params: Optional[dict[str, Any]] = None
-    label: Optional[str] = None
-    max_num_seqs: Optional[int] = Field(None, ge=1)
-    max_num_batched_tokens: Optional[int] = Field(None, ge=1)
-    chunk_size: Optional[int] = Field(None, ge=1)
-    aging_s: Optional[float] = Field(None, ge=MIN_AGING_S)   # as engine.aging_s
+    policy: str = Field(..., description="the run's policy, as engine.policy")
+    policy_params: Optional[dict[str, Any]] = Field(None, description="as engine.policy_params")
+    label: Optional[str] = Field(None, description="the run's name in tables and files "
+                                 "(default: the policy's)")
+    max_num_seqs: Optional[int] = Field(None, ge=1, description="as engine.max_num_seqs")
+    max_num_batched_tokens: Optional[int] = Field(None, ge=1,
+                                                  description="as engine.max_num_batched_tokens")
+    chunk_size: Optional[int] = Field(None, ge=1, description="as engine.chunk_size")
+    aging_s: Optional[float] = Field(None, ge=MIN_AGING_S, description="as engine.aging_s")
     kv: Optional[dict[str, Any]] = Field(None, description="engine.kv fields to change for "
                                          "this run (e.g. preemption, gpu_memory_gb)")
     cluster: Optional[dict[str, Any]] = Field(None, description="cluster fields to change "

@@ -114,9 +114,12 @@ class ClientConfig(StrictModel):
     retries. ``deadline_s``: a client gives up on a request this long after first
     sending it, whatever attempt is in flight (None: never)."""
 
-    connect_timeout_s: Optional[float] = Field(5.0, gt=0)
-    read_timeout_s: Optional[float] = Field(120.0, gt=0)
-    deadline_s: Optional[float] = Field(None, gt=0)
+    connect_timeout_s: Optional[float] = Field(5.0, gt=0, description="give up on an attempt "
+                                               "whose connection takes longer (null: never)")
+    read_timeout_s: Optional[float] = Field(120.0, gt=0, description="give up when no byte "
+                                            "of the response came this long after sending")
+    deadline_s: Optional[float] = Field(None, gt=0, description="give up on the request this "
+                                        "long after its first attempt")
     retry: Optional[RetryConfig] = Field(default_factory=RetryConfig,
                                          description="null: never retry")
     wait_patience_s: Optional[float] = Field(None, gt=0, description="act on the wait "
@@ -151,14 +154,16 @@ class AutoscalerConfig(StrictModel):
         "queue", description="queue: waiting requests per ready replica; kv: mean KV blocks "
         "reserved / capacity; p99_ttft: P99 TTFT (ms) of first tokens in the window, with "
         "the ages of requests still waiting")
-    target: float = Field(..., gt=0)
-    window_s: float = Field(60.0, gt=0)
-    interval_s: float = Field(15.0, gt=0)
+    target: float = Field(..., gt=0, description="the metric's value per replica to hold")
+    window_s: float = Field(60.0, gt=0, description="the metric is averaged over this")
+    interval_s: float = Field(15.0, gt=0, description="time between decisions")
     sample_s: float = Field(1.0, gt=0, description="how often the metric is sampled")
-    tolerance: float = Field(0.1, ge=0, lt=1)
+    tolerance: float = Field(0.1, ge=0, lt=1, description="no change while metric / target "
+                             "is within 1 +- this")
     model_load_s: float = Field(60.0, ge=0, description="weights loaded onto a new replica")
     warmup_s: float = Field(30.0, ge=0, description="warm-up (graph capture, first steps)")
-    scale_down_cooldown_s: float = Field(300.0, ge=0)
+    scale_down_cooldown_s: float = Field(300.0, ge=0, description="no scale-down sooner "
+                                         "than this after any scaling")
     pool: Optional[str] = Field(None, description="with cluster.pools: the pool it scales "
                                 "(default: the first); min/max_replicas count that pool's "
                                 "replicas, the metric is the whole fleet's")

@@ -16,9 +16,9 @@ MAX_PRIORITY = 1023
 class SLO(StrictModel):
     """Latency targets a request must meet to count towards goodput (ms)."""
 
-    ttft_ms: Optional[float] = Field(None, gt=0)
-    tpot_ms: Optional[float] = Field(None, gt=0)
-    e2el_ms: Optional[float] = Field(None, gt=0)
+    ttft_ms: Optional[float] = Field(None, gt=0, description="time to first token target")
+    tpot_ms: Optional[float] = Field(None, gt=0, description="time per output token target")
+    e2el_ms: Optional[float] = Field(None, gt=0, description="end-to-end latency target")
 
 
 class PriorityClass(StrictModel):
