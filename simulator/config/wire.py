@@ -138,23 +138,24 @@ class FixedDownlink(StrictModel):
     """Every client has the same downlink."""
 
     kind: Literal["fixed"]
-    mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS)
+    mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS, description="every client's downlink")
 
 
 class LognormalDownlink(StrictModel):
     """Per-client downlink ~ lognormal(median, sigma), floored at ``min_mbps``."""
 
     kind: Literal["lognormal"]
-    median_mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS)
-    sigma: float = Field(..., ge=0)
-    min_mbps: float = Field(0.1, ge=MIN_MBPS, le=MAX_MBPS)
+    median_mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS, description="median downlink")
+    sigma: float = Field(..., ge=0, description="standard deviation of ln(downlink)")
+    min_mbps: float = Field(0.1, ge=MIN_MBPS, le=MAX_MBPS,
+                            description="draws below are raised to this")
 
 
 class DownlinkTier(StrictModel):
     """One tier of clients: its downlink and its share of the clients."""
 
-    mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS)
-    share: float = Field(..., gt=0)
+    mbps: float = Field(..., ge=MIN_MBPS, le=MAX_MBPS, description="this tier's downlink")
+    share: float = Field(..., gt=0, description="share of the clients (normalised)")
 
 
 class TieredDownlink(StrictModel):
@@ -201,7 +202,7 @@ class LognormalDuration(StrictModel):
 
     kind: Literal["lognormal"]
     median_s: float = Field(..., gt=0)
-    sigma: float = Field(..., ge=0)
+    sigma: float = Field(..., ge=0, description="standard deviation of ln(seconds)")
 
 
 DurationDist = Annotated[Union[ConstantDuration, UniformDuration, ExponentialDuration,
