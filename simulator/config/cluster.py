@@ -137,9 +137,14 @@ class ClusterConfig(StrictModel):
         if f is not None or self.breaker is not None or dg is not None:
             what = ("cluster.faults" if f is not None else "cluster.breaker"
                     if self.breaker is not None else "cluster.degrade")
-            if self.autoscaler is not None:
+            auto = self.autoscaler
+            if auto is not None and (f is not None or self.breaker is not None):
                 raise ValueError(f"{what} with cluster.autoscaler is not modelled (the "
                                  "autoscaler's slots come and go); leave one out")
+            if auto is not None and dg.pool is not None and dg.pool == (
+                    auto.pool or self.pools[0].name):
+                raise ValueError(f"cluster.degrade.pool {dg.pool!r} is the pool the "
+                                 "autoscaler scales; degrade to another pool")
             if self.disaggregated:
                 raise ValueError(f"{what} on a disaggregated cluster (pools with roles) is "
                                  "not modelled; leave it out")
