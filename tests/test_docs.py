@@ -337,3 +337,16 @@ def test_no_document_names_a_retired_module():
              if not w.startswith("tests/test_docs.py")]
     assert not found, "retired names (now: " + ", ".join(
         f"{w}: {n} -> {RETIRED[n]}" for w, n in found) + ")"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """README's second quick-start command is the one ``.ci/run`` runs (CI adds only
+    ``-q`` to pip), and the first installs the package and runs the quickstart."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)\n```", text.split("## What you get")[0], re.S)
+    assert blocks[:2] == [
+        "pip install -e . && latsim run scenarios/quickstart.yaml --out results/quickstart",
+        'pip install torch==2.13.0 && pip install -e ".[dev,engine,serve]" && python -m pytest -q',
+    ], blocks
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert blocks[1].replace("pip install ", "pip install -q ") in ci
