@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from conftest import REPO, ZERO_NET, make_scenario
 from simulator.report.recorder import TIMESTAMPS
 
-POLICIES = ["chunked", "fifo", "priority_aging", "fair_score", "static"]
+POLICIES = ["chunked", "fifo", "priority_aging", "fair_score", "static", "edf"]
 
 ARRAYS = TIMESTAMPS + ("replica", "new_connection", "rejected", "generated", "preemptions",
                        "recomputed_tokens", "preempted_s", "cached_tokens", "swapped_bytes")

@@ -122,6 +122,10 @@ def test_admission_refusals_show_on_the_request(tmp_path):
     res = simulate(sc, trace=tr)
     write_chrome_trace(res, tr, tmp_path / "t.json")
     ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    # The gateway's replicas fill the trace too (attempts: a first attempt is its
+    # request's id), and the traced run is the untraced one.
+    assert tr.steps
+    assert_identical(simulate(sc, loop="simpy"), res)
     refused = {e["tid"] for e in ev if e.get("cat") == "admission"}
     assert refused and refused == set(np.flatnonzero(res.rec.reject_reason >= 0).tolist())
     assert all(e["name"].startswith("refused: ") for e in ev if e.get("cat") == "admission")
