@@ -303,3 +303,47 @@ def test_a_policies_entry_changes_the_edge_sections_it_names():
     for label, want in (("none", None), ("both", both)):
         point = validate_scenario(point_scenario(d, {"engine.policy": label}, entries))
         assert point.edge == want
+
+
+ENGINE = {"policy": "chunked", "max_num_seqs": 16, "max_num_batched_tokens": 4096}
+
+
+def test_edge_engine_alone_is_the_one_at_a_time_edge():
+    """``speculation.engine``: the edge's GPUs run the engine loop. A request alone (its
+    prompt in one chunk) costs there what one-at-a-time prices: the same prefill and
+    decode steps of the same cost model (to rounding of the sums, 1e-12)."""
+    one = {"cost": ROOF, "acceptance": 1.0}
+    res1, a = _run(_edge_dict(n=1, speculation=one))
+    res2, b = _run(_edge_dict(n=1, speculation={**one, "engine": ENGINE}))
+    for col in ("ttft", "e2el", "t_queue"):
+        assert b[col][0] == pytest.approx(a[col][0], rel=1e-12, abs=1e-12)
+    assert res2.meta["edge"]["speculation"]["edge_gpu_s"] == pytest.approx(
+        res1.meta["edge"]["speculation"]["edge_gpu_s"], rel=1e-12)
+
+
+def test_edge_engine_batches_under_load():
+    """300 requests at 4 req/s on one edge GPU: batching shares each step, so the engine
+    loop is busy for less time than one request at a time would be, and its requests
+    wait less; the acceptance draws are the same (same seed, same escalations)."""
+    spec = {"cost": ROOF, "acceptance": 0.5, "decide_after_tokens": 4}
+    d1 = _edge_dict(n=300, rate=4.0, speculation=spec)
+    d2 = _edge_dict(n=300, rate=4.0, speculation={**spec, "engine": ENGINE})
+    (r1, a), (r2, b) = _run(d1), _run(d2)
+    e1, e2 = r1.meta["edge"]["speculation"], r2.meta["edge"]["speculation"]
+    assert e2["edge_gpu_s"] < e1["edge_gpu_s"] and e2["mean_edge_wait_s"] < e1["mean_edge_wait_s"]
+    assert (a["edge"] == b["edge"]).all()
+    parts = b[["t_net", "t_queue", "t_prefill", "t_decode", "t_stream"]].sum(axis=1)
+    assert np.allclose(parts, b["e2el"], rtol=0, atol=1e-9)
+
+
+def test_edge_engine_section_is_checked_when_read(tmp_path):
+    d = _edge_dict(n=5, speculation={"cost": ROOF, "acceptance": 0.5,
+                                     "engine": {"max_num_seqs": 0}})
+    from simulator.errors import LatsimError
+    with pytest.raises(Exception, match="max_num_seqs"):
+        validate_scenario(d)
+    with pytest.raises(LatsimError):
+        validate_scenario(d)
+    d["edge"]["speculation"]["engine"] = {"kv": {"num_blocks": 10**7}}   # more than an L4 holds
+    with pytest.raises(LatsimError, match=r"edge\.speculation.*num_blocks.*more blocks than fit"):
+        validate_scenario(d)

@@ -69,7 +69,8 @@ class EdgePlan:
     first_token: np.ndarray     # edge answers: first token produced
     last_token: np.ndarray      # edge answers: last token produced
     leave: np.ndarray           # to the cluster: sent from the edge (NaN: not sent)
-    edge_busy_s: float = 0.0    # edge GPU-server busy time (one server = gpus_per_server)
+    edge_busy_s: float = 0.0    # edge servers' busy time (each of edge_gpus GPUs)
+    edge_gpus: int | None = None    # GPUs per edge server (None: gpus_per_server)
     gaps: list = field(default_factory=list)   # edge answers' decode steps (s), for ITL
     keys: np.ndarray = None
 
@@ -112,15 +113,15 @@ def edge_tokens(sp, output: np.ndarray, kept: np.ndarray) -> np.ndarray:
 
 def _speculate(sp, workload, plan: EdgePlan, rng, cost, serve=None) -> None:
     """The edge model's pass over the misses, one acceptance draw per request, served
-    by ``serve(misses, tokens)`` (the engine loop on the edge's GPUs, ``edgeengine``)
+    by ``serve(misses, tokens, reach)`` (the engine loop on the edge's GPUs, ``edgeengine``)
     or, None, by ``_one_at_a_time``: per request (start, first token, last token), the
     busy seconds, each one's decode steps (s), and which the edge refused (escalated as
     they arrive)."""
     misses = np.flatnonzero(plan.kind == MISS)
     kept = rng.random(len(misses)) < sp.acceptance
     tokens = edge_tokens(sp, workload.output_tokens[misses], kept)
-    run = serve or (lambda m, t: _one_at_a_time(sp, workload, plan.reach, m, t, cost))
-    start, first, last, busy, gaps, refused = run(misses, tokens)
+    run = serve or (lambda m, t, reach: _one_at_a_time(sp, workload, reach, m, t, cost))
+    start, first, last, busy, gaps, refused = run(misses, tokens, plan.reach)
     plan.edge_busy_s = busy
     ok = np.isfinite(last)
     plan.start[misses] = start

@@ -74,7 +74,13 @@ def simulate_edge(simulate, scenario, seed, *, base_dir=None, workload=None,
     edge_cost = None
     if cfg.speculation is not None:
         edge_cost = build_cost_model(cfg.speculation.cost, rng_cost, dirs)
-    plan = E.plan_edge(cfg, workload, keys, rng_accept, edge_cost)
+    serve = None
+    if cfg.speculation is not None and cfg.speculation.engine is not None:
+        from simulator.cluster.edgeengine import engine_server
+        serve = engine_server(simulate, scenario, workload, seed, base_dir)
+    plan = E.plan_edge(cfg, workload, keys, rng_accept, edge_cost, serve)
+    if serve is not None:
+        plan.edge_gpus = serve.gpus
     idx = plan.to_cluster
     inner = scenario.model_copy(update={"edge": None})
     res = simulate(inner, seed, base_dir=base_dir, workload=_sub_workload(workload, idx,
@@ -232,10 +238,11 @@ def edge_summary(sc, wl, plan, rec, cluster_cost, chunk: int | None) -> dict:
     if cfg.speculation is not None:
         sp = cfg.speculation
         tried = count["edge"] + count["escalated"]
-        gpu_s = plan.edge_busy_s * sp.gpus_per_server
+        gpu_s = plan.edge_busy_s * (plan.edge_gpus or sp.gpus_per_server)
         waited = plan.start - plan.reach
         out["speculation"] = {
             "edge_model": getattr(sp.cost, "model", None) or getattr(sp.cost, "path", None),
+            "edge_engine": "engine loop" if sp.engine is not None else "one request at a time",
             "edge_gpu": getattr(sp.cost, "gpu", None), "servers": sp.servers,
             "acceptance": sp.acceptance, "tried": tried,
             "escalation_ratio": count["escalated"] / tried if tried else None,

@@ -8,9 +8,9 @@ field (``load_scenario``).
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from simulator.config.pluginfield import plugin
 from simulator.config.registry import COST_MODELS
@@ -72,6 +72,17 @@ class EdgeSpeculationConfig(StrictModel):
                                                description="tokens the edge generates "
                                                "before escalating (null: its whole answer)")
     gpu_cost_per_hour: Optional[float] = Field(None, ge=0, description="edge GPU price")
+    engine: Optional[dict[str, Any]] = Field(
+        None, description="the edge GPUs' engine section (policy, max_num_seqs, kv, ...): "
+        "they run the engine loop, batching; null: one request at a time each")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v):
+        if v is not None:
+            from simulator.config.engine import EngineConfig
+            EngineConfig.model_validate(v)   # unknown keys and bad values fail at load time
+        return v
 
     @model_validator(mode="after")
     def _model_named(self):
@@ -107,7 +118,8 @@ def check_edge(sc) -> None:
     """What the edge cannot do with the scenario's workload, refused when it is read
     (``ValueError`` naming the field): a ``trace`` popularity on a workload kind with no
     prompt identities, and closed-loop sessions (the edge is planned from the arrivals;
-    a session's next turn is sent when the previous answer is back)."""
+    a session's next turn is sent when the previous answer is back); and an edge
+    engine whose scenario does not hold together (``edgeengine.edge_scenario``)."""
     kind = getattr(sc.workload, "kind", None)
     edges = [("edge", sc.edge)] + [
         (f"policies ({p.name!r}): edge", p.edge_of(sc))
@@ -118,6 +130,9 @@ def check_edge(sc) -> None:
         if kind == "sessions":
             raise ValueError(f"{where}: an edge node is not modelled with closed-loop "
                              f"sessions (workload kind sessions)")
+        if e.speculation is not None and e.speculation.engine is not None:
+            from simulator.cluster.edgeengine import check_edge_engine
+            check_edge_engine(sc, e.speculation, f"{where}.speculation")
         if e.cache is not None and e.cache.popularity.kind == "trace" and kind in _NO_PROMPT_IDS:
             raise ValueError(f"{where}.cache.popularity.kind: trace needs a workload with "
                              f"prompt identities (a trace's hash_ids); kind {kind} has none: "
