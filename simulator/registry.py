@@ -3,8 +3,9 @@ processes, length distributions, workload sources, cost models, routers), GuideL
 style: a name (a ``kind:`` field or a policy name) maps to a pydantic config class and
 a factory. A config field typed with ``config.pluginfield.plugin(REGISTRY)`` validates a
 mapping by looking up its ``kind``, so a new plug-in needs one ``register`` call and no
-edit to the schema. The families are ``config.registry``'s; the built-in plug-ins are
-imported by the composition root, ``config.plugins``.
+edit to the schema. The families are ``config.registry``'s and
+``model.scheduling.POLICIES``; the built-in plug-ins are imported by the composition
+root, ``config.plugins``.
 """
 from __future__ import annotations
 

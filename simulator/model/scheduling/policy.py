@@ -54,10 +54,10 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 
-from simulator.config.registry import POLICIES
 from simulator.config.strict import StrictModel
 
 from simulator.kernel import kernel, python_of
+from simulator.registry import Registry
 from simulator.model.scheduling.plan import EMPTY_PLAN, SchedulerState, StepPlan, admission_cost
 # A discipline's requeue rules are the queue's (``queues``); named here for policies.
 from simulator.model.scheduling.queues import (REQUEUE_ARRIVAL, REQUEUE_FRONT,  # noqa: F401
@@ -196,9 +196,11 @@ class Policy:
 
 
 # -- the registry ----------------------------------------------------------------------
-# ``POLICIES`` (``config.registry``): name -> (the policy's ``Params``, its class). The
-# built-in policies (``simulator.model.policies``) are imported by the composition root
-# ``config.plugins``, and by this package (``model.scheduling``) for library use.
+# name -> (the policy's ``Params``, its class): the registry type of every plug-in family
+# (``simulator.registry``). The built-in policies (``simulator.model.policies``) are
+# imported by the composition root ``config.plugins``, and by this package
+# (``model.scheduling``) for library use.
+POLICIES: Registry = Registry("policy")
 
 
 def register_policy(name: str):
