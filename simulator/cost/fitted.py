@@ -105,6 +105,7 @@ class FittedCostModel(LookupCounts):
     from the profile (``NoiseModel.from_profile``)."""
 
     not_monotone: ClassVar[Optional[str]] = None    # the physics never charges more work less
+    compiled_kernels: ClassVar[Optional[str]] = "physics"   # ``physics``', in the compiled loop
 
     def __init__(self, profile: dict, *, scale: float = 1.0, noise: bool = False,
                  rng: Optional[np.random.Generator] = None,

@@ -31,7 +31,9 @@ for every registered kind by ``tests/test_costmodel_contract.py``:
 - ``decode_times(batch, ctx0, k)`` is ``k`` calls of ``step_time`` on a growing context;
 - ``min_step_s`` bounds every step from below;
 - ``compiled_reason()``: None when the compiled loop can run it (its kernels price the
-  same step), else the one-line reason (``loops.compiled.kernel_reason`` reports it).
+  same step), else the one-line reason (``loops.compiled.kernel_reason`` reports it);
+  ``compiled_kernels`` names those kernels (``"table"``: ``cost.table``'s, ``"physics"``:
+  ``cost.physics``' with the model's constants ``stepping_constants()``), None for none.
 
 Two mixins hold the memory rules of the built-in kinds: ``cost.replica.ShapeSized``
 (``profile``, ``fitted``: ``model.shape`` on ``engine.kv.gpu_memory_gb``) and
@@ -97,6 +99,7 @@ class StepCost(Protocol):
 
     padded: bool
     not_monotone: ClassVar[Optional[str]]
+    compiled_kernels: ClassVar[Optional[str]]
 
     def step_time(self, n_decode: int, decode_ctx_max: int, decode_ctx_sum: int,
                   chunks: Sequence[tuple]) -> float: ...

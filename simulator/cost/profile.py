@@ -328,6 +328,7 @@ class ProfileCostModel(LookupCounts):
     """Step time (seconds) of a ``StepPlan``-shaped step, from a measured profile. The
     lookups are ``table``'s kernels (the compiled event loop calls the same ones)."""
 
+    compiled_kernels: ClassVar[Optional[str]] = "table"    # ``table``'s, in the compiled loop
     # ``StepCost``'s monotone contract does not hold: the tables follow the rows as
     # measured, and near the step floor those differ by their own noise.
     not_monotone: ClassVar[Optional[str]] = (

@@ -48,14 +48,10 @@ def decode_ends(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL, nd, ctx0, k, now, 
 
 
 def cost_kind(cost):
-    """``KIND_TABLE`` or ``KIND_PHYSICS`` for a cost model the loop can run, else None."""
-    from simulator.cost.profile import ProfileCostModel
-    if isinstance(cost, ProfileCostModel):
-        return KIND_TABLE
-    c = getattr(cost, "c", None)
-    if isinstance(c, np.ndarray) and c.dtype == np.float64 and hasattr(cost, "fit"):
-        return KIND_PHYSICS
-    return None
+    """``KIND_TABLE`` or ``KIND_PHYSICS`` for a cost model the loop can run, else None:
+    the kernels its class says it prices with (``StepCost.compiled_kernels``)."""
+    return {"table": KIND_TABLE, "physics": KIND_PHYSICS}.get(
+        getattr(type(cost), "compiled_kernels", None))
 
 
 def pack_cost(cost) -> tuple:
