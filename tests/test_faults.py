@@ -23,8 +23,11 @@ from simulator.report.output import run_summary as summary_of_run
 from simulator.wire import clients as C
 
 
-def _scenario(cluster: dict, n: int = 120, rate: float = 4.0, arrival="poisson", **wl):
+def _scenario(cluster: dict, n: int = 120, rate: float = 4.0, arrival="poisson",
+              client=None, **wl):
     d = make_scenario_dict()
+    if client is not None:
+        d["client"] = client
     d["workload"].update({"num_requests": n, "arrival": {"kind": arrival, "rate": rate},
                           "prompt_tokens": {"kind": "constant", "value": 200},
                           "output_tokens": {"kind": "constant", "value": 20}, **wl})
@@ -418,3 +421,28 @@ def test_faults_that_never_strike_give_the_plain_run_bit_for_bit():
                 "last_delivered", "replica"):
         assert np.array_equal(getattr(a.rec, col), getattr(b.rec, col), equal_nan=True), col
     assert b.meta["faults"]["failures"] == 0
+
+
+def test_client_read_timeouts_through_an_outage():
+    """One replica down 10.2-15.2 s, requests every 0.5 s, clients with a 3 s read timeout
+    and no retries: a request sent during the outage is held until 15.2 s, so those sent
+    before 12.2 s give up (timed_out, after losing exactly their 3 s to the outage) and
+    those from 12.5 s on get their first byte in time; a request whose first byte had
+    come before the failure (in flight, retried by the gateway) is not timed out by its
+    restarted stream."""
+    s, d = 10.2, 5.0
+    sc = _scenario({"replicas": 1, "faults": {"outages": [{"replica": 0, "start_s": s,
+                                                           "duration_s": d}]}},
+                   n=40, rate=2.0, arrival="constant",
+                   client={"read_timeout_s": 3.0, "retry": None},
+                   output_tokens={"kind": "constant", "value": 300})
+    df = requests_table(simulate(sc, loop="simpy"))
+    arr, out = df["arrival"].to_numpy(), df["outcome"].to_numpy()
+    during = (arr >= s) & (arr < s + d)
+    gave_up = during & (arr < s + d - 3.0)
+    assert gave_up.sum() == 4 and (out[gave_up] == "timed_out").all()
+    assert np.allclose(df["fault_lost_s"].to_numpy()[gave_up], 3.0, rtol=0, atol=1e-9)
+    assert (out[during & (arr >= s + d - 3.0)] == "completed").all()
+    victims = (df["fault_retries"] > 0).to_numpy()
+    assert victims.any() and (out[victims] == "completed").all()
+    assert (out[~during] == "completed").all()

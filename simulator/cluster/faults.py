@@ -194,7 +194,16 @@ class Faults:
         """Something became routable: the held requests enter the gateway again."""
         held, self.held = self.held, []
         for seq in held:
+            if self.gw.a_out[seq.rid] != C.OPEN:
+                self._held_until_left(seq.rid)     # its client gave up while it waited
+                continue
             self.gw.reach(seq)
+
+    def _held_until_left(self, aid: int) -> None:
+        """Attempt ``aid`` waited at the gateway until its client left: time lost."""
+        t0 = self.held_since.pop(aid, None)
+        if t0 is not None:
+            self.lost_s[int(self.gw.a_rid[aid])] += float(self.gw.a_end[aid]) - t0
 
     def refused(self, slot: int, seq: SimSeq) -> bool:
         """``seq`` was routed to ``slot`` now: True when the replica is down (the request
@@ -230,8 +239,12 @@ class Faults:
                               float(gw.arec.first_token[aid] - gw.a_admit[aid]))
 
     def follow(self, aid: int) -> int:
-        """The attempt that now stands for ``aid`` (its gateway retries replace it)."""
-        while aid in self.forward:
+        """The attempt a client's timer on ``aid`` now watches: its gateway retry, and
+        that one's, unless one of them already sent the client its first byte (that
+        attempt, then: its read timer was met; the restarted stream is the same wait)."""
+        fd = self.gw.arec.first_delivered
+        now = self.env.now
+        while aid in self.forward and not fd[aid] <= now:
             aid = self.forward[aid]
         return aid
 
@@ -290,7 +303,10 @@ class Faults:
     # -- what the run reports ------------------------------------------------------------------
     def columns(self) -> dict:
         """Per-request columns: gateway retries after faults, and the time lost to them
-        (a request that failed: up to its last routing)."""
+        (module doc; an attempt still held when the run ended counts until its client
+        left, one never left counts nothing)."""
+        for aid in [a for a in self.held_since if self.gw.a_out[a] != C.OPEN]:
+            self._held_until_left(aid)
         return {"fault_retries": self.fault_retries.copy(), "fault_lost_s": self.lost_s.copy()}
 
     def meta(self, end: float) -> dict:
