@@ -86,7 +86,8 @@ class EdgeSpeculationConfig(StrictModel):
 
     @model_validator(mode="after")
     def _model_named(self):
-        if getattr(self.cost, "kind", None) == "roofline" and self.cost.model is None:
+        # A cost model that prices a catalogued model must name it (``CostModel``).
+        if self.cost.describes_model and self.cost.model is None:
             raise ValueError("cost: a roofline edge model needs model (a catalogued model, "
                              "e.g. llama-3.2-1b)")
         return self
