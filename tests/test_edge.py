@@ -347,3 +347,16 @@ def test_edge_engine_section_is_checked_when_read(tmp_path):
     d["edge"]["speculation"]["engine"] = {"kv": {"num_blocks": 10**7}}   # more than an L4 holds
     with pytest.raises(LatsimError, match=r"edge\.speculation.*num_blocks.*more blocks than fit"):
         validate_scenario(d)
+
+
+def test_a_sweep_row_holds_the_edge_figures():
+    """``latsim sweep``'s flat row: the edge's figures as ``edge.<path>`` cells, the same
+    numbers as the summary's."""
+    from simulator.planning.executors import flatten
+    from simulator.report.output import run_outputs
+    d = _edge_dict(n=20, cache={"popularity": {"kind": "zipf", "catalogue": 4}})
+    _, s = run_outputs(simulate(validate_scenario(d)))
+    row = flatten(s, 1.0)
+    assert row["edge.hit"] == s["edge"]["hit"] > 0
+    assert row["edge.cache.hit_ratio"] == s["edge"]["cache"]["hit_ratio"]
+    assert row["edge.speculation.escalation_ratio"] is None

@@ -4,8 +4,9 @@
 returns a flat row: the overall summary metrics under their ``vllm bench serve``
 names, each class's as ``<class>:<metric>`` (when there are several classes), run
 facts as ``run.<fact>``, closed-loop sessions' metrics as ``sessions.<metric>``
-(``sessions.response_time_law.<field>``), and ``offered_rate`` (requests per second of
-arrivals). A user error in the point becomes an ``error`` cell instead.
+(``sessions.response_time_law.<field>``), an edge node's figures as ``edge.<path>``
+(``report.edge``), and ``offered_rate`` (requests per second of arrivals). A user error
+in the point becomes an ``error`` cell instead.
 
 Executors take a batch of such tasks and yield ``(index, row)`` as each finishes:
 ``LocalExecutor`` (a process pool over the cores, forked once and reused) and
@@ -60,6 +61,9 @@ def flatten(summary: dict, offered_rate: float) -> dict:
     for k, v in summary.get("sessions", {}).items():   # closed-loop sessions
         for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)]):
             row[f"sessions.{k}" + (f".{k2}" if k2 else "")] = v2
+    if "edge" in summary:   # an edge node: the figures its console table shows
+        from simulator.report.edge import edge_figures
+        row.update(edge_figures(summary["edge"]))
     row["offered_rate"] = offered_rate
     return row
 

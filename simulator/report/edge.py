@@ -31,6 +31,11 @@ def _get(d, path):
     return d
 
 
+def edge_figures(edge: dict) -> dict:
+    """The table's figures of one run as flat ``edge.<path>`` cells (a sweep's row)."""
+    return {"edge." + ".".join(path): _get(edge, path) for path, _label in EDGE_ROWS}
+
+
 def edge_table(outs: dict[str, dict]) -> Table:
     """One column per run; a run without an edge shows dashes."""
     t = Table(title="Edge node", title_justify="left")
