@@ -446,3 +446,19 @@ def test_client_read_timeouts_through_an_outage():
     victims = (df["fault_retries"] > 0).to_numpy()
     assert victims.any() and (out[victims] == "completed").all()
     assert (out[~during] == "completed").all()
+
+
+def test_a_sweep_row_carries_the_fault_figures():
+    """``planning.executors.flatten`` of a faults run: the tallies and each phase's
+    figures as ``faults.*`` cells, equal to the summary's."""
+    from simulator.planning.executors import flatten
+    res = _outage_run("lost")
+    s = summary_of_run(res)
+    row = flatten(s, 10.0)
+    f = s["faults"]
+    assert row["faults.lost"] == f["lost"] > 0
+    assert row["faults.refused_while_down"] == f["refused_while_down"]
+    for ph in ("before", "during", "after"):
+        assert row[f"faults.{ph}.requests"] == f["phases"][ph]["requests"]
+        assert row[f"faults.{ph}.slo_attainment"] == f["phases"][ph]["slo_attainment"]
+    assert sum(row[f"faults.{ph}.failed"] for ph in ("before", "during", "after")) == f["lost"]

@@ -5,7 +5,8 @@ returns a flat row: the overall summary metrics under their ``vllm bench serve``
 names, each class's as ``<class>:<metric>`` (when there are several classes), run
 facts as ``run.<fact>``, closed-loop sessions' metrics as ``sessions.<metric>``
 (``sessions.response_time_law.<field>``), an edge node's figures as ``edge.<path>``
-(``report.edge``), and ``offered_rate`` (requests per second of arrivals). A user error
+(``report.edge``), replica faults' and degradation's as ``faults.<figure>`` and
+``degrade.<figure>`` (``report.faults``), and ``offered_rate`` (requests per second of arrivals). A user error
 in the point becomes an ``error`` cell instead.
 
 Executors take a batch of such tasks and yield ``(index, row)`` as each finishes:
@@ -64,6 +65,9 @@ def flatten(summary: dict, offered_rate: float) -> dict:
     if "edge" in summary:   # an edge node: the figures its console table shows
         from simulator.report.edge import edge_figures
         row.update(edge_figures(summary["edge"]))
+    if "faults" in summary or "degrade" in summary:   # replica faults, degradation
+        from simulator.report.faults import fault_figures
+        row.update(fault_figures(summary))
     row["offered_rate"] = offered_rate
     return row
 

@@ -125,3 +125,24 @@ def fault_summary(res, frame, good) -> dict:
         }
     meta["phases"] = phases
     return meta
+
+
+def fault_figures(summary: dict) -> dict:
+    """A sweep or plan row's fault cells (``planning.executors.flatten``) from a run's
+    summary: ``faults.<tally>`` (failures, in-flight failed, refused while down, retried,
+    lost, breaker opens in all), ``faults.<phase>.<figure>`` (requests, failed,
+    slo_attainment, request_goodput, mean_fault_lost_s) and ``degrade.degraded_requests``."""
+    row: dict = {}
+    f = summary.get("faults")
+    if f is not None:
+        for k in ("failures", "in_flight_failed", "refused_while_down", "retried", "lost"):
+            row[f"faults.{k}"] = f[k]
+        if "breaker_opens" in f:
+            row["faults.breaker_opens"] = sum(f["breaker_opens"])
+        for name, ph in f.get("phases", {}).items():
+            for k in ("requests", "failed", "slo_attainment", "request_goodput",
+                      "mean_fault_lost_s"):
+                row[f"faults.{name}.{k}"] = ph[k]
+    if "degrade" in summary:
+        row["degrade.degraded_requests"] = summary["degrade"]["degraded_requests"]
+    return row
