@@ -6,8 +6,8 @@ names, each class's as ``<class>:<metric>`` (when there are several classes), ru
 facts as ``run.<fact>``, closed-loop sessions' metrics as ``sessions.<metric>``
 (``sessions.response_time_law.<field>``), an edge node's figures as ``edge.<path>``
 (``report.edge``), replica faults' and degradation's as ``faults.<figure>`` and
-``degrade.<figure>`` (``report.faults``), and ``offered_rate`` (requests per second of arrivals). A user error
-in the point becomes an ``error`` cell instead.
+``degrade.<figure>`` (``report.faults``), and ``offered_rate`` (requests per second of
+arrivals). A user error in the point becomes an ``error`` cell instead.
 
 Executors take a batch of such tasks and yield ``(index, row)`` as each finishes:
 ``LocalExecutor`` (a process pool over the cores, forked once and reused) and
