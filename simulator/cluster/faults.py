@@ -10,20 +10,21 @@ at the end of the outage as a fresh replica (an empty cache) in the same slot.
 
 What the gateway knows: it stops routing to a failed replica ``detect_s`` after the
 failure (its health check); until then a request routed there fails ``refuse_s``
-later (a refused connection, or a connect timeout). A failed request - in flight on the replica, or refused by it -
-counts as a failure for the replica's circuit breaker (``cluster.breaker``) and then,
-with ``in_flight: lost``, fails (its client hears a 502 one way later, and does not
-retry it); with ``retry`` it re-enters the gateway at once as a new attempt (its own
-row in the attempts table, outcome ``failed`` for the one that failed) routed to
-another replica, up to ``max_retries`` times per request, after which it fails.
+later (a refused connection, or a connect timeout). A failed request - in flight on
+the replica, or refused by it - counts as a failure for the replica's circuit breaker
+(``cluster.breaker``) and then, with ``in_flight: lost``, fails (its client hears a 502
+one way later, and does not retry it); with ``retry`` it re-enters the gateway at once
+as a new attempt (its own row in the attempts table, outcome ``failed`` for the one
+that failed) routed to another replica, up to ``max_retries`` times per request, after
+which it fails.
 
 A retried request starts over on its new replica (prefill included; its stream starts
-again, and its TTFT is the retry's). Routing avoids replicas known to be down and those whose breaker is open (or
-half-open with its probes out), and a retry avoids the replica it failed on while
-that outage lasts. When no replica is routable the request waits at the gateway and
-is routed again as soon as one is (a recovery, a breaker half-opening): so with one
-replica and ``detect_s`` 0, a request arriving during an outage waits exactly until
-the recovery.
+again, and its TTFT is the retry's). Routing avoids replicas known to be down and
+those whose breaker is open (or half-open with its probes out), and a retry avoids the
+replica it failed on while that outage lasts. When no replica is routable the request
+waits at the gateway and is routed again as soon as one is (a recovery, a breaker
+half-opening): so with one replica and ``detect_s`` 0, a request arriving during an
+outage waits exactly until the recovery.
 
 Per request: ``fault_retries`` (gateway retries after faults) and ``fault_lost_s``
 (time lost to faults: on attempts that failed, from their routing to their failure, and
