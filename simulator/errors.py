@@ -319,3 +319,8 @@ def check_memory(need: float, what: str, *, source: str | None = None,
 def error_line(e: BaseException) -> str:
     """The line every command prints for an error: ``latsim: error: <message>``."""
     return "latsim: error: " + one_line(str(e))
+
+
+class Unsupported(Exception):
+    """The loop asked for cannot run this configuration (the message says why): raised by
+    ``loops.simulate`` and the runs that wrap it (``cluster.edgerun``)."""

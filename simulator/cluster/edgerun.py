@@ -41,7 +41,7 @@ def simulate_edge(simulate, scenario, seed, *, base_dir=None, workload=None,
     """``simulate(scenario, seed, ...)`` of a scenario with ``edge`` (module doc);
     ``simulate`` is the plain run, called on the cluster's share."""
     from simulator.cost import build_cost_model, profile_search_dirs
-    from simulator.loops.simulate import Unsupported
+    from simulator.errors import Unsupported
     from simulator.workload import build_workload
     if loop == "compiled":
         raise Unsupported(EDGE_REASON)

@@ -30,6 +30,7 @@ import numpy as np
 import simpy
 
 from simulator.config.scenario import Scenario
+from simulator.errors import Unsupported
 from simulator.cost import build_cost_model, profile_search_dirs
 from simulator.report.kv import kv_run_stats
 from simulator.model.kv.prefixkeys import WorkloadKeys
@@ -75,10 +76,6 @@ class Results:
 # Event loops: ``auto`` (the compiled loop where it covers the run and the run is large
 # enough to be worth loading it, else SimPy), ``compiled`` (compiled only), ``simpy``.
 LOOPS = ("auto", "simpy", "compiled")
-
-
-class Unsupported(Exception):
-    """The loop asked for cannot run this configuration (the message says why)."""
 
 
 def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path | None = None,
