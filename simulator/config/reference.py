@@ -3,7 +3,8 @@
 Every key a scenario may hold is a field of a pydantic model under ``Scenario``
 (``config.scenario``), or of a plug-in's config (a ``kind:`` looked up in a registry,
 ``config.registry``: workloads, arrival processes, length distributions, cost models,
-routers). ``markdown()`` walks them all and writes one table per top-level section and
+routers; and ``model.scheduling.POLICIES``: a policy's parameters, ``engine.policy: {kind:
+name, ...}``). ``markdown()`` walks them all and writes one table per top-level section and
 one per plug-in kind: the key's dotted path, its default and its description (the
 field's ``description``, else the first sentence of its model's docstring). README.md's
 *YAML reference* is this text between its markers; ``tests/test_docs.py`` checks that
@@ -176,7 +177,9 @@ def markdown() -> str:
             out += [f"`{name}`: a {reg.what}, by `kind` (tables below).", ""]
             continue
         out += [f"`{name}`:", ""] + _table(rows(_models(info.annotation)[0], f"{name}.")) + [""]
+    from simulator.model.scheduling.policy import POLICIES   # engine.policy: {kind: ...}
     regs = [getattr(R, n) for n in dir(R) if isinstance(getattr(R, n), R.Registry)]
+    regs.append(POLICIES)
     for reg in sorted(regs, key=lambda r: r.what):
         for kind in reg.names():
             cls = reg.config_class(kind)
