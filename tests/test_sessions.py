@@ -142,9 +142,11 @@ def test_the_loop_closes_and_time_to_last_turn_is_the_sum():
 
 def test_users_ramp_and_run_their_sessions_in_turn():
     """User u starts at u x ramp_s / users; session s + users (the same user's next)
-    starts its session gap after session s's last byte."""
+    starts its session gap after session s's last byte (the default network and stream:
+    the last byte comes a frame and a one-way trip after the replica's last token)."""
     res = _run(_wl(ramp_s=2.0, session_gap={"kind": "uniform", "low_s": 1, "high_s": 3}),
-               prefix=False)
+               prefix=False, network={}, stream={})
+    assert (res.rec.last_delivered > res.rec.last_token).all()
     t, plan = res.meta["session_table"], _plan(res)
     np.testing.assert_allclose(t["start_s"][:4], [0.0, 0.5, 1.0, 1.5], rtol=0, atol=ABS)
     nxt = np.arange(4, 8)
@@ -231,6 +233,106 @@ def test_interactive_response_time_law():
     slow = _run(_wl(users=6, sessions=240, turns={"kind": "constant", "value": 2},
                     think_time=4.0), prefix=False)
     assert slow.meta["sessions"]["response_time_law"]["throughput"] < x_fast
+
+
+def _one_at_a_time(users: int, sessions: int, think_s: float, ramp_s: float = 0.0):
+    """Sessions of one identical request each on a replica serving one at a time."""
+    wl = _wl(users=users, sessions=sessions, turns={"kind": "constant", "value": 1},
+             system_prompt_tokens=0, user_tokens={"kind": "constant", "value": 200},
+             output_tokens={"kind": "constant", "value": 20}, think_time=think_s,
+             ramp_s=ramp_s)
+    d = make_scenario_dict(workload=wl)
+    d["engine"]["max_num_seqs"] = 1
+    res = simulate(validate_scenario(d), 1, loop="simpy")
+    return res, res.rec.last_delivered - res.rec.arrival
+
+
+def test_closed_loop_meets_the_deterministic_bounds():
+    """The closed form of a closed system with N users, constant think time Z and one
+    server of constant service time S (Denning & Buzen 1978, the asymptotic bounds,
+    tight when both are deterministic): past the first round R = max(S, N S - Z) and
+    X = min(N / (S + Z), 1 / S). S is measured on its own (one user, one request): here
+    the replica serves one request at a time (max_num_seqs 1), every request alike
+    (one-turn sessions, constant lengths). Saturated (Z = 0 and Z = 1.5 S, N = 4): the
+    server never idles, so R = N S - Z and X = 1 / S exactly; light (Z = 10 S, the users
+    staggered by S): no one waits, R = S. A turn sent early or late, or a user with two
+    requests out, moves every one of these. Tolerance: sums of ~200 doubles of < 10 s."""
+    _, e = _one_at_a_time(1, 1, 0.0)
+    s = float(e[0])
+    n = 4
+    for z in (0.0, 1.5 * s):
+        res, e = _one_at_a_time(n, 40, z)
+        np.testing.assert_allclose(e[:n], s * np.arange(1, n + 1), rtol=0, atol=1e-9)
+        np.testing.assert_allclose(e[n:], n * s - z, rtol=0, atol=1e-9)
+        law = res.meta["sessions"]["response_time_law"]
+        assert law["throughput"] == pytest.approx(1 / s, rel=1e-9)
+    res, e = _one_at_a_time(n, 40, 10 * s, ramp_s=n * s)
+    np.testing.assert_allclose(e, s, rtol=0, atol=1e-9)
+
+
+def test_every_request_ends_once_and_its_breakdown_adds_up(monkeypatch):
+    """Nothing lost: each sent request comes back to its user exactly once (finished or
+    turned away), a request is sent only once and its gap after the previous one's last
+    byte, and per request T_net + T_queue +
+    T_prefill + T_decode + T_stream = E2E with send times set by the closed loop (a
+    network and a stream of non-zero cost here). Sessions cut by a too-large turn leave
+    the rest unsent."""
+    from simulator.loops.simpy import sessions as loop
+    from simulator.report.metrics import BREAKDOWN, requests_table
+    calls = []
+    for name in ("finished", "ended", "_go"):
+        orig = getattr(loop.SessionClients, name)
+
+        def spy(self, rid, *a, _o=orig, _n=name):
+            calls.append((_n, rid))
+            return _o(self, rid, *a)
+        monkeypatch.setattr(loop.SessionClients, name, spy)
+    d = make_scenario_dict(workload=_wl(mode="agentic"))
+    d["engine"]["kv"] = {"num_blocks": 20000, "prefix_caching": True,
+                         # a turn is 40 + 32 (tool call) + 256 (result) + 24 tokens:
+                         # turn 2's first request (808 + 32) is turned away
+                         "max_model_len": 800}
+    del d["network"], d["stream"]          # the defaults: RTT, TLS, bytes per token
+    res = simulate(validate_scenario(d), 2, loop="simpy")
+    rec, n = res.rec, len(res.workload)
+    sent = np.bincount([r for k, r in calls if k == "_go"], minlength=n)
+    back = np.bincount([r for k, r in calls if k != "_go"], minlength=n)
+    assert sent.max() == 1 and (back == sent).all()
+    assert ((~np.isnan(rec.last_delivered)) ^ rec.rejected == (sent == 1)).all()
+    assert rec.rejected.any() and (sent == 0).any()
+    # The next turn leaves its gap after the last byte (which here reaches the user a
+    # frame and a one-way trip after the replica's last token, when the replica ends it).
+    plan = _plan(res)
+    nxt = np.flatnonzero((plan.session[1:] == plan.session[:-1]) & (sent[1:] == 1)) + 1
+    assert (rec.last_delivered[nxt - 1] > rec.last_token[nxt - 1]).all()
+    np.testing.assert_allclose(rec.arrival[nxt] - rec.last_delivered[nxt - 1],
+                               plan.gap_s[nxt], rtol=0, atol=ABS)
+    df = requests_table(res)
+    df = df[df["finished"]]
+    assert res.scenario.network.base_rtt_ms > 0 and (df["t_net"] > 0).all()
+    np.testing.assert_allclose(df[list(BREAKDOWN)].sum(axis=1), df["e2el"], rtol=0, atol=ABS)
+
+
+def test_series_sample_on_the_send_span():
+    """Past 5,000 requests the time series sample every span / 20,000 s: an open-loop
+    run's span is its arrivals', all zeros in a sessions workload before the run, so a
+    closed loop uses a lower bound of its send span (the busiest user's delays): samples
+    at least that far apart, far fewer than the steps."""
+    from simulator.loops.simulate import _series_interval
+    wl = _wl(users=64, sessions=1300, think_time=5.0, system_prompt_tokens=0,
+             user_tokens={"kind": "constant", "value": 16},
+             output_tokens={"kind": "constant", "value": 8})
+    res = _run(wl, prefix=False)
+    plan = _plan(res)
+    assert len(res.workload) > 5000
+    per_user = np.bincount(plan.s_user[plan.session], weights=plan.delays)
+    sent_last = np.array([np.nanmax(res.rec.arrival[plan.s_user[plan.session] == u])
+                          for u in range(plan.users)])
+    assert (sent_last >= per_user - ABS).all()          # a lower bound, user by user
+    dt = _series_interval(res.workload)
+    assert dt == per_user.max() / 20000 and dt > 0
+    ts = np.asarray(res.rec.series[0][0])
+    assert (np.diff(ts) >= dt).all() and len(ts) < res.rec.steps / 2
 
 
 def test_deterministic_and_compiled_declines():

@@ -282,8 +282,11 @@ def _cost_models(scenario: Scenario, cost_model, profile, base_dir, rng_cost) ->
 
 
 def _series_interval(wl: Workload) -> float:
-    """Sample time series at every step for small runs, ~20k points for large ones."""
+    """Sample time series at every step for small runs, ~20k points for large ones (over
+    the arrival span; closed-loop sessions: a lower bound of their send span)."""
     if len(wl) <= 5000:
         return 0.0
-    span = float(wl.arrival_s[-1] - wl.arrival_s[0])
+    plan = wl.meta.get("sessions")
+    span = (plan.send_span_s if plan is not None
+            else float(wl.arrival_s[-1] - wl.arrival_s[0]))
     return max(span, 0.0) / 20000.0

@@ -83,8 +83,7 @@ def law(plan: SessionPlan, rec) -> dict:
     """The run beside the interactive response-time law (module doc)."""
     arr, last = rec.arrival, rec.last_delivered
     done = ~np.isnan(last)
-    delay = plan.gap_s.copy()
-    delay[plan.s_first] = plan.start_gap_s
+    delay = plan.delays
     r = float(np.mean(last[done] - arr[done])) if done.any() else math.nan
     z = float(np.mean(delay[done])) if done.any() else math.nan
     span = float(np.max(last[done])) if done.any() else math.nan

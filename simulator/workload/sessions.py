@@ -215,6 +215,23 @@ class SessionPlan:
     def n_sessions(self) -> int:
         return len(self.s_first)
 
+    @property
+    def delays(self) -> np.ndarray:
+        """Per request, the delay its user waits before sending it: a session's first
+        request its ``start_gap_s``, the others their ``gap_s``."""
+        d = self.gap_s.copy()
+        d[self.s_first] = self.start_gap_s
+        return d
+
+    @property
+    def send_span_s(self) -> float:
+        """A lower bound of the last send time: the busiest user's delays (its requests'
+        E2E come on top). The run's time series sample on it (``loops.simulate``), as an
+        open-loop run samples on its arrival span, which is all zeros here."""
+        per_user = np.bincount(self.s_user[self.session], weights=self.delays,
+                               minlength=self.users)
+        return float(per_user.max())
+
 
 def session_reason(workload) -> Optional[str]:
     """Why the compiled loop cannot run this workload (None: nothing against it)."""
