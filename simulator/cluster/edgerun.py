@@ -26,7 +26,7 @@ from simulator.cluster import edge as E
 from simulator.cluster import edgecache
 from simulator.report.recorder import Recorder
 
-EDGE_REASON = "the edge node (edge: a cache, an edge model) runs in front of SimPy only"
+EDGE_REASON = "an edge node (edge: a result cache, an edge model) is modelled on SimPy only"
 
 
 def edge_rngs(seed: int):
