@@ -63,6 +63,127 @@ def test_under_memory_pressure_the_compiled_loop_preempts_as_simpy_does(flush, *
     assert_identical(ref, res)
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(**PRESSURE, router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
+       sys_prompt=st.sampled_from([40, 100]), flush=st.sampled_from([3, 1 << 16]))
+def test_prefix_caching_under_memory_pressure_is_the_simpy_run(flush, **cfg):
+    """Prefix caching (``model.kv.prefixcache``'s kernels on both loops): two of three
+    classes share a system prompt, so requests hit each other's blocks; few blocks and
+    long outputs evict cached blocks, preempt (a recompute's re-admission hits its own
+    freed prefix), swap, and drop an admission whose hit an earlier one evicted.
+    Not vacuous: the draws hit, evict and preempt (counted below)."""
+    sc = pressure_scenario(caching=True, **cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ItlHistogram, "FLUSH", flush)
+        ref = simulate(sc, loop="simpy")
+        res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+
+
+@pytest.mark.parametrize("policy", ["chunked", "fifo", "priority_aging"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_prefix_hits_evictions_and_preemptions_compiled(policy, preemption):
+    """Not vacuous: one pressure draw that hits shared prefixes (~200 blocks), evicts
+    cached blocks (~20), preempts (~90 times) and, with swap, swaps some decoders out;
+    the compiled run is SimPy's bit for bit."""
+    sc = pressure_scenario(n=80, seed=7, policy=policy, replicas=1, router="round_robin",
+                           watermark=0.0, blocks=40, max_seqs=16, budget=128, chunk=None,
+                           rate=400.0, net="zero", out_hi=200, aging=1.0, victim="latest",
+                           preemption=preemption, swap_gb=0.01, cost="profile",
+                           caching=True, sys_prompt=40)
+    ref = simulate(sc, loop="simpy")
+    res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+    kv = ref.meta["kv"]
+    assert kv["hit_blocks"] > 100 and kv["evictions"] > 5
+    assert ref.rec.preemptions.sum() > 50 and ref.rec.cached_tokens.sum() > 0
+    assert (ref.rec.swapped_bytes > 0).any() == (preemption == "swap")
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(**BROAD, sys_prompt=st.sampled_from([40, 100]), until=st.sampled_from([None, 0.7]),
+       series_cap=st.sampled_from([2, 4096]))
+def test_prefix_caching_is_the_simpy_run_on_broad_configurations(series_cap, **cfg):
+    """Shared system prompts on every policy, router, replica count and limit (paged: a
+    contiguous cache has no prefix caching); the time series' shared-block column too."""
+    cfg["alloc"] = "paged"
+    sc = loop_scenario(noise=False, caching=True, **cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiled, "SERIES_CAP", series_cap)
+        ref = simulate(sc, loop="simpy")
+        res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+
+
+def _vllm_serving(sc, async_sched: bool, frontend: bool):
+    """``sc`` with vLLM v1's engine loop (async scheduling) and API server stage."""
+    from simulator.wire.frontend import FrontendConfig
+    sc.engine.async_scheduling = async_sched
+    sc.engine.frontend = FrontendConfig() if frontend else None
+    return sc
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(**PRESSURE, router=st.sampled_from(["round_robin", "least_outstanding", "random"]),
+       caching=st.booleans(), sys_prompt=st.sampled_from([0, 40]),
+       async_sched=st.booleans(), frontend=st.booleans())
+def test_async_scheduling_and_front_end_under_pressure_are_the_simpy_run(
+        async_sched, frontend, **cfg):
+    """Async scheduling (arrivals wait in an inbox until a decision sees them:
+    ``asyncsched.sees``, no decode epochs) and the API server (its response side on
+    each delivery, the outputs ahead of a first token, the bare network for a refused
+    request's connection), with and without prefix caching, under memory pressure."""
+    sc = _vllm_serving(pressure_scenario(**cfg), async_sched, frontend)
+    ref = simulate(sc, loop="simpy")
+    res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(**BROAD, until=st.sampled_from([None, 0.7]), caching=st.booleans(),
+       sys_prompt=st.sampled_from([0, 40]), async_sched=st.booleans(),
+       frontend=st.booleans())
+def test_async_scheduling_and_front_end_are_the_simpy_run(async_sched, frontend, **cfg):
+    """The same on the broad configurations (WAN connections: refused requests release
+    pooled connections; clock stops)."""
+    sc = _vllm_serving(loop_scenario(noise=False, **cfg), async_sched, frontend)
+    ref = simulate(sc, loop="simpy")
+    res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+
+
+def test_async_scheduling_changes_the_run():
+    """Not vacuous: on the same traffic async scheduling admits later than synchronous
+    scheduling (a decision sees arrivals by the previous one), on both loops alike."""
+    sc = loop_scenario(150, 3, "chunked", 1, "round_robin", "paged", None, 0.0, 4000, 16,
+                       128, None, "poisson", 40.0, "zero", False, None, True, 300, 60)
+    sync = simulate(sc, loop="compiled")
+    asy = simulate(_vllm_serving(sc, True, False), loop="compiled")
+    wait = lambda r: float(np.mean(r.rec.scheduled - r.rec.enqueued))  # noqa: E731
+    assert wait(asy) > wait(sync)
+    assert_identical(simulate(sc, loop="simpy"), asy)
+
+
+@pytest.mark.parametrize("blocks", [600, 3000])
+def test_mooncake_prefix_hashes_compiled(blocks):
+    """Real prefix hashes (the Mooncake slice, ``tests/data``): prompts share earlier
+    turns; 600 blocks evicts and preempts, 3000 keeps more cached."""
+    wl = {"kind": "trace", "path": str(REPO / "tests" / "data" / "mooncake_conv_head30.jsonl"),
+          "speedup": 20.0}
+    sc = make_scenario(workload=wl, engine={
+        "policy": "chunked", "max_num_seqs": 16, "max_num_batched_tokens": 2048,
+        "kv": {"num_blocks": blocks, "prefix_caching": True}})
+    ref = simulate(sc, loop="simpy")
+    res = simulate(sc, loop="compiled")
+    assert_identical(ref, res)
+    assert ref.meta["kv"]["hit_blocks"] > 0 and ref.meta["kv"]["evictions"] > 0
+
+
 def test_compiled_loop_runs_the_common_configurations():
     """Not vacuous: with room to spare every policy, router and allocation compiles."""
     for policy, router, alloc in itertools.product(POLICIES,
@@ -77,8 +198,7 @@ def test_compiled_loop_runs_the_common_configurations():
 
 
 @pytest.mark.parametrize("over, why", [
-    ({"engine": {"policy": "chunked", "kv": {"num_blocks": 4096, "prefix_caching": True}}},
-     "prefix caching"),
+    ({"stream": {"every_tokens": 4}}, "per-request stream models"),
 ])
 def test_what_the_compiled_loop_leaves_out_runs_on_simpy(over, why):
     sc = make_scenario(**over)
@@ -224,10 +344,10 @@ def test_cli_compiled_loop_gives_the_same_requests_csv(tmp_path):
     assert "(compiled)" in a.stdout and "(simpy)" in b.stdout
     assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
     bad = latsim("run", "scenarios/quickstart.yaml", "--loop", "compiled",
-                 "--set", "engine.kv.prefix_caching=true")
+                 "--set", "stream.every_tokens=4")
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "latsim: error: --loop: the compiled loop cannot run this scenario: "
-        "prefix caching (got 'compiled')")
+        "per-request stream models (got 'compiled')")
 
 
 def test_a_larger_run_samples_on_an_interval_and_runs_long_epochs():

@@ -63,13 +63,14 @@ def test_mooncake_prefix_hashes_give_the_same_run(policy, blocks):
         "kv": {"num_blocks": blocks, "prefix_caching": True}})
     res = _modes_agree(sc)
     assert res.meta["kv"]["hit_blocks"] > 0
-    assert res.meta["loop"] == "simpy (prefix caching)"
+    assert "below 10,000" in res.meta["loop"]
+    # The compiled loop runs prefix caching too (``test_compiled``): the same run.
+    assert_identical(res, simulate(sc, loop="compiled"))
 
 
 @pytest.mark.parametrize("over, why", [
     ({"stream": {"every_tokens": 4}}, "per-request stream models"),
     ({"network": {"protocol": "http2"}}, "per-request stream models"),
-    ({"engine": {"kv": {"num_blocks": 4096, "prefix_caching": True}}}, "prefix caching"),
 ])
 def test_auto_says_why_a_run_is_on_simpy(over, why):
     res = simulate(make_scenario(**over))
@@ -90,3 +91,17 @@ def test_compiled_loop_asked_for_an_unsupported_run_says_why():
 def test_unknown_loop_is_an_error():
     with pytest.raises(ValueError, match="unknown loop 'turbo'"):
         simulate(make_scenario(), loop="turbo")
+
+
+def test_auto_runs_a_large_prefix_cached_run_compiled():
+    """Prefix caching no longer sends ``auto`` to SimPy: a run past the compile
+    threshold with shared system prompts runs compiled, and hits."""
+    wl = {"kind": "synthetic", "num_requests": 10_000, "arrival": {"kind": "poisson", "rate": 40.0},
+          "prompt_tokens": {"kind": "uniform", "low": 50, "high": 400},
+          "output_tokens": {"kind": "uniform", "low": 5, "high": 60},
+          "classes": [{"name": "chat", "share": 1, "system_prompt_tokens": 64}]}
+    res = simulate(make_scenario(workload=wl, engine={
+        "policy": "chunked", "max_num_seqs": 32, "max_num_batched_tokens": 256,
+        "kv": {"num_blocks": 4096, "prefix_caching": True}}))
+    assert res.meta["loop"] == "compiled"
+    assert res.meta["kv"]["hit_blocks"] > 0

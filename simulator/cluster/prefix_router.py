@@ -53,7 +53,9 @@ class CacheAware:
         out = []
         for r, o in zip(replicas, loads):
             mgr = r.kv.manager
-            hit = mgr.admission(seq.prompt_tokens, seq.keys)[0] if seq.keys else 0
+            keys = seq.keys       # an int64 array (``prefixkeys``) or None
+            hit = mgr.admission(seq.prompt_tokens, keys)[0] if keys is not None \
+                and len(keys) else 0
             load = (hi - o) / (hi - lo) if hi > lo else 1.0
             out.append((hit / seq.prompt_tokens, load, 1.0 - mgr.num_used / mgr.capacity))
         return out

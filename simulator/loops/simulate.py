@@ -188,7 +188,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                     arrival=workload.arrival_s, prompt=workload.prompt_tokens,
                     output=workload.output_tokens, priority=workload.priority,
                     clients=clients, until=scenario.max_sim_time_s,
-                    router=scenario.cluster.router, router_rng=rng_router)
+                    router=scenario.cluster.router, router_rng=rng_router, keys=keys_of,
+                    async_sched=eng.async_scheduling)
             except Handback as e:
                 if loop == "compiled":
                     raise Unsupported(str(e)) from None

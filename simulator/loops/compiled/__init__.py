@@ -3,12 +3,15 @@
 It runs the configurations large runs use: every policy whose kernels it knows (the
 built-in ones: fifo, chunked prefill, priority classes with aging, the weighted fair
 score), paged or contiguous memory with watermarks and preemption (by recompute or swap,
-either victim rule), round-robin, random or least-outstanding routing, keep-alive pools,
-a measured profile without noise, and a clock stop. The decisions are the very kernels
-the SimPy model calls: the policies' fill rules and order keys and the queue's tie rule
-(``model.scheduling.queues``), how many candidates a fill is offered
-(``policy.next_offer``), the memory rules (``model.kv.rules``), what a step does to a
-request and the decode tick's keys (``model.scheduling.progress``), the decode epoch's
+either victim rule), prefix caching (``prefix``: the block pools and tables of
+``model.kv.prefixcache``, whose kernels ``PrefixKV`` runs for SimPy), async scheduling
+and the API server front end, round-robin, random or least-outstanding routing,
+keep-alive pools, a measured profile without noise, and a clock stop. The decisions are
+the very kernels the SimPy model calls: the policies' fill rules and order keys and the
+queue's tie rule (``model.scheduling.queues``), how many candidates a fill is offered
+(``policy.next_offer``), the memory rules (``model.kv.rules``) and the prefix cache's
+(``model.kv.prefixcache``), async scheduling's (``model.scheduling.asyncsched``), what a
+step does to a request and the decode tick's keys (``model.scheduling.progress``), the decode epoch's
 rules (``model.scheduling.epoch``), the connection pools (``wire.keepalive``), the
 routers' picks (``cluster.picks``) and the cost models' kernels. The loop keeps the
 SimPy replica's fast bookkeeping (decode epochs, a replica-wide decode tick, decoders
@@ -66,14 +69,12 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
                   frame_time: float = 0.0, traffic: Optional[str] = None,
                   speculative: bool = False, async_sched: bool = False,
                   frontend: bool = False) -> Optional[str]:
-    """Why the compiled loop cannot run this configuration (None if it can).
+    """Why the compiled loop cannot run this configuration (None if it can), in one line.
     ``traffic``: the traffic control the scenario asks for (admission, clients,
     autoscaling, utilisation series), which only the SimPy gateway models;
-    ``speculative``: speculative decoding, ``async_sched``: async scheduling
-    (``model.scheduling.asyncsched``), which only the SimPy replica models;
-    ``frontend``: the API server stage (``wire.frontend``), whose response side the
-    compiled loop's one-way column would also charge where SimPy charges the bare
-    network (a refused request's connection release)."""
+    ``speculative``: speculative decoding, which only the SimPy replica models.
+    ``async_sched`` (``model.scheduling.asyncsched``) and ``frontend`` (the API server
+    stage, ``wire.frontend``) run compiled; they stay parameters for the callers."""
     from simulator.loops.compiled.queue import policy_ids
     if importlib.util.find_spec("numba") is None:
         return "numba is not installed"
@@ -87,10 +88,6 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         return traffic
     if speculative:
         return "speculative decoding (engine.speculative)"
-    if async_sched:
-        return "async scheduling (engine.async_scheduling)"
-    if frontend:
-        return "the API server front end (engine.frontend)"
     if cost_given:
         return "a cost model passed in"
     if policy_ids(policy) is None:
@@ -100,8 +97,6 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
                     "(the compiled loop compares per-class FIFO heads)")
         return f"policy {policy.name!r} has kernels the compiled loop does not know"
     lim = policy.limits
-    if rules.prefix_caching and rules.allocation == "paged":
-        return "prefix caching"
     if router not in ("round_robin", "least_outstanding", "random"):
         return f"router {router!r}"
     if type(pools) is not ConnectionPools:
@@ -127,10 +122,13 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
 def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, swap: tuple,
                  pools, net, frame_time: float, one_way: float, series_interval: float,
                  arrival, prompt, output, priority, clients, until: Optional[float],
-                 router: str, router_rng=None) -> tuple[float, list]:
+                 router: str, router_rng=None, keys=None,
+                 async_sched: bool = False) -> tuple[float, list]:
     """Run the model compiled; fills ``rec``, the pools' and cost models' tallies.
     ``swap``: bytes per block, CPU swap space (blocks), copy bandwidth (bytes/s);
-    ``router_rng``: the random router's generator.
+    ``router_rng``: the random router's generator; ``keys``: the prefix keys
+    (``prefixkeys.WorkloadKeys``) when prefix caching is on; ``async_sched``: async
+    scheduling (``model.scheduling.asyncsched``).
     Returns (end of the run, each replica's ``KVStats``); raises ``Handback``.
 
     Long, and kept whole: it is the one place where the Python objects (policy limits,
@@ -140,6 +138,8 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     from simulator.loops.compiled import state as S
     from simulator.loops.compiled.cost import pack_cost
     from simulator.loops.compiled.loop import run
+    from simulator.loops.compiled.prefix import pack_prefix
+    from simulator.model.kv.manager import pool_stats
 
     R = n_replicas
     lim = policy.limits
@@ -169,14 +169,17 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                    (S.P_PADDED, bool(costs[0].padded)),
                    (S.P_SWAP, rules.preemption == "swap"),
                    (S.P_VICTIM, rules.victim == "priority"),
-                   (S.P_CPUBLOCKS, swap[1])):
+                   (S.P_CPUBLOCKS, swap[1]),
+                   (S.P_PREFIX, rules.prefix_caching and rules.allocation == "paged"),
+                   (S.P_ASYNC, async_sched)):
         IP[col] = v
     FP = np.zeros(S.D_NCOLS)
     for col, v in ((S.D_HANDSHAKE, net.handshake), (S.D_ONEWAY, one_way),
                    (S.D_FT, frame_time), (S.D_INTERVAL, series_interval),
                    (S.D_UNTIL, float(until) if until is not None else 0.0),
                    (S.D_KEEPALIVE, pools.keepalive),
-                   (S.D_BLOCKBYTES, swap[0]), (S.D_SWAPBPS, swap[2])):
+                   (S.D_BLOCKBYTES, swap[0]), (S.D_SWAPBPS, swap[2]),
+                   (S.D_NETONEWAY, net.one_way), (S.D_FIRSTOUT, net.frontend.per_output_s)):
         FP[col] = v
 
     prompt = np.ascontiguousarray(prompt, dtype=np.int64)
@@ -218,6 +221,8 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     RS[:, S.R_IDLE] = 1
     RF = np.zeros((R, S.F_NCOLS))
     RF[:, S.F_LASTSAMPLE] = -np.inf
+    RF[:, S.F_DECIDED] = -np.inf
+    RF[:, S.F_STEPEND] = -np.inf
     RQ = np.zeros((n, S.Q_NCOLS), dtype=np.int64)
     RQ[:, S.Q_NEXT] = -1
     RQ[:, S.Q_PLEN] = prompt
@@ -248,6 +253,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     cap = flush + MAX_EPOCH_STEPS + 2 * width + 16
     ITL = (np.zeros(cap), np.zeros(cap, dtype=np.int64), np.zeros(2 * width + 16, dtype=np.int64))
     # The cost model's arrays, the lookup counts per replica, epoch scratch, empty chunks.
+    PFX = pack_prefix(IP[S.P_PREFIX] != 0, keys, R, capacity, n)
     COST = pack_cost(costs[0]) + (np.zeros((R, 2), dtype=np.int64), np.zeros(MAX_EPOCH_STEPS),
                                   np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.bool_))
 
@@ -283,7 +289,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
             RS[r, S.R_NSER] = 0
 
     status = S.Y_DONE
-    for status in run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
+    for status in run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST, PFX):
         if status == S.Y_ITL:
             drain_itl(False)
         elif status == S.Y_SERIES:
@@ -304,6 +310,9 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     for r in range(R):
         costs[r].lookups += int(CL[r, 0])
         costs[r].extrapolations += int(CL[r, 1])
+        if IP[S.P_PREFIX]:
+            stats.append(pool_stats(PFX[0][r]))
+            continue
         st = KVStats()
         st.admissions = int(RS[r, S.R_ADMISSIONS])
         st.queried_tokens = int(RS[r, S.R_QUERIED])

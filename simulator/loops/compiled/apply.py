@@ -11,6 +11,7 @@ import heapq
 
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
+from simulator.loops.compiled.prefix import computed, release, shared_refs, take
 from simulator.wire.keepalive import pool_release
 from simulator.model.kv.rules import ceil_blocks, growth_tick, held_tokens
 from simulator.model.scheduling.progress import (emit_tokens, finish_tick, prefill_progress,
@@ -59,13 +60,16 @@ def lt_add(r, t, delta, RS, LT_T, LT_C):
 
 
 @jit
-def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN):
+def finish(r, rid, t, depart, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN, PFX):
     """``ReplicaApply._finish``."""
     TS[S.T_LAST][rid] = t
     arrived = depart + FP[S.D_ONEWAY]
     TS[S.T_LASTDEL][rid] = arrived
     TS[S.T_GEN][rid] = RQ[rid, S.Q_GENERATED]
-    RS[r, S.R_FREE] += RQ[rid, S.Q_HELD]
+    if IP[S.P_PREFIX]:
+        release(r, rid, RQ[rid, S.Q_HELD], RS, PFX)
+    else:
+        RS[r, S.R_FREE] += RQ[rid, S.Q_HELD]
     RQ[rid, S.Q_HELD] = 0
     RS[r, S.R_KV] -= held_tokens(True, prompt[rid], RQ[rid, S.Q_GENERATED], 0)
     pool_release(IDL, ILEN, clients[rid], arrived, RQ[rid, S.Q_POOLED] != 0, IP[S.P_REUSE] != 0)
@@ -129,7 +133,7 @@ def pre_remove(r, rid, RS, PRE):
 
 @jit
 def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT_T, LT_C, ITL,
-            prompt, output, clients, IDL, ILEN):
+            prompt, output, clients, IDL, ILEN, PFX):
     """``ReplicaApply._prefill``: the step's chunks; a completed prefill yields a token
     (the first, or, recomputing after a preemption, the next: one more ITL gap)."""
     ft = FP[S.D_FT]
@@ -141,6 +145,8 @@ def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT
         RQ[rid, S.Q_PREFILLED], done = prefill_progress(RQ[rid, S.Q_PREFILLED], n,
                                                         RQ[rid, S.Q_PLEN])
         tokens += n + (1 if done else 0)
+        if IP[S.P_PREFIX]:
+            computed(r, rid, RQ, IP, PFX)
         if not done:
             continue
         pre_remove(r, rid, RS, PRE)
@@ -148,14 +154,15 @@ def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT
         RQ[rid, S.Q_GENERATED], last = emit_tokens(RQ[rid, S.Q_GENERATED], 1, output[rid])
         if not resumed:
             TS[S.T_FIRST][rid] = t
-            TS[S.T_FIRSTDEL][rid] = t + ft + FP[S.D_ONEWAY]
+            # The API server handles the step's outputs ahead of it first (the decoders).
+            TS[S.T_FIRSTDEL][rid] = t + ft + FP[S.D_ONEWAY] + FP[S.D_FIRSTOUT] * RS[r, S.R_ND]
         else:
             itl_add(GI, ITL, t - RQF[rid, S.QF_LAST_T], 1, flush)
         if last:
             RS[r, S.R_KV] += tokens
             RS[r, S.R_OUT] -= tokens
             tokens = 0
-            finish(r, rid, t, t + ft, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN)
+            finish(r, rid, t, t + ft, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN, PFX)
             continue
         join(r, rid, t, False, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C, prompt, output)
     RS[r, S.R_KV] += tokens
@@ -163,7 +170,7 @@ def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT
 
 
 @jit
-def catch_up_growth(r, start, RS, IP, PHASE):
+def catch_up_growth(r, start, RS, IP, PHASE, PFX):
     """``ReplicaMemory._catch_up_growth``: the blocks an epoch's later steps took."""
     last = RS[r, S.R_TICKS] - 1
     if last <= start:
@@ -173,7 +180,10 @@ def catch_up_growth(r, start, RS, IP, PHASE):
     due = (span // bs) * RS[r, S.R_ND]
     for t in range(start + 1, start + 1 + span % bs):
         due += PHASE[r, t % bs]
-    RS[r, S.R_FREE] -= due
+    if IP[S.P_PREFIX]:
+        take(r, due, RS, PFX)
+    else:
+        RS[r, S.R_FREE] -= due
     RS[r, S.R_GROWN] = last
 
 
@@ -186,7 +196,7 @@ def clean_top(heap, RQ):
 
 @jit
 def finish_due(r, t, FH, RS, RQ, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output,
-               clients, IDL, ILEN):
+               clients, IDL, ILEN, PFX):
     """``ReplicaApply._finish_due``: decoders whose last token came at ``t``, in the
     heap's (tick, rid) order."""
     heap = FH[r]
@@ -223,7 +233,7 @@ def finish_due(r, t, FH, RS, RQ, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, out
             held = ceil_blocks(prompt[rid] + output[rid] - 1, bs)
             if held > RQ[rid, S.Q_HELD]:
                 RQ[rid, S.Q_HELD] = held
-        finish(r, rid, t, t + ft, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN)
+        finish(r, rid, t, t + ft, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN, PFX)
     if recompute:
         key_max(r, -1, RS, RQ, DEC)
 
@@ -245,14 +255,14 @@ def key_max(r, skip, RS, RQ, DEC):
 
 
 @jit
-def sample(r, t, RS, RF, IP, SER):
+def sample(r, t, RS, RF, IP, SER, PFX):
     """``ReplicaApply._sample`` into the replica's buffer (``R_NSER`` rows so far)."""
     i = RS[r, S.R_NSER]
     SER[r, 0, i] = t
-    SER[r, 1, i] = RS[r, S.R_WLEN] + RS[r, S.R_SLEN]
+    SER[r, 1, i] = RS[r, S.R_WLEN] + RS[r, S.R_ILEN] + RS[r, S.R_SLEN]
     SER[r, 2, i] = RS[r, S.R_ND] + RS[r, S.R_NP]
     SER[r, 3, i] = IP[S.P_CAPACITY] - RS[r, S.R_FREE]
     SER[r, 4, i] = RS[r, S.R_KV]
-    SER[r, 5, i] = 0.0
+    SER[r, 5, i] = shared_refs(r, PFX) if IP[S.P_PREFIX] else 0
     RS[r, S.R_NSER] = i + 1
     RF[r, S.F_LASTSAMPLE] = t

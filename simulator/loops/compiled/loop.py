@@ -49,12 +49,12 @@ def arrivals(now, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send,
 
 @jit
 def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, LOAD, WQ, cls, picks, prompt,
-            output, clients, IDL, ILEN):
+            output, clients, IDL, ILEN, PFX):
     """``run_simpy``'s ``deliver``: reject, or route and enqueue."""
     TS[S.T_ENQ][rid] = now
     if rejects(rid, IP, RQ, prompt, output):
         TS[S.T_REJ][rid] = True
-        pool_release(IDL, ILEN, clients[rid], now + FP[S.D_ONEWAY], RQ[rid, S.Q_POOLED] != 0,
+        pool_release(IDL, ILEN, clients[rid], now + FP[S.D_NETONEWAY], RQ[rid, S.Q_POOLED] != 0,
                      IP[S.P_REUSE] != 0)
         return
     R = IP[S.P_R]
@@ -71,13 +71,14 @@ def deliver(rid, now, heap, GI, RS, RQ, IP, FP, TS, ENDS, LOAD, WQ, cls, picks, 
             LOAD[i] = outstanding(i, now, RS, ENDS)
         k = first_least(LOAD, R)
     TS[S.T_REPLICA][rid] = k
-    enqueue(k, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output)
+    enqueue(k, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output, PFX)
 
 
 @jit
-def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
+def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST, PFX):
     """The run, to the end or the clock stop (see module doc for what it yields).
-    ``W``: the workload's columns; ``BUF``, ``POOL``, ``ITL``, ``COST``: see ``__init__``.
+    ``W``: the workload's columns; ``BUF``, ``POOL``, ``ITL``, ``COST``: see ``__init__``;
+    ``PFX``: the prefix cache's pools and tables (``prefix``).
 
     One kernel, kept whole: the event dispatch is the hottest loop, numba passes the
     state's tuples of arrays by value on every call, and each event's handling is already
@@ -125,6 +126,7 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
                 else:
                     m = 1 if RS[r, S.R_STEPND] else 0
                     first_end = t
+                    RF[r, S.F_STEPEND] = t
                 if m:
                     # ``ReplicaApply._decode_fast``: the gaps since each group's last
                     # token, then the epoch's later steps' gaps, one per decoder.
@@ -144,14 +146,14 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
                     RS[r, S.R_OUT] -= m * ndc
                 if mode == S.MODE_EPOCH:
                     if paged:
-                        catch_up_growth(r, RS[r, S.R_TICKS] - m, RS, IP, PHASE)
+                        catch_up_growth(r, RS[r, S.R_TICKS] - m, RS, IP, PHASE, PFX)
                 else:
                     prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE,
-                            LT_T, LT_C, ITL, prompt, output, clients, IDL, ILEN)
+                            LT_T, LT_C, ITL, prompt, output, clients, IDL, ILEN, PFX)
                 finish_due(r, t, FH, RS, RQ, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt,
-                           output, clients, IDL, ILEN)
+                           output, clients, IDL, ILEN, PFX)
                 if t - RF[r, S.F_LASTSAMPLE] >= interval:
-                    sample(r, t, RS, RF, IP, SER)
+                    sample(r, t, RS, RF, IP, SER, PFX)
                     if RS[r, S.R_NSER] >= sercap:
                         yield S.Y_SERIES
             if GI[S.G_NFL]:
@@ -162,7 +164,7 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
             RS[r, S.R_WAKE] = 0
         elif kind == S.EV_DELIVER:
             deliver(obj, t, heap, GI, RS, RQ, IP, FP, TS, ENDS, LOAD, WQ, cls, picks, prompt,
-                    output, clients, IDL, ILEN)
+                    output, clients, IDL, ILEN, PFX)
             continue
         elif kind == S.EV_ARRIVE:
             arrivals(t, resumed, heap, GI, GF, IP, FP, RQ, TS, arrival, clients, send, IDL, ILEN,
@@ -176,7 +178,8 @@ def run(W, IP, FP, GI, GF, RS, RF, RQ, RQF, TS, WQ, BUF, POOL, ITL, COST):
             break
         # After a step's end or a wake-up: plan the replica's next step.
         status = plan(r, t, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, PRE,
-                      CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output, COST)
+                      CHR, CHN, CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output, COST,
+                      PFX)
         if status:
             yield status
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.apply import dec_remove, join, key_max, lt_add, pre_remove
+from simulator.loops.compiled.prefix import release, swap_back
 from simulator.loops.compiled.queue import waiting_requeue
 from simulator.loops.compiled.replica import swapped_append
 from simulator.model.scheduling.progress import admission_times, generated_by, last_token_at
@@ -31,7 +32,7 @@ def victim(r, RS, IP, DEC, PRE, TS, prio):
 
 @jit
 def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, LT_T, LT_C,
-            prompt, output):
+            prompt, output, PFX):
     """``ReplicaMemory._preempt``: ``rid`` loses its blocks; a decoder whose context fits
     the swap space is copied out, anything else recomputes from the queue."""
     TS[S.T_PREEMPTIONS][rid] += 1
@@ -63,7 +64,10 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
         held = RQ[rid, S.Q_HELD]
     RS[r, S.R_KV] -= lost
     RQF[rid, S.QF_PREEMPTED_AT] = now
-    RS[r, S.R_FREE] += held
+    if IP[S.P_PREFIX]:
+        release(r, rid, held, RS, PFX)
+    else:
+        RS[r, S.R_FREE] += held
     RQ[rid, S.Q_HELD] = 0
     if swap:
         RQ[rid, S.Q_SWAPBLK] = held
@@ -74,6 +78,7 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
         swapped_append(r, rid, RS, RQ)
         return
     TS[S.T_RECOMPUTED][rid] += lost
+    RQ[rid, S.Q_DROPPED] = lost
     RS[r, S.R_OUT] += lost
     RQ[rid, S.Q_PLEN] = prompt[rid] + RQ[rid, S.Q_GENERATED]
     RQ[rid, S.Q_PREFILLED] = 0
@@ -82,7 +87,7 @@ def preempt(r, rid, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, 
 
 @jit
 def make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio, DEC, PRE, PHASE,
-              LT_T, LT_C, prompt, output):
+              LT_T, LT_C, prompt, output, PFX):
     """``ReplicaMemory._make_room``: ``due`` decoders need a block and fewer are free:
     preempt victims until the rest fit; returns how many are still due."""
     ticks = RS[r, S.R_TICKS]
@@ -92,12 +97,13 @@ def make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio, DE
         if RQ[v, S.Q_DECODING] and RQ[v, S.Q_PHASE] == ph and (fresh or RQ[v, S.Q_LATE] == ticks):
             due -= 1
         preempt(r, v, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, DEC, PRE, PHASE, LT_T, LT_C,
-                prompt, output)
+                prompt, output, PFX)
     return due
 
 
 @jit
-def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output):
+def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output,
+            PFX):
     """``ReplicaMemory._swap_in``: swapped requests back, oldest first, while they fit."""
     bs = IP[S.P_BS]
     while RS[r, S.R_SLEN] and RS[r, S.R_ND] + RS[r, S.R_NP] < IP[S.P_MAXSEQS]:
@@ -108,7 +114,10 @@ def swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, pro
         need = ceil_blocks(tokens, bs)
         RS[r, S.R_SHEAD] = RQ[rid, S.Q_NEXT]
         RS[r, S.R_SLEN] -= 1
-        RS[r, S.R_FREE] -= need
+        if IP[S.P_PREFIX]:
+            swap_back(r, rid, tokens, RS, IP, PFX)
+        else:
+            RS[r, S.R_FREE] -= need
         RQ[rid, S.Q_HELD] = need
         RS[r, S.R_ADMISSIONS] += 1
         RS[r, S.R_QUERIED] += tokens

@@ -10,8 +10,9 @@ from simulator.loops.compiled.apply import clean_top
 from simulator.loops.compiled.cost import decode_ends, step_time
 from simulator.loops.compiled.memory import make_room, swap_in
 from simulator.loops.compiled.queue import begin_candidates, fill, next_candidate, waiting_remove
-from simulator.loops.compiled.replica import adm_blocks, push
-from simulator.model.kv.rules import policy_blocks
+from simulator.loops.compiled.prefix import adm_price, admit, take
+from simulator.loops.compiled.replica import push, see_arrivals
+from simulator.model.kv.rules import ceil_blocks, policy_blocks, recovered_by_hit
 from simulator.model.scheduling.epoch import epoch_length, may_start
 from simulator.model.scheduling.policy import next_offer
 from simulator.model.scheduling.progress import admission_times, prefill_progress
@@ -19,7 +20,7 @@ from simulator.model.scheduling.progress import admission_times, prefill_progres
 
 @jit
 def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, PRE, CHR, CHN,
-         CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output, COST):
+         CHP, CHF, PHASE, ENDS, LT_T, LT_C, TS, prompt, output, COST, PFX):
     """The top of the SimPy replica's loop: plan the next step at ``now`` (or go idle) and
     schedule its end. In order: memory (a block for each decoder crossing a boundary,
     preempting victims while blocks are short; swapped requests back before anyone new);
@@ -32,6 +33,8 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
     call, and the split version of this, the hottest function, ran the speed benchmark
     at half the speed."""
     KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL, EBUF, Z, F = COST
+    if RS[r, S.R_ILEN]:
+        see_arrivals(r, now, RS, RF, RQ, WQ, TS, cls)
     if (RS[r, S.R_ND] == 0 and RS[r, S.R_NP] == 0 and RS[r, S.R_WLEN] == 0
             and RS[r, S.R_SLEN] == 0):
         RS[r, S.R_IDLE] = 1
@@ -40,6 +43,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
     bs = IP[S.P_BS]
     RF[r, S.F_COPY] = 0.0
     hold = False
+    prefix = IP[S.P_PREFIX] != 0
     if IP[S.P_PAGED]:
         fresh = ticks > RS[r, S.R_GROWN]
         due = RS[r, S.R_LATE]
@@ -51,10 +55,14 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
             if due > RS[r, S.R_FREE]:
                 hold = True
                 due = make_room(r, due, fresh, now, RS, RF, RQ, RQF, IP, FP, TS, WQ, cls, prio,
-                                DEC, PRE, PHASE, LT_T, LT_C, prompt, output)
-            RS[r, S.R_FREE] -= due
+                                DEC, PRE, PHASE, LT_T, LT_C, prompt, output, PFX)
+            if prefix:
+                take(r, due, RS, PFX)
+            else:
+                RS[r, S.R_FREE] -= due
     if RS[r, S.R_SLEN] and not hold:
-        swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output)
+        swap_in(r, now, FH, RS, RF, RQ, RQF, IP, FP, TS, DEC, PHASE, LT_T, LT_C, prompt, output,
+                PFX)
     hold = hold or RS[r, S.R_SLEN] > 0
     free = policy_blocks(hold, RS[r, S.R_FREE], IP[S.P_WATERMARK])
     nd0 = RS[r, S.R_ND]
@@ -75,8 +83,8 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
             rid = next_candidate(r, now, IP[S.P_ORDER], GI, RS, RQ, WQ, TS, prio, output,
                                  WQ[S.W_OP])
             CAND[nc] = rid
-            CREM[nc] = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED]
-            CNEED[nc] = adm_blocks(rid, IP, RQ, prompt, output)[1]
+            _, cached, CNEED[nc] = adm_price(r, rid, IP, RQ, prompt, output, PFX)
+            CREM[nc] = RQ[rid, S.Q_PLEN] - RQ[rid, S.Q_PREFILLED] - cached
             nc += 1
         nd, nch, nadm, more = fill(IP[S.P_FILL], IP[S.P_FILLBUDGET], IP[S.P_CHUNK],
                                    IP[S.P_FILLSEQS], nd0 + npre, free, nd0, PREM, npre, CREM,
@@ -87,25 +95,40 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
     for i in range(nch):
         CHR[r, i] = PRE[r, i]
         CHN[r, i] = POUT[i]
-    for j in range(nadm):
-        CHR[r, nch + j] = CAND[j]
-        CHN[r, nch + j] = COUT[j]
-    nch += nadm
     for i in range(nadm):
-        # ``_admit``: allocate its blocks, move it to the prefilling set.
+        # ``_admit`` (``KVSpace.admit_plan``): allocate its blocks, move it to the
+        # prefilling set; with prefix caching an earlier admission may have evicted part
+        # of the hit it was priced with: admitted with what is left, or, when its blocks
+        # no longer fit, left waiting and its chunk dropped.
         rid = CAND[i]
+        tokens, cached, need = adm_price(r, rid, IP, RQ, prompt, output, PFX)
+        if prefix:
+            if need > RS[r, S.R_FREE]:
+                continue
+            cached = admit(r, rid, tokens, RS, IP, PFX)
+            RQ[rid, S.Q_HELD] = ceil_blocks(tokens, bs)
+        else:
+            RS[r, S.R_FREE] -= need
+            RQ[rid, S.Q_HELD] = need
         waiting_remove(r, rid, RS, RQ, WQ, cls)
-        tokens, need = adm_blocks(rid, IP, RQ, prompt, output)
-        RS[r, S.R_FREE] -= need
-        RQ[rid, S.Q_HELD] = need
         RS[r, S.R_ADMISSIONS] += 1
         RS[r, S.R_QUERIED] += tokens
+        if cached:
+            RQ[rid, S.Q_PREFILLED] = cached
+            TS[S.T_CACHED][rid] += cached
+            RS[r, S.R_KV] += cached
+            RS[r, S.R_OUT] -= cached
         TS[S.T_SCHED][rid], waited, again = admission_times(TS[S.T_SCHED][rid],
                                                             RQF[rid, S.QF_PREEMPTED_AT], now)
         if again:
             TS[S.T_PREEMPTED_S][rid] += waited
+            if cached:
+                TS[S.T_RECOMPUTED][rid] -= recovered_by_hit(cached, RQ[rid, S.Q_DROPPED])
         PRE[r, RS[r, S.R_NP]] = rid
         RS[r, S.R_NP] += 1
+        CHR[r, nch] = rid
+        CHN[r, nch] = COUT[i]
+        nch += 1
     copy_s = RF[r, S.F_COPY]
     if nd == 0 and nch == 0:
         if copy_s and (RS[r, S.R_ND] or RS[r, S.R_NP]):
@@ -116,7 +139,9 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
             push(heap, GI, now + copy_s, S.NORMAL, S.EV_END, r, RS[r, S.R_VER])
             return 0
         return S.Y_EMPTY
-    if may_start(nd, nch, hold, copy_s, IP[S.P_TIMEDEP] != 0, RS[r, S.R_WLEN]):
+    RF[r, S.F_DECIDED] = now
+    # No epochs under async scheduling (its arrivals wait for a decision, not a cut).
+    if IP[S.P_ASYNC] == 0 and may_start(nd, nch, hold, copy_s, IP[S.P_TIMEDEP] != 0, RS[r, S.R_WLEN]):
         # A decode epoch up to the next finish (``model.scheduling.epoch``).
         fh = FH[r]
         clean_top(fh, RQ)

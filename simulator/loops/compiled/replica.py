@@ -17,8 +17,9 @@ from simulator.kernel import kernel as jit
 from simulator.model.scheduling.epoch import (IF_FITS, YES, arrival_interrupts, fits_now,
                                               steps_ended, steps_run)
 from simulator.loops.compiled.queue import waiting_append
-from simulator.model.kv.rules import (FITS, admission_tokens, ceil_blocks, never_fits,
-                                      policy_blocks)
+from simulator.model.scheduling.asyncsched import sees
+from simulator.loops.compiled.prefix import adm_price
+from simulator.model.kv.rules import FITS, never_fits, policy_blocks
 
 
 @jit
@@ -26,14 +27,6 @@ def push(heap, GI, t, prio, kind, obj, ver):
     """Schedule an event; SimPy's order is (time, priority, insertion)."""
     heapq.heappush(heap, (t, prio, GI[S.G_EID], kind, obj, ver))
     GI[S.G_EID] += 1
-
-
-@jit
-def adm_blocks(rid, IP, RQ, prompt, output):
-    """``KVSpace.admission_tokens`` and the blocks they take (no prefix cache)."""
-    tokens = admission_tokens(IP[S.P_PAGED] != 0, RQ[rid, S.Q_PLEN], IP[S.P_MAXLEN],
-                              prompt[rid], output[rid])
-    return tokens, ceil_blocks(tokens, IP[S.P_BS])
 
 
 @jit
@@ -64,12 +57,43 @@ def swapped_append(r, rid, RS, RQ):
 
 
 @jit
-def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
+def inbox_append(r, rid, RS, RQ):
+    """Async scheduling's inbox: ``list.append``."""
+    RQ[rid, S.Q_NEXT] = -1
+    if RS[r, S.R_ILEN]:
+        RQ[RS[r, S.R_ITAIL], S.Q_NEXT] = rid
+    else:
+        RS[r, S.R_IHEAD] = rid
+    RS[r, S.R_ITAIL] = rid
+    RS[r, S.R_ILEN] += 1
+
+
+@jit
+def see_arrivals(r, now, RS, RF, RQ, WQ, TS, cls):
+    """``Replica._see_arrivals``: move into the waiting queue the arrivals this decision
+    sees (``asyncsched.sees``), in arrival order (the inbox is in arrival order, so
+    they are its head)."""
+    idle = (now != RF[r, S.F_STEPEND]
+            or not (RS[r, S.R_ND] or RS[r, S.R_NP] or RS[r, S.R_WLEN] or RS[r, S.R_SLEN]))
+    while RS[r, S.R_ILEN]:
+        rid = RS[r, S.R_IHEAD]
+        if not sees(TS[S.T_ENQ][rid], RF[r, S.F_DECIDED], idle):
+            break
+        RS[r, S.R_IHEAD] = RQ[rid, S.Q_NEXT]
+        RS[r, S.R_ILEN] -= 1
+        waiting_append(r, rid, cls[rid], RS, RQ, WQ)
+
+
+@jit
+def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output, PFX):
     """``Replica.enqueue``: join the queue; wake an idle engine, or end an epoch
     when the arrival could be admitted at its next step (with aging: any arrival, the
     queue's order changes with time alone)."""
     was_empty = RS[r, S.R_WLEN] == 0
-    waiting_append(r, rid, cls[rid], RS, RQ, WQ)
+    if IP[S.P_ASYNC]:
+        inbox_append(r, rid, RS, RQ)    # seen by a later decision (``see_arrivals``)
+    else:
+        waiting_append(r, rid, cls[rid], RS, RQ, WQ)
     RS[r, S.R_OUT] += prompt[rid] + output[rid]
     if RS[r, S.R_IDLE]:
         if not RS[r, S.R_WAKE]:
@@ -79,7 +103,7 @@ def enqueue(r, rid, now, heap, GI, RS, RQ, IP, WQ, cls, prompt, output):
         c = arrival_interrupts(IP[S.P_TIMEDEP] != 0, was_empty, RS[r, S.R_ND] + RS[r, S.R_NP],
                                IP[S.P_MAXSEQS])
         if c == YES or (c == IF_FITS and fits_now(
-                adm_blocks(rid, IP, RQ, prompt, output)[1],
+                adm_price(r, rid, IP, RQ, prompt, output, PFX)[2],
                 policy_blocks(False, RS[r, S.R_FREE], IP[S.P_WATERMARK]))):
             RS[r, S.R_INEP] = 0
             push(heap, GI, now, S.URGENT, S.EV_INTERRUPT, r, 0)

@@ -32,10 +32,15 @@ then costs O(1) instead of O(blocks)).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Hashable, Optional, Sequence
+from typing import Optional, Sequence
 
+import numpy as np
+
+from simulator.model.kv import prefixcache as pc
 from simulator.model.kv.blocks import DEFAULT_BLOCK_SIZE, blocks_for
+
+_NO_KEYS = np.zeros(0, dtype=np.int64)
+_INTERN_BASE = -(2 ** 62)
 
 
 def _checked(capacity: int, block_size: int) -> tuple[int, int]:
@@ -139,6 +144,11 @@ class CountingKV:
 class PrefixKV:
     """Block ids with reference counts and an optional prefix cache (see module doc).
 
+    The state is one pool array and a table row per request, and every rule is a
+    ``prefixcache`` kernel: the compiled loop runs the same kernels on its own pools.
+    Keys are int64 (``prefixkeys`` makes them so); any other hashable key is given an
+    int64 id of its own (``_ids``), so a test or a tool may name blocks as it likes.
+
     ``table(rid)`` gives a request's block ids in token order; the real engine
     addresses its K/V tensors with them. Shared (hit) blocks appear in several
     tables at once; their refcount is the number of tables holding them.
@@ -148,22 +158,36 @@ class PrefixKV:
                  prefix_caching: bool = True) -> None:
         self.capacity, self.block_size = _checked(capacity, block_size)
         self.prefix_caching = bool(prefix_caching)
-        # Never-cached free blocks, a stack with the lowest id on top (deterministic ids).
-        self._free: list[int] = list(range(self.capacity - 1, -1, -1))
-        # Cached blocks nobody references, least recently freed first.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._ref = [0] * self.capacity
-        self._key_of: dict[int, Hashable] = {}
-        self._block_of: dict[Hashable, int] = {}
-        self._tables: dict[int, list[int]] = {}
-        self._registered: dict[int, int] = {}   # rid -> leading blocks registered
-        self.stats = KVStats()
+        self.pool = pc.new_pool(self.capacity, self.prefix_caching)
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # rid -> (row, keys)
+        self._intern: dict = {}
 
-    # -- queries ------------------------------------------------------------------
+    # -- keys ---------------------------------------------------------------------------
+    def _ids(self, keys: Optional[Sequence]) -> np.ndarray:
+        """``keys`` as an int64 array: ints as they are, other keys by an id of their
+        own (below -2^62, where no ``prefixkeys`` key lies)."""
+        if keys is None or not self.prefix_caching:
+            return _NO_KEYS
+        if isinstance(keys, np.ndarray) and keys.dtype == np.int64:
+            return keys
+        out = np.empty(len(keys), dtype=np.int64)
+        intern = self._intern
+        for i, k in enumerate(keys):
+            if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+                out[i] = k
+            else:
+                v = intern.get(k)
+                if v is None:
+                    v = intern[k] = _INTERN_BASE + len(intern)
+                out[i] = v
+        return out
+
+    # -- queries ------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Blocks an allocation may take: never-cached free plus evictable cached."""
-        return len(self._free) + len(self._evictable)
+        p = self.pool
+        return int(p[pc.H_NFREE] + p[pc.H_NEVICT])
 
     @property
     def num_used(self) -> int:
@@ -173,165 +197,118 @@ class PrefixKV:
     @property
     def num_cached(self) -> int:
         """Blocks that hold a registered prefix (referenced or evictable)."""
-        return len(self._block_of)
+        return int(self.pool[pc.H_NCACHED])
 
     @property
     def shared_refs(self) -> int:
         """References beyond the first on shared blocks: blocks a cache-less engine
         would have had to allocate on top of ``num_used``."""
-        return sum(len(t) for t in self._tables.values()) - self.num_used
+        return int(self.pool[pc.H_NREFS]) - self.num_used
+
+    @property
+    def stats(self) -> KVStats:
+        return pool_stats(self.pool)
 
     def holds(self, rid: int) -> bool:
         return rid in self._tables
 
     def blocks_of(self, rid: int) -> int:
-        t = self._tables.get(rid)
-        return 0 if t is None else len(t)
+        e = self._tables.get(rid)
+        return 0 if e is None else int(e[0][pc.T_H] + e[0][pc.T_NOWN])
 
     def table(self, rid: int) -> list[int]:
         """Block ids of ``rid`` in token order."""
-        return self._tables[rid]
-
-    def _leading_hits(self, keys: Optional[Sequence], tokens: int) -> tuple[int, int]:
-        """(leading keys cached, usable hit blocks) for a prompt of ``tokens`` tokens."""
-        if not self.prefix_caching or not keys:
-            return 0, 0
-        full = min(len(keys), tokens // self.block_size)
-        cache = self._block_of
-        h = 0
-        while h < full and keys[h] in cache:
-            h += 1
-        return h, min(h, (tokens - 1) // self.block_size)
-
-    def _price(self, tokens: int, keys: Optional[Sequence]) -> tuple[int, int, int]:
-        """(leading keys cached, usable hit blocks, blocks taken from the free pool)."""
-        found, h = self._leading_hits(keys, tokens)
-        need = blocks_for(tokens, self.block_size) - h
-        if h:
-            ref = self._ref
-            cache = self._block_of
-            need += sum(1 for i in range(h) if ref[cache[keys[i]]] == 0)
-        return found, h, need
+        row, keys = self._tables[rid]
+        out = np.empty(int(row[pc.T_H] + row[pc.T_NOWN]), dtype=np.int64)
+        pc.table_ids(self.pool, row, keys, out)
+        return out.tolist()
 
     def admission(self, tokens: int, keys: Optional[Sequence] = None) -> tuple[int, int]:
         """``(cached_tokens, blocks taken from the free pool)`` if admitted now: the
         new blocks plus the hit blocks that are evictable (they leave the free pool)."""
-        _, h, need = self._price(tokens, keys)
+        _, h, need = pc.price(self.pool, self._ids(keys), tokens, self.block_size)
         return h * self.block_size, need
 
-    # -- mutations ----------------------------------------------------------------
-    def _take(self, n: int) -> list[int]:
-        """``n`` blocks from the free pool, evicting least recently freed cached ones."""
-        if n > self.num_free:
-            raise MemoryError(f"KV cache full: need {n} blocks, {self.num_free} free "
-                              f"of {self.capacity}")
-        out = []
-        free = self._free
-        for _ in range(n):
-            if free:
-                b = free.pop()
-            else:
-                b, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._key_of.pop(b)]
-                self.stats.evictions += 1
-            self._ref[b] = 1
-            out.append(b)
-        return out
-
+    # -- mutations ----------------------------------------------------------------------
     def allocate(self, rid: int, tokens: int, keys: Optional[Sequence] = None) -> int:
         """Give ``rid`` blocks for ``tokens`` tokens, sharing its cached prefix;
         returns the cached tokens (their prefill is skipped). Raises ``MemoryError``
         (changing nothing) when the pool cannot supply the rest."""
         if rid in self._tables:
             raise ValueError(f"request {rid} already holds blocks")
-        found, h, need = self._price(tokens, keys)
-        cached_tokens = h * self.block_size
-        if need > self.num_free:
+        ids = self._ids(keys)
+        row = pc.new_table()
+        cached = pc.allocate(self.pool, row, ids, tokens, self.block_size)
+        if cached < 0:
+            need = pc.price(self.pool, ids, tokens, self.block_size)[2]
             raise MemoryError(f"KV cache full: request {rid} needs {need} blocks, "
                               f"{self.num_free} free of {self.capacity}")
-        hits = []
-        ref = self._ref
-        for i in range(h):
-            b = self._block_of[keys[i]]
-            if ref[b] == 0:
-                del self._evictable[b]
-            ref[b] += 1
-            hits.append(b)
-        self._tables[rid] = hits + self._take(blocks_for(tokens, self.block_size) - h)
-        self._registered[rid] = h
-        st = self.stats
-        st.admissions += 1
-        st.queried_tokens += tokens
-        st.cached_tokens += cached_tokens
-        if self.prefix_caching and keys:
-            st.queried_blocks += min(len(keys), tokens // self.block_size)
-            st.hit_blocks += found
-        return cached_tokens
+        self._tables[rid] = (row, ids)
+        return int(cached)
 
     def grow(self, rid: int, tokens: int) -> int:
         """Make ``rid`` hold room for ``tokens`` tokens; returns blocks added.
         Raises ``MemoryError`` (changing nothing) when the pool cannot supply them."""
-        table = self._tables[rid]
-        need = blocks_for(tokens, self.block_size) - len(table)
-        if need <= 0:
-            return 0
-        table.extend(self._take(need))
-        return need
+        row = self._tables[rid][0]
+        got = pc.grow(self.pool, row, tokens, self.block_size)
+        if got < 0:
+            raise MemoryError(f"KV cache full: request {rid} needs more blocks, "
+                              f"{self.num_free} free")
+        return int(got)
 
     def register(self, rid: int, keys: Optional[Sequence], computed_tokens: int) -> None:
         """Name ``rid``'s full blocks among its first ``computed_tokens`` tokens by
         their keys, so later requests can hit them. A key already cached in another
         block is left there (the duplicate block stays private and unnamed)."""
-        if not self.prefix_caching or not keys:
+        if not self.prefix_caching or keys is None or not len(keys):
             return
-        upto = min(len(keys), computed_tokens // self.block_size, len(self._tables[rid]))
-        i = self._registered.get(rid, 0)
-        if i >= upto:
-            return
-        table = self._tables[rid]
-        cache = self._block_of
-        key_of = self._key_of
-        for j in range(i, upto):
-            k = keys[j]
-            b = table[j]
-            if k not in cache and b not in key_of:
-                cache[k] = b
-                key_of[b] = k
-        self._registered[rid] = upto
+        pc.register(self.pool, self._tables[rid][0], self._ids(keys), computed_tokens,
+                    self.block_size)
 
     def free(self, rid: int) -> int:
         """Release ``rid``'s blocks; cached ones become evictable, last block first."""
-        table = self._tables.pop(rid)
-        self._registered.pop(rid, None)
-        ref = self._ref
-        for b in reversed(table):
-            ref[b] -= 1
-            if ref[b] == 0:
-                if b in self._key_of:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
-        return len(table)
+        row, keys = self._tables.pop(rid)
+        return int(pc.release(self.pool, row, keys, 0))
 
     def check(self) -> None:
         """Raise ``AssertionError`` on any inconsistency: every block is exactly one
         of free / evictable / referenced, refcounts equal table membership, and only
         cached blocks are evictable."""
-        counts = [0] * self.capacity
-        for t in self._tables.values():
-            for b in t:
+        p, cap = self.pool, self.capacity
+        counts = [0] * cap
+        for rid in self._tables:
+            for b in self.table(rid):
                 counts[b] += 1
-        assert counts == self._ref, "refcounts differ from block tables"
-        free = set(self._free)
-        ev = set(self._evictable)
-        assert len(free) == len(self._free), "a block is free twice"
+        refs = [int(pc.ref_of(p, b)) for b in range(cap)]
+        assert counts == refs, "refcounts differ from block tables"
+        assert int(p[pc.H_NLIMBO]) == 0, "blocks left in limbo"
+        buf = np.empty(cap, dtype=np.int64)
+        free = set(buf[:pc.stack_ids(p, 0, buf)].tolist())
+        ev = set(buf[:pc.stack_ids(p, 2, buf)].tolist())
+        assert len(free) == int(p[pc.H_NFREE]), "a block is free twice"
+        assert len(ev) == int(p[pc.H_NEVICT]), "the LRU is inconsistent"
         assert not free & ev, "a block is both free and evictable"
-        used = {b for b in range(self.capacity) if self._ref[b] > 0}
+        used = {b for b in range(cap) if refs[b] > 0}
         assert not used & (free | ev), "a referenced block is in the free pool"
-        assert len(used) + len(free) + len(ev) == self.capacity, "a block is lost"
-        assert all(b in self._key_of for b in ev), "an unnamed block is evictable"
-        assert not free & set(self._key_of), "a never-cached free block has a key"
-        assert all(self._block_of[k] == b for b, k in self._key_of.items()), "key maps differ"
+        assert len(used) + len(free) + len(ev) == cap, "a block is lost"
+        named = {b for b in range(cap) if pc.key_at(p, b) != pc.EMPTY}
+        assert ev <= named, "an unnamed block is evictable"
+        assert not free & named, "a never-cached free block has a key"
+        assert len(named) == self.num_cached, "the cached count is off"
+        assert all(pc.block_of(p, pc.key_at(p, b)) == b for b in named), "key maps differ"
+        assert sum(counts) == int(p[pc.H_NREFS]), "the reference total is off"
+
+
+def pool_stats(p: np.ndarray) -> KVStats:
+    """A pool's counters (``prefixcache`` header) as ``KVStats``."""
+    st = KVStats()
+    st.queried_blocks = int(p[pc.H_QBLOCKS])
+    st.hit_blocks = int(p[pc.H_HBLOCKS])
+    st.queried_tokens = int(p[pc.H_QTOKENS])
+    st.cached_tokens = int(p[pc.H_CTOKENS])
+    st.evictions = int(p[pc.H_EVICTIONS])
+    st.admissions = int(p[pc.H_ADMISSIONS])
+    return st
 
 
 def make_kv_manager(capacity: int, block_size: int = DEFAULT_BLOCK_SIZE, *,

@@ -21,8 +21,8 @@ time of scheduling overlaps the GPU's step, which is what it is for; the step co
 models price a step's device time plus its host time as they do.
 
 The rule is one kernel, ``sees``; the SimPy replica holds new arrivals in an inbox and
-asks it at every decision (``loops.simpy.replica``). The compiled loop does not model
-it (``loops.compiled.kernel_reason`` names it, and ``auto`` runs SimPy).
+asks it at every decision (``loops.simpy.replica``); the compiled loop keeps an inbox
+per replica and asks the same kernel (``loops.compiled.replica.see_arrivals``).
 """
 from __future__ import annotations
 
