@@ -380,6 +380,7 @@ def _write(tmp_path, wl: dict, **over):
     ({"mode": "reasoning"}, "workload"),
     ({"sessions": 0}, "workload.sessions"),
     ({"max_context_tokens": 10}, "workload.max_context_tokens"),
+    ({"turns": {"kind": "constant", "value": 20_000}}, "workload.turns"),   # not cut silently
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, over, field):
     p = _write(tmp_path, _wl(**over))

@@ -227,7 +227,8 @@ class SessionPlan:
     def send_span_s(self) -> float:
         """A lower bound of the last send time: the busiest user's delays (its requests'
         E2E come on top). The run's time series sample on it (``loops.simulate``), as an
-        open-loop run samples on its arrival span, which is all zeros here."""
+        open-loop run samples on its arrival span, which is all zeros here. With every
+        delay 0 it is 0, and every step is sampled, as in a run of <= 5,000 requests."""
         per_user = np.bincount(self.s_user[self.session], weights=self.delays,
                                minlength=self.users)
         return float(per_user.max())
@@ -240,10 +241,18 @@ def session_reason(workload) -> Optional[str]:
     return None
 
 
+def _at_most_max_turns(x: np.ndarray, field: str) -> np.ndarray:
+    """``x``, refused (not cut silently) when a draw exceeds ``MAX_TURNS``."""
+    if len(x) and int(x.max()) > MAX_TURNS:
+        raise LatsimError(f"a draw of {int(x.max()):,} exceeds {MAX_TURNS:,}: lower it or "
+                          "set its max", field=field)
+    return x
+
+
 def _draw(cfg: SessionsWorkload, rng: np.random.Generator) -> dict:
     """Every random quantity of the run, drawn from ``rng`` in a fixed order."""
     s = cfg.n_sessions
-    d = {"turns": np.minimum(sample_lengths(cfg.turns, s, rng), MAX_TURNS)}
+    d = {"turns": _at_most_max_turns(sample_lengths(cfg.turns, s, rng), "workload.turns")}
     t = int(d["turns"].sum())
     check_memory(t * 256, f"drawing {t:,} session turns", field="workload",
                  hint="fewer sessions or turns")
@@ -252,7 +261,8 @@ def _draw(cfg: SessionsWorkload, rng: np.random.Generator) -> dict:
     d["think"] = cfg.think_time.sample(t, rng)
     d["session_gap"] = (cfg.session_gap or cfg.think_time).sample(s, rng)
     if cfg.mode == "agentic":
-        d["calls"] = np.minimum(sample_lengths(cfg.tool_calls, t, rng), MAX_TURNS)
+        d["calls"] = _at_most_max_turns(sample_lengths(cfg.tool_calls, t, rng),
+                                        "workload.tool_calls")
         c = int(d["calls"].sum())
         check_memory((t + c) * 256, f"drawing {t + c:,} session requests", field="workload")
         d["call_out"] = sample_lengths(cfg.tool_call_tokens, c, rng)
