@@ -168,3 +168,9 @@ def test_sjf_key_is_remaining_prefill_plus_weighted_output(w, key):
     from simulator.model.scheduling.view import Waiting
     pol = make_policy("sjf", params={"output_weight": w})
     assert pol.order_key(Waiting(Seq(0, 0.0, 300, 40), float("nan"))) == key
+
+
+def test_latsim_policies_says_which_loops_run_them():
+    from simulator.cli.policies import policy_rows
+    loops = {r["name"]: r["loops"] for r in policy_rows()}
+    assert loops["edf"] == "compiled, simpy" and loops["sjf"] == "simpy"
