@@ -6,7 +6,8 @@ driven by inference-perf; provenance in that folder's README) is simulated with:
 - the model and launch arguments of its ``exp-config.yaml`` (model name -> the
   catalogue's entry, tensor parallel, ``max_model_len``, ``max_num_batched_tokens``,
   ``max_num_seqs``), GPU ``h100-sxm``, ``model.cost: {kind: roofline}`` (datasheets,
-  nothing fitted), prefix caching on, chunked prefill;
+  nothing fitted; prefill and mixed steps as vLLM v1's piecewise CUDA graphs), prefix
+  caching on, chunked prefill;
 - vLLM's other settings from ``engine: {preset: vllm}`` when this checkout has it
   (``ENGINE_PRESET``: one line to switch), else stated explicitly (``explicit_engine``);
 - its traffic from ``results/config.yaml`` as ``workload: {kind: inference_perf}``
@@ -94,11 +95,11 @@ def scenario_for(run_dir: Path, rec) -> tuple[dict, str]:
     arch = catalogue_model(exp["model"])
     wl = run_workload(rec)
     eng = preset_engine(exp) if ENGINE_PRESET else explicit_engine(exp)
+    cost = {"kind": "roofline", "gpu": GPU, "tp": int(exp["tensor_parallelism"])}
+    if not ENGINE_PRESET:
+        cost["piecewise_graphs"] = True   # vLLM v1's FULL_AND_PIECEWISE (the preset's)
     sc = {"name": run_dir.name, "seed": 0, "workload": wl, "network": NETWORK,
-          "engine": eng,
-          "model": {"name": arch.name,
-                    "cost": {"kind": "roofline", "gpu": GPU,
-                             "tp": int(exp["tensor_parallelism"])}}}
+          "engine": eng, "model": {"name": arch.name, "cost": cost}}
     return sc, arch.name
 
 

@@ -349,3 +349,5 @@ def test_benchmark_scenario_takes_the_runs_launch_arguments():
         rec.overall["prompt_len_mean"] / 547, abs=1e-4)
     sc = validate_scenario(data, base_dir=run)
     assert sc.engine.kv.prefix_caching
+    # vLLM v1's FULL_AND_PIECEWISE graphs: the preset turns them on for the roofline.
+    assert sc.model.cost.piecewise_graphs
