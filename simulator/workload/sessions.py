@@ -30,7 +30,7 @@ Modes:
   result is sent on at once (no think time).
 
 Prefix identity: the stream is named Mooncake-style (``hash_ids`` of
-``hash_block_tokens``-token units; ``kv.prefixkeys``): the units wholly inside the
+``hash_block_tokens``-token units; ``model.kv.prefixkeys``): the units wholly inside the
 system prompt by their index (shared by all sessions), the others by (session, unit),
 so a KV block is shared exactly where two prompts agree up to its last token,
 whatever the engine's block size.

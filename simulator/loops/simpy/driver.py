@@ -5,7 +5,8 @@ are routed to a replica and served, and stream back.
 models, KV rules, connection pools); a run with traffic control goes to
 ``loops.traffic`` instead. This module builds the replicas and the router, the rich
 per-request wire model when the scenario asks for it (``wire.per_request``), and the
-arrival process, and runs the clock.
+arrival process (or, for closed-loop sessions, the users: ``loops.simpy.sessions``),
+and runs the clock.
 """
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
     """Run the scenario's replicas on SimPy until the workload is served or the clock
     stops (``max_sim_time_s``); fills ``rec``. ``progress(loop, rec)`` is called as the
     clock starts. Returns ``(end of the run, each replica's KVStats, the wire model's
-    summary or {})``."""
+    summary and the sessions' metrics, or {})``.
+
+    Over 80 lines: ``send``, ``deliver`` and ``on_finish`` are closures over the run's
+    wire model, router, replicas and users (each needs most of them); split out, each
+    would take a dozen of them as arguments."""
     n_rep = scenario.cluster.replicas
     bs = kv_args["kv_rules"].block_size
     wire = None
