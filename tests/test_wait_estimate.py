@@ -21,6 +21,7 @@ class _Cost:
 
     lookups = extrapolations = 0
     _rng = noise = None
+    compiled_kernels = "table"      # a built-in's pure pricing
 
     def step_time(self, n_decode, ctx_max, ctx_sum, chunks):
         return 0.010
@@ -57,6 +58,28 @@ def test_the_projection_is_the_step_arithmetic():
     ahead = [_seq(10, 3, enqueued=-1.0), _seq(10, 3, enqueued=-1.0)]
     assert work_wait(rep, ahead, now=0.0, patience=0.05) == pytest.approx(5.5 * 0.010)
     assert work_wait(rep, ahead, now=0.0) > 5.5 * 0.010
+
+
+@pytest.mark.parametrize("noise", [False, True])
+def test_the_estimate_changes_nothing_in_the_run(noise):
+    """Published only (no limit reads it): a run is the same bit for bit whichever
+    estimate it publishes, with cost noise too (its stream is not drawn from) and the
+    cost model's look-up tallies as they were."""
+    from conftest import make_scenario
+    from loopcheck import assert_identical
+    from simulator.loops.simulate import simulate
+    runs = []
+    for kind in ("seed", "work"):
+        sc = make_scenario(workload={"kind": "synthetic", "num_requests": 200,
+                                     "arrival": {"kind": "poisson", "rate": 40.0},
+                                     "prompt_tokens": {"kind": "uniform", "low": 50, "high": 400},
+                                     "output_tokens": {"kind": "uniform", "low": 20, "high": 200}},
+                           client={"read_timeout_s": 3.0, "retry": None},
+                           cluster={"admission": {"wait_estimate": {"kind": kind}}})
+        sc.model.cost.noise = noise
+        runs.append(simulate(sc))
+    assert_identical(*runs)
+    assert not np.array_equal(runs[0].rec.wait_estimate, runs[1].rec.wait_estimate)
 
 
 def _median_ratio(name: str, label: str, kind: str) -> tuple[float, float, float]:

@@ -22,7 +22,8 @@ steps, as the fill rule of a continuous batcher runs it:
 
 It reads the replica and prices with the cost model, changing nothing: the cost
 model's look-up tallies are restored, and a model with noise is priced by its
-noise-free rows (``prefill_ms + decode_ms``), since drawing noise would move the run.
+noise-free rows (``prefill_ms + decode_ms``), since drawing noise would move the run
+(``_step_s``).
 KV memory and preemptions are not projected (a KV-bound replica waits longer than
 this says). Tested within 20% of the median wait on the shipped traffic scenarios.
 """
@@ -34,24 +35,28 @@ import math
 __all__ = ["work_wait"]
 
 
-def _step_s(cost, n_dec: int, ctx: int, ctx_max: int, chunk: int, prior: int) -> float:
+def _step_s(rep, n_dec: int, ctx: int, ctx_max: int, chunk: int, prior: int) -> float:
     """Seconds of a step of ``n_dec`` decodes at mean context ``ctx`` (the longest
-    ``ctx_max``) and a ``chunk`` of prefill after ``prior`` tokens, leaving the cost
-    model's tallies and noise stream as they were."""
-    tally = (cost.lookups, cost.extrapolations)
+    ``ctx_max``) and a ``chunk`` of prefill after ``prior`` tokens on ``rep``'s cost
+    model, leaving its tallies and noise stream as they were: a built-in model's pure
+    pricing (``compiled_kernels``: a profile's tables or the physics), its noise-free
+    rows (``prefill_ms + decode_ms``) for one with noise, else (a model that must not
+    be asked out of turn, e.g. a replay) the replica's mean step so far."""
+    cost = rep.cost
+    has_tally = hasattr(cost, "lookups") and hasattr(cost, "extrapolations")
+    tally = (cost.lookups, cost.extrapolations) if has_tally else None
     try:
         noisy = getattr(cost, "_rng", None) is not None or getattr(cost, "noise", None)
-        if not noisy and hasattr(cost, "step_time"):
+        if not noisy and getattr(type(cost), "compiled_kernels", None) is not None:
             chunks = [(chunk, prior, True)] if chunk > 0 else []
             return float(cost.step_time(n_dec, ctx_max, n_dec * ctx, chunks))
-        ms = 0.0
-        if n_dec and hasattr(cost, "decode_ms"):
-            ms += cost.decode_ms(n_dec, float(ctx))
-        if chunk > 0 and hasattr(cost, "prefill_ms"):
-            ms += cost.prefill_ms(chunk, prior)
-        return ms / 1000.0
+        if hasattr(cost, "decode_ms") and hasattr(cost, "prefill_ms"):
+            ms = cost.decode_ms(n_dec, float(ctx)) if n_dec else 0.0
+            return (ms + (cost.prefill_ms(chunk, prior) if chunk > 0 else 0.0)) / 1000.0
+        return rep.busy_s / rep.steps_run if rep.steps_run else 0.0
     finally:
-        cost.lookups, cost.extrapolations = tally
+        if tally is not None:
+            cost.lookups, cost.extrapolations = tally
 
 
 def _decode_left(rep, s) -> int:
@@ -118,4 +123,4 @@ def _batch_step_s(rep, waiting, n_dec: int, cap: int) -> float:
             sp, sp2 = sp + p, sp2 + p * p
     ctx = ctx_sum // n if n else 0
     prior = max(int(sp2 / (2 * sp) - cap / 2), 0) if sp else 0
-    return _step_s(rep.cost, n_dec, ctx, ctx_max, cap if sp else 0, prior)
+    return _step_s(rep, n_dec, ctx, ctx_max, cap if sp else 0, prior)
