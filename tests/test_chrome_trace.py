@@ -111,10 +111,13 @@ def test_the_compiled_loop_refuses_a_trace():
 
 def test_admission_refusals_show_on_the_request(tmp_path):
     data = make_scenario_dict()
-    data["workload"]["num_requests"] = 40
+    data["workload"]["num_requests"] = 80
     data["workload"]["arrival"] = {"kind": "poisson", "rate": 50.0}
-    data["cluster"] = {"admission": {"action": "shed", "classes": {"P0": {
-        "rate": 2.0, "burst": 2, "max_queue": 4}}}}
+    data["engine"]["max_num_seqs"] = 2       # a queue forms: waits to record
+    data["client"] = {"retry": {"max_retries": 2, "budget": None,
+                                "backoff": {"initial_s": 0.2, "max_s": 1.0}}}
+    data["cluster"] = {"admission": {"action": "reject", "classes": {"P0": {
+        "rate": 20.0, "burst": 5, "max_queue": 4}}}}
     data["workload"]["classes"] = [{"name": "P0"}]
     from simulator.config.scenario import validate_scenario
     sc = validate_scenario(data)
@@ -126,6 +129,9 @@ def test_admission_refusals_show_on_the_request(tmp_path):
     # request's id), and the traced run is the untraced one.
     assert tr.steps
     assert_identical(simulate(sc, loop="simpy"), res)
+    # Retries wait under their request's id (a retry's attempt id is n or more).
+    assert all(0 <= r < res.rec.n for r in tr.waits)
+    assert any(res.rec.attempts[r] > 1 for r in tr.waits)
     refused = {e["tid"] for e in ev if e.get("cat") == "admission"}
     assert refused and refused == set(np.flatnonzero(res.rec.reject_reason >= 0).tolist())
     assert all(e["name"].startswith("refused: ") for e in ev if e.get("cat") == "admission")

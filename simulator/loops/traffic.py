@@ -161,6 +161,8 @@ def run_traffic(*, scenario, env: simpy.Environment, rec: Recorder, workload, po
                       faults=faults, degrade=degrade)
     if faults is not None:
         faults.attach(gateway)
+    if arec.trace is not None:
+        arec.trace.rid_of = gateway.a_rid      # a retry's waits are its request's
     scaler = None
     if auto is not None:
         scaler = Autoscaler(env, auto, fleet, capacity if fleet_pools is None else None,

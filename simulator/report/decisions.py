@@ -24,6 +24,10 @@ admission prices the policy saw (``plan.admission_cost``, pure); nothing the run
 depends on the trace, so a traced run is bit for bit the untraced one (tested). Without
 a trace the replica's only cost is one ``is None`` test per step.
 
+With a gateway (traffic control) the executors see attempts: their waits are recorded
+under their requests (``rid_of``), the step track keeps attempt ids (a first attempt
+has its request's id, a retry one from ``n`` on).
+
 Admission control at the gateway (rate limits, queue bounds, shedding) is read from the
 recorder afterwards (``reject_reason``, ``attempts``, ``retry_s``) by ``chrome``.
 """
@@ -48,9 +52,19 @@ class DecisionTrace:
         self.steps: list[tuple] = []
         # rid -> list of records (dicts, see ``_note``)
         self.waits: dict[int, list[dict]] = {}
+        # A gateway's run (traffic control): the request of each attempt id (-1: none
+        # yet), so that a retry's waits are its request's; None: ids are requests.
+        self.rid_of = None
+
+    def request(self, rid: int) -> int:
+        """The request an executor's ``rid`` (an attempt, with a gateway) belongs to."""
+        if self.rid_of is None:
+            return rid
+        r = int(self.rid_of[rid])
+        return r if r >= 0 else rid
 
     def traced(self, rid: int) -> bool:
-        return self.ids is None or rid in self.ids
+        return self.ids is None or self.request(rid) in self.ids
 
     # -- called by the replica ---------------------------------------------------------
     def step(self, replica: int, start: float, seconds: float, plan, steps: int = 1) -> None:
@@ -63,7 +77,7 @@ class DecisionTrace:
         waiting = state.waiting
         if not len(waiting):
             return
-        left = len(waiting) if self.ids is None else sum(s.rid in self.ids for s in waiting)
+        left = len(waiting) if self.ids is None else sum(self.traced(s.rid) for s in waiting)
         if not left:
             return
         budget, _chunk, max_seqs = policy.fill_limits()
@@ -77,11 +91,11 @@ class DecisionTrace:
             rid = seq.rid
             if rid in admitted:
                 free -= admission_cost(seq, state)[1]
-                went_first.append(rid)
+                went_first.append(self.request(rid))
                 continue
             if blocker is None:
                 cached, need = admission_cost(seq, state)
-                blocker = (rid,) + _why(hold, running, max_seqs, need, free, used, budget,
+                blocker = (self.request(rid),) + _why(hold, running, max_seqs, need, free, used, budget,
                                         seq.remaining_prefill - cached, policy.name)
                 if self.traced(rid):
                     self._note(rid, replica, state.now, blocker[1],
@@ -98,7 +112,7 @@ class DecisionTrace:
                 break
 
     def _note(self, rid: int, replica: int, now: float, reason: str, detail: dict) -> None:
-        recs = self.waits.setdefault(rid, [])
+        recs = self.waits.setdefault(self.request(rid), [])
         key = (replica, reason, detail.get("behind"))
         if recs and recs[-1]["_key"] == key:
             last = recs[-1]
