@@ -1,9 +1,9 @@
 """Closed-loop multi-turn sessions (``workload: {kind: sessions}``): the prompts carry the
 history (exact arithmetic), the loop closes (a turn is sent its think or tool time
 after the previous one's last byte, one request per user at a time), prefix caching
-finds the previous turn's prompt, a session's time to last turn is the sum of its
-requests' E2E and the delays between them, the run obeys the interactive
-response-time law, the compiled loop declines it with a reason, and bad input is a
+finds the previous turn's prompt and answer, a session's time to last turn is the sum of
+its requests' E2E and the delays between them, the run obeys the interactive
+response-time law and the closed system's bounds, the compiled loop declines it with a reason, and bad input is a
 one-line error (exit 2) naming the file and the field.
 
 Float tolerances: times are sums of a few dozen doubles of at most ~1e3 s, so their
@@ -156,23 +156,38 @@ def test_users_ramp_and_run_their_sessions_in_turn():
     np.testing.assert_array_equal(t["user"], np.arange(8) % 4)
 
 
-def test_prefix_hits_cover_the_previous_prompt():
+def _hits(wl: dict):
+    """A run with prefix caching; per request with a predecessor in its session: its
+    hit, and that predecessor's prompt, output and kept tokens; the block size."""
+    res = _run(wl, prefix=True)
+    rec, w, plan = res.rec, res.workload, _plan(res)
+    same = np.r_[False, plan.session[1:] == plan.session[:-1]]
+    prev = [np.r_[0, x[:-1]][same] for x in (w.prompt_tokens, w.output_tokens, plan.kept)]
+    return res, same, rec.cached_tokens[same], *prev, res.scenario.engine.kv.block_size
+
+
+def test_prefix_hits_cover_the_previous_prompt_and_answer():
     """One replica, a cache far larger than the run: turn k's hit is exactly the full
-    blocks of turn k-1's prompt (the history up to the last answer; vLLM would also
-    reuse the answer's full blocks, which this KV model does not register), and at
-    least the system prompt's full blocks once another session computed them."""
-    res = _run(_wl(turns={"kind": "uniform", "low": 2, "high": 6},
-                   user_tokens={"kind": "lognormal", "mean": 60, "cv": 1.0}), prefix=True)
-    rec, wl, plan = res.rec, res.workload, _plan(res)
-    bs = res.scenario.engine.kv.block_size
-    s = plan.session
-    same = np.r_[False, s[1:] == s[:-1]]
-    prev_prompt = np.r_[0, wl.prompt_tokens[:-1]]
-    np.testing.assert_array_equal(rec.cached_tokens[same], (prev_prompt[same] // bs) * bs)
-    assert (rec.cached_tokens[same] >= prev_prompt[same] - bs + 1).all()
+    blocks of what turn k-1 computed, its prompt and answer (vLLM caches a block of
+    generated tokens once full; the last token's KV is never computed: prompt + output
+    - 1 tokens), and at least the system prompt's full blocks once another session
+    computed them. Reasoning the history drops sits where the next prompt has the
+    answer: the hit stops at the previous prompt; kept, it covers all of it."""
+    res, same, hit, p, o, _, bs = _hits(_wl(turns={"kind": "uniform", "low": 2, "high": 6},
+                                           user_tokens={"kind": "lognormal", "mean": 60,
+                                                        "cv": 1.0}))
+    np.testing.assert_array_equal(hit, (p + o - 1) // bs * bs)
+    assert (hit > p).any()                   # past the previous prompt: its answer
+    rec, plan = res.rec, _plan(res)
     first = plan.s_first[plan.s_first > 0]   # later sessions' first turns
     late = first[rec.arrival[first] > rec.last_delivered[0]]
     assert len(late) and (rec.cached_tokens[late] >= (64 // bs) * bs).all()
+    think = {"kind": "constant", "value": 100}
+    _, _, hit, p, o, _, bs = _hits(_wl(mode="reasoning", reasoning_tokens=think))
+    np.testing.assert_array_equal(hit, p // bs * bs)
+    _, _, hit, p, o, _, bs = _hits(_wl(mode="reasoning", reasoning_tokens=think,
+                                       keep_reasoning=True))
+    np.testing.assert_array_equal(hit, (p + o - 1) // bs * bs)
     off = _run(_wl(turns={"kind": "uniform", "low": 2, "high": 6},
                    user_tokens={"kind": "lognormal", "mean": 60, "cv": 1.0}), prefix=False)
     assert off.rec.cached_tokens.sum() == 0
@@ -180,18 +195,14 @@ def test_prefix_hits_cover_the_previous_prompt():
 
 def test_prefix_ids_never_share_what_differs():
     """Prefix ids of 10 tokens under KV blocks of 16 (not a multiple): a hit never
-    covers more than the two prompts share (the previous prompt within a session, the
-    system prompt across sessions), and still finds the previous prompt's blocks up to
-    the last whole id unit inside it."""
-    res = _run(_wl(hash_block_tokens=10, system_prompt_tokens=70), prefix=True)
-    rec, wl, plan = res.rec, res.workload, _plan(res)
-    bs = res.scenario.engine.kv.block_size
-    s = plan.session
-    same = np.r_[False, s[1:] == s[:-1]]
-    prev = np.r_[0, wl.prompt_tokens[:-1]]
-    assert (rec.cached_tokens[same] <= prev[same]).all()
-    assert (rec.cached_tokens[same] >= (prev[same] - 10 - bs) // bs * bs).all()
-    assert (rec.cached_tokens[~same] <= 70).all()
+    covers more than the two prompts share (the previous prompt and answer within a
+    session, the system prompt across sessions), and still finds what the previous
+    request computed up to its last full block (the keys pin each block's position in
+    its id unit)."""
+    res, same, hit, p, o, _, bs = _hits(_wl(hash_block_tokens=10, system_prompt_tokens=70))
+    assert (hit <= p + o - 1).all()
+    np.testing.assert_array_equal(hit, (p + o - 1) // bs * bs)
+    assert (res.rec.cached_tokens[~same] <= 70).all()
 
 
 def test_clock_stop_leaves_sessions_unfinished():

@@ -15,7 +15,8 @@ History (append-only per session): the prompt of a session's first request is
 later request's prompt is the previous prompt + what of the previous output joins
 the history + the new input (the next user message after a think time, or a tool's
 result after the tool's latency). So every prompt of a session is a prefix of one
-token stream, and with prefix caching a turn finds the previous turn's prompt cached.
+token stream, and with prefix caching a turn finds the previous turn's prompt cached,
+and its output where the history holds it as generated (``loops.simpy.sessions``).
 
 Modes:
 

@@ -227,6 +227,8 @@ class ReplicaApply:
                 rec.itl.add_many(r.gaps)
         rec.last_delivered[rid] = arrived
         rec.generated[rid] = s.generated
+        if s.keys_out is not None:   # its answer's full blocks join the cache (sessions)
+            self.kv.manager.register(rid, s.keys_out, s.prompt_tokens + s.generated - 1)
         self.kv.free(s)
         s.where = "x"
         self.kv_tokens -= _held_tokens(True, s.prompt_tokens, s.generated, 0)

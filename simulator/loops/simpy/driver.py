@@ -106,6 +106,8 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
         seq = SimSeq(rid, 0.0, p, o, int(prio[rid]), request_blocks(p, o, bs), c, pooled)
         if keys_of is not None:
             seq.keys = keys_of(rid)
+            if users is not None:
+                seq.keys_out = users.answer_keys(rid)
         if wire is None:
             t_net = net_time(net.send_time(p), net.handshake, is_new, 0.0)
         else:
@@ -117,7 +119,7 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
         env.process(arrivals())
     else:
         from simulator.loops.simpy.sessions import SessionClients
-        users = SessionClients(env, plan, rec, send)
+        users = SessionClients(env, plan, rec, send, workload, bs)
     if progress is not None:
         progress("simpy", rec)
     env.run(until=scenario.max_sim_time_s)

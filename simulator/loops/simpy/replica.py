@@ -68,7 +68,7 @@ class SimSeq(Seq):
 
     __slots__ = ("client", "pooled", "depart", "context", "key", "finish_tick", "keys",
                  "where", "ver", "grow_tick", "join_tick", "last_t", "preempted_at",
-                 "swapped_blocks", "stream")
+                 "swapped_blocks", "stream", "keys_out")
 
     def __init__(self, rid: int, enqueued: float, prompt_tokens: int, output_tokens: int,
                  priority: int, blocks_needed: int, client: int, pooled: bool) -> None:
@@ -91,6 +91,7 @@ class SimSeq(Seq):
         self.preempted_at = 0.0
         self.swapped_blocks = 0
         self.stream = None     # optional per-request stream model (``clientstream``)
+        self.keys_out = None   # sessions: keys of its prompt + output blocks (``sessions``)
 
 
 class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):

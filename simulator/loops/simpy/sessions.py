@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from simulator.model.kv.prefixkeys import keys_from_hash_ids
 from simulator.workload.sessions import SessionPlan
 
 
 class SessionClients:
     """The users of a ``SessionPlan`` on a SimPy clock."""
 
-    def __init__(self, env, plan: SessionPlan, rec, send) -> None:
+    def __init__(self, env, plan: SessionPlan, rec, send, workload=None,
+                 block_size: int = 16) -> None:
         self.env, self.plan, self.rec, self._send = env, plan, rec, send
+        self.wl, self.bs = workload, block_size
         n_s = plan.n_sessions
         self.last_rid = plan.s_first + plan.s_requests - 1
         # Each user's sessions in order: the next session of the same user.
@@ -64,3 +67,20 @@ class SessionClients:
         s = int(self.plan.session[rid])
         self.aborted[s] = True
         self._session_over(s, heard_at)
+
+    def answer_keys(self, rid: int):
+        """Prefix-cache keys of request ``rid``'s prompt and output blocks, named as the
+        next prompt of its session names them (the same rule, ``model.kv.prefixkeys``):
+        vLLM caches a block of generated tokens once it is full, so the next turn hits
+        on the previous prompt and answer. The replica registers them as the request
+        finishes (``loops.simpy.apply``; the next turn is sent after that). None where
+        no later prompt holds the output as generated (the session's last request, or
+        reasoning the history drops)."""
+        wl, plan = self.wl, self.plan
+        nxt = rid + 1
+        if (wl is None or nxt >= len(plan.session) or plan.session[nxt] != plan.session[rid]
+                or plan.kept[rid] != wl.output_tokens[rid]):
+            return None
+        return keys_from_hash_ids(wl.hash_ids[nxt], int(wl.prompt_tokens[rid]
+                                                         + wl.output_tokens[rid]),
+                                  self.bs, int(wl.meta["hash_block_tokens"]))
