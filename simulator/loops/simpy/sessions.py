@@ -8,7 +8,8 @@ reaches its client and ``ended(rid, heard_at)`` when it was turned away (too lar
 the KV cache): that session ends there, its later requests are never sent, and the
 user goes on to its next session. Send times go to the recorder's ``arrival`` (NaN for
 a request never sent); nothing else is drawn here, so a run is as deterministic as
-the plan.
+the plan. With prefix caching the driver also asks each request's ``answer_keys``:
+what its finished blocks are named by, so that the next turn hits on its answer.
 """
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ from simulator.workload.sessions import SessionPlan
 class SessionClients:
     """The users of a ``SessionPlan`` on a SimPy clock."""
 
-    def __init__(self, env, plan: SessionPlan, rec, send, workload=None,
-                 block_size: int = 16) -> None:
+    def __init__(self, env, plan: SessionPlan, rec, send, workload, block_size: int) -> None:
         self.env, self.plan, self.rec, self._send = env, plan, rec, send
         self.wl, self.bs = workload, block_size
         n_s = plan.n_sessions
@@ -78,7 +78,7 @@ class SessionClients:
         reasoning the history drops)."""
         wl, plan = self.wl, self.plan
         nxt = rid + 1
-        if (wl is None or nxt >= len(plan.session) or plan.session[nxt] != plan.session[rid]
+        if (nxt >= len(plan.session) or plan.session[nxt] != plan.session[rid]
                 or plan.kept[rid] != wl.output_tokens[rid]):
             return None
         return keys_from_hash_ids(wl.hash_ids[nxt], int(wl.prompt_tokens[rid]
