@@ -456,3 +456,5 @@ def test_sweep_rows_carry_the_session_metrics(tmp_path):
     assert (df["sessions.response_time_law.users"] == [1, 4]).all()
     x = df["sessions.response_time_law.throughput"].to_numpy()
     assert x[1] > x[0]
+    # The offered rate of a closed loop is its sends' (the plan's arrivals are zeros).
+    assert np.isfinite(df["offered_rate"]).all() and df["offered_rate"].is_monotonic_increasing

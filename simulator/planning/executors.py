@@ -7,7 +7,7 @@ facts as ``run.<fact>``, closed-loop sessions' metrics as ``sessions.<metric>``
 (``sessions.response_time_law.<field>``), an edge node's figures as ``edge.<path>``
 (``report.edge``), replica faults' and degradation's as ``faults.<figure>`` and
 ``degrade.<figure>`` (``report.faults``), and ``offered_rate`` (requests per second of
-arrivals). A user error in the point becomes an ``error`` cell instead.
+arrivals; closed-loop sessions: of the sends the run made). A user error in the point becomes an ``error`` cell instead.
 
 Executors take a batch of such tasks and yield ``(index, row)`` as each finishes:
 ``LocalExecutor`` (a process pool over the cores, forked once and reused) and
@@ -89,6 +89,9 @@ def run_point(task: tuple) -> dict:
     except MemoryError:
         return {"error": "out of memory: the point does not fit in the worker's memory"}
     arr = res.workload.arrival_s
+    if "sessions" in res.workload.meta:     # closed loop: the run set the send times
+        import numpy as np
+        arr = np.sort(res.rec.arrival[~np.isnan(res.rec.arrival)])
     span = float(arr[-1] - arr[0]) if len(arr) > 1 else 0.0
     return flatten(summary, (len(arr) - 1) / span if span > 0 else float("nan"))
 
