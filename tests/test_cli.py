@@ -74,7 +74,7 @@ def test_simpy_loop_gives_the_same_requests_csv(tmp_path):
     b = latsim("run", "scenarios/quickstart.yaml", "--out", tmp_path / "b",
                "--set", "workload.num_requests=200")
     assert a.returncode == b.returncode == 0, a.stderr + b.stderr
-    why = "simpy (200 requests: below 10,000, where loading the compiled loop takes " \
+    why = "simpy (200 requests: below 1,000, where loading the compiled loop takes " \
           "longer than running on SimPy)"
     assert "(compiled)" in a.stdout and why in " ".join(b.stdout.split())
     assert (tmp_path / "a/requests.csv").read_bytes() == (tmp_path / "b/requests.csv").read_bytes()
