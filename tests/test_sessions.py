@@ -380,6 +380,20 @@ def _write(tmp_path, wl: dict, **over):
     return p
 
 
+def test_unsent_turns_are_said_so(tmp_path):
+    """The run's closing line counts the turns a closed loop never sent (their session
+    ended at a rejected turn), not as requests that never completed although the run
+    ended; the rejection still fails the run (exit 1)."""
+    p = _write(tmp_path, _wl(users=2, sessions=4),
+               engine={"kv": {"num_blocks": 20000,
+                              "max_model_len": 64 + 3 * 40 + 2 * 24 + 24 - 1}})
+    r = CliRunner().invoke(app, ["run", str(p)])
+    assert r.exit_code == 1, r.output
+    text = " ".join(r.output.split())
+    assert "4 rejected" in text and "4 never sent" in text, text
+    assert "never completed" not in text
+
+
 @pytest.mark.parametrize("over, field", [
     ({"users": -1}, "workload.users"),
     ({"users": 0}, "workload.users"),

@@ -398,9 +398,12 @@ def _settle_frame(res):
     import numpy as np
     import pandas as pd
     rec = res.rec
-    return pd.DataFrame({"finished": ~np.isnan(rec.last_delivered), "rejected": rec.rejected,
-                         "cancelled": rec.cancelled, "refused": rec.refused,
-                         "timed_out": rec.timed_out, "failed": rec.failed}, copy=False)
+    df = pd.DataFrame({"finished": ~np.isnan(rec.last_delivered), "rejected": rec.rejected,
+                       "cancelled": rec.cancelled, "refused": rec.refused,
+                       "timed_out": rec.timed_out, "failed": rec.failed}, copy=False)
+    if "sessions" in res.meta:   # closed loop: a turn never sent has no arrival
+        df["unsent"] = np.isnan(rec.arrival)
+    return df
 
 
 def _unfinished_text(counts: dict, max_sim_time_s) -> tuple[str, bool]:
@@ -415,6 +418,9 @@ def _unfinished_text(counts: dict, max_sim_time_s) -> tuple[str, bool]:
                      f"max_sim_time_s = {max_sim_time_s:g} s")
     if counts["stuck"]:
         parts.append(f"{counts['stuck']:,} never completed although the run ended")
+    if counts.get("unsent"):    # closed-loop sessions: follows from a rejection or the clock
+        parts.append(f"{counts['unsent']:,} never sent: their session ended first (a turn "
+                     "rejected) or the clock stopped before their turn")
     if counts["cancelled"]:
         parts.append(f"{counts['cancelled']:,} cancelled after their clients disconnected "
                      "(stream.disconnect)")

@@ -362,8 +362,10 @@ def unfinished(df: pd.DataFrame, max_sim_time_s: Optional[float]) -> dict:
     never run), ``cancelled`` (their client disconnected, as the scenario asked),
     ``refused`` (by admission control) and ``timed_out`` (their client gave up), both as
     the scenario asked, ``failed`` (lost to a replica failure, as ``cluster.faults``
-    asked), ``cut`` (still queued or running when the clock stopped at
-    ``max_sim_time_s``), and ``stuck`` (none of these: the run ended without them)."""
+    asked), ``unsent`` (closed-loop sessions: never sent, their session ended first or
+    the clock stopped before their turn), ``cut`` (still queued or running when the clock
+    stopped at ``max_sim_time_s``), and ``stuck`` (none of these: the run ended without
+    them)."""
     done = df["finished"].to_numpy(dtype=bool)
     none = np.zeros(len(df), dtype=bool)
     rej = df["rejected"].to_numpy(dtype=bool) & ~done
@@ -371,11 +373,15 @@ def unfinished(df: pd.DataFrame, max_sim_time_s: Optional[float]) -> dict:
     ref = df["refused"].to_numpy(dtype=bool) & ~done if "refused" in df else none
     tout = df["timed_out"].to_numpy(dtype=bool) & ~done & ~ref if "timed_out" in df else none
     fail = df["failed"].to_numpy(dtype=bool) & ~done if "failed" in df else none
-    rest = ~done & ~rej & ~can & ~ref & ~tout & ~fail
+    unsent = df["unsent"].to_numpy(dtype=bool) & ~done if "unsent" in df else none
+    rest = ~done & ~rej & ~can & ~ref & ~tout & ~fail & ~unsent
     cut = int(rest.sum()) if max_sim_time_s is not None else 0
-    return {"rejected": int(rej.sum()), "cancelled": int(can.sum()), "refused": int(ref.sum()),
-            "timed_out": int(tout.sum()), "failed": int(fail.sum()), "cut": cut,
-            "stuck": int(rest.sum()) - cut}
+    out = {"rejected": int(rej.sum()), "cancelled": int(can.sum()), "refused": int(ref.sum()),
+           "timed_out": int(tout.sum()), "failed": int(fail.sum()), "cut": cut,
+           "stuck": int(rest.sum()) - cut}
+    if "unsent" in df:
+        out["unsent"] = int(unsent.sum())
+    return out
 
 
 def batch_share_seconds(ts, running, t0: float, t1: float) -> float:
