@@ -188,6 +188,29 @@ def test_first_token_waits_for_the_steps_other_outputs_in_the_api_server():
                                rtol=0, atol=1e-12)
 
 
+def test_decoders_ending_in_the_step_are_ahead_of_its_first_token_in_every_executor():
+    """A decoder whose last token comes from the step a newcomer's prefill completes in
+    still has an output in that step, listed ahead of the newcomer's first token (the
+    engine core lists running requests first). Three 5-token decoders from t=0, a
+    newcomer at 25 ms: its first token comes from the step that ends the three, and
+    waits 3 x output_ms_per_token whichever books the SimPy replica keeps (per request,
+    ``mode="slow"``, drops the ended decoders before the prefills are applied; the
+    step-level books later) and on the compiled loop (``wire.frontend.first_token_wait_s``).
+    Zero network, so delivery = token + the response side (0.5 ms) + the wait; 1e-12 s
+    is the rounding of sums of ~0.04 s."""
+    fe = {"request_ms": 0.0, "tokenize_us_per_token": 0.0, "ipc_ms": 0.0,
+          "output_ms_per_token": 0.5}
+    wl = Workload(arrival_s=np.r_[np.zeros(3), 0.025], prompt_tokens=np.full(4, 16),
+                  output_tokens=np.r_[np.full(3, 5), 3], priority=np.zeros(4, int))
+    sc = make_scenario(engine=_engine(frontend=fe))
+    for loop, mode in (("simpy", "slow"), ("simpy", "auto"), ("compiled", "auto")):
+        rec = simulate(sc, 0, workload=wl, profile=_const_decode_profile(), loop=loop,
+                       mode=mode).rec
+        assert rec.first_token[3] == rec.last_token[0] == rec.last_token[2]   # one step
+        wait = float(rec.first_delivered[3] - rec.first_token[3]) - 0.5e-3
+        assert wait == pytest.approx(3 * 0.5e-3, abs=1e-12), (loop, mode)
+
+
 def _vllm_scenario(gpu: str = "h100-sxm", **engine) -> dict:
     return {"name": "vllm", "seed": 1,
             "workload": {"kind": "synthetic", "num_requests": 10,

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from simulator.config.strict import StrictModel
+from simulator.kernel import kernel
 
 # -- constants, each with its source -------------------------------------------------
 # Hugging Face fast tokenizers (Rust, called from Python), one sequence, one thread:
@@ -63,13 +64,17 @@ REQUEST_FIXED_MS = 1.0
 # or a step's outputs is a few us on top. We take 0.04 ms each way.
 IPC_HOP_MS = 0.04
 # Response side, per output token, all of the API server's work on it: detokenising,
-# its RequestOutput, its generator's turn, the chunk's JSON and its SSE write. vLLM v1's
-# API server bound a serving run of Llama-3.2-1B on an A100 at 400 concurrent streams
-# (vllm-project/vllm#12287, njhill: "if I disable the chunking completely, the
-# throughput increases": the front end, not the GPU, set the pace) at 14,308.94 output
-# tokens/s: 1 / 14,308.94 s = 0.0699 ms per output token, every per-request cost of
-# that process included (so an upper bound on the per-token part). (vLLM v0 measured
-# 0.106 ms per sequence per step inside its engine loop, vllm-project/vllm#6913.)
+# its RequestOutput, its generator's turn, the chunk's JSON and its SSE write. In
+# vllm-project/vllm#12287 (njhill, 2025-01-22; V1 front end, 400 concurrent requests)
+# one API server process delivered 1,211,959 output tokens in 84.70 s, 14,308.94
+# tokens/s (output chunks of 256, with #12298's coalescing). That process cannot be busy
+# more than 100% of the time, so its work per output token, every per-request cost of
+# the process included, is at most 1 / 14,308.94 s = 0.0699 ms: an upper bound, taken as
+# the value. The same comment says throughput rose further, to 80 req/s, with the
+# chunking off, so that run was not at the process's limit either: the bound is loose
+# (80 req/s at that run's 202 output tokens per request is ~16,160 tokens/s, 0.062 ms).
+# The comment we read does not name the model or the GPU (not verified here). (vLLM v0
+# measured 0.106 ms per sequence per step inside its engine loop, vllm-project/vllm#6913.)
 OUTPUT_MS_PER_TOKEN = round(1000.0 / 14_308.94, 4)
 
 
@@ -117,5 +122,15 @@ class FrontendTiming:
     def first_token_s(self, ahead: int) -> float:
         """What a request's first token waits beyond ``response_s``: the API server
         handling the ``ahead`` outputs listed before it in the step that produced it
-        (module doc)."""
-        return ahead * self.per_output_s
+        (module doc; ``first_token_wait_s``)."""
+        return first_token_wait_s(self.per_output_s, ahead)
+
+
+@kernel(inline=True)
+def first_token_wait_s(per_output_s, ahead):
+    """The first-token rule, for every executor: a first token leaves after the API
+    server has handled the ``ahead`` outputs listed before it in its step, each
+    ``per_output_s``. ``ahead``: every decoder of the step (those whose last token it
+    was included) and the prefills completed before it in the step (they join the
+    decoding list as they complete)."""
+    return ahead * per_output_s

@@ -8,8 +8,10 @@ import heapq
 
 from simulator.kernel import python_of
 from simulator.model.kv import rules as kvr
+from simulator.wire.frontend import first_token_wait_s
 
 _held_tokens = python_of(kvr.held_tokens)
+_first_wait_s = python_of(first_token_wait_s)
 
 
 class ReplicaApply:
@@ -18,6 +20,11 @@ class ReplicaApply:
     #: The API server's time per output (``wire.frontend.FrontendTiming.per_output_s``):
     #: a first token waits for the step's outputs listed before it (0: no front end).
     first_out_s: float = 0.0
+    #: Decoders that had their last token in the step ending at ``_ended_t`` and left
+    #: the decoding list before its prefills were applied (per-request books): still
+    #: outputs of that step ahead of its first tokens (``wire.frontend``).
+    _ended_t: float = -1.0
+    _ended_n: int = 0
 
     def _decode_fast(self, t: float, m: int, first_end: float, later_gaps) -> None:
         """``m`` decode steps of every decoder ended, the first at ``first_end``, the
@@ -80,6 +87,8 @@ class ReplicaApply:
         """Requests that produced their last token in the step ending at ``t``: out of
         the decoding list, then finished at their last frame's departure."""
         self._drop_decoding(done)
+        self._ended_n = len(done) + (self._ended_n if self._ended_t == t else 0)
+        self._ended_t = t
         for s in done:
             self._finish(s, t, s.depart)
 
@@ -147,8 +156,9 @@ class ReplicaApply:
             if not resumed:
                 rec.first_token[rid] = t
                 if s.stream is None:
-                    rec.first_delivered[rid] = (t + ft + self.one_way + self.first_out_s
-                                                * len(self.decoding))
+                    ahead = len(self.decoding) + (self._ended_n if self._ended_t == t else 0)
+                    rec.first_delivered[rid] = (t + ft + self.one_way
+                                                + _first_wait_s(self.first_out_s, ahead))
             if s.stream is not None:
                 s.stream.emit(t)
             if last:
