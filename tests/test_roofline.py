@@ -198,6 +198,10 @@ def test_piecewise_graphs_price_a_mixed_step_at_its_device_time():
     where eager launches (0.411 ms a layer, the reference engine's PyTorch) bound it at
     ~33 ms; pure decode steps and an engine without piecewise graphs are unchanged."""
     assert derive.piecewise_piece_us() == pytest.approx(0.057 / 12_064 * 1e6, rel=1e-12)
+    # One request at a time in the PR's runs: its throughputs (181.7, 191.1 tok/s) are 209
+    # tokens over each latency, to its rounding and 3-run averaging (0.1%).
+    for (sec, _), tok_s in ((derive.PIECEWISE_RUN, 181.7), (derive.FULL_GRAPH_RUN, 191.1)):
+        assert 209 / sec == pytest.approx(tok_s, rel=1e-3)
     assert defaults.DEFAULTS["h_piece_us"] == pytest.approx(4.725, abs=5e-4)
     arch, gpu = catalog.model("llama-2-70b"), catalog.gpu("h100-sxm")
     eager = constants.build_constants(arch, gpu, 4)

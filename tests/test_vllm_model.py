@@ -154,11 +154,14 @@ def test_ttft_at_low_load_is_front_end_plus_one_more_step_plus_prefill():
 def test_frontend_constants_are_the_cited_ones():
     """The defaults are the module's cited constants: 1.5 us per prompt token (HF fast
     tokenizers, 1.1-1.6 us/token single-threaded), 1.0 ms per request, 0.04 ms per ZMQ
-    hop (40 us per small message), 0.0699 ms per output token (vLLM v1's API server at
-    its limit: 14,308.94 output tokens/s, vllm-project/vllm#12287)."""
+    hop (40 us per small message), 0.0699 ms per output token (an upper bound: one
+    vLLM v1 API server delivered 14,308.94 output tokens/s, vllm-project/vllm#12287,
+    1,211,959 tokens in 84.70 s)."""
     t = F.FrontendTiming.from_config(F.FrontendConfig())
     assert t.request_s(1000) == pytest.approx((1.0 + 0.04) / 1000 + 1000 * 1.5e-6, abs=1e-15)
     assert F.OUTPUT_MS_PER_TOKEN == pytest.approx(1000 / 14_308.94, abs=5e-5)
+    # The source's throughput is its tokens over its duration (rounded to 0.01 s).
+    assert 1_211_959 / 84.70 == pytest.approx(14_308.94, rel=1e-4)
     assert t.response_s == pytest.approx((0.04 + 0.0699) / 1000, abs=1e-15)
     assert t.first_token_s(83) == pytest.approx(83 * 0.0699e-3, abs=1e-15)
     none = F.FrontendTiming.from_config(None)

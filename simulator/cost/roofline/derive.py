@@ -333,9 +333,14 @@ def fit_custom_allreduce(points=CUSTOM_AR_H100_TP4, gpu: str = "h100-80gb",
     return float(lat), float(gbs / catalog.gpu(gpu).link_gbs_unidir)
 
 
-# vLLM PR #51167 (H200, Voxtral-Mini-4B-Realtime, batch 1, 209 output tokens, 3
-# iterations averaged): the same decode run under piecewise CUDA graphs and under full
-# graphs, (seconds per run, cudaGraphLaunch calls per run).
+# vLLM PR #51167 (NickLucche, "Voxtral Realtime: add support for FULL_DECODE_ONLY";
+# single H200, Voxtral-Mini-4B-Realtime-2602, max_num_seqs=4, 209 output tokens, 3
+# iterations averaged; read in the PR's description): the same run under piecewise CUDA
+# graphs and under full graphs, (seconds per run, cudaGraphLaunch calls per run). One
+# request at a time: the table's 181.7 and 191.1 tok/s are 209 tokens over each latency.
+# The quotient is host time per extra piece only while the GPU waits on the host in both
+# runs: at batch 1 a step takes 5.2 ms, a 4B model's bf16 weights (~8 GB) read in ~1.7 ms
+# at 4.8 TB/s; where device time hid part of the pieces' host work, it is a lower bound.
 PIECEWISE_RUN = (1.150, 12_272)
 FULL_GRAPH_RUN = (1.093, 208)
 
