@@ -198,7 +198,8 @@ def test_decoders_ending_in_the_step_are_ahead_of_its_first_token_in_every_execu
     newcomer at 25 ms: its first token comes from the step that ends the three, and
     waits 3 x output_ms_per_token whichever books the SimPy replica keeps (per request,
     ``mode="slow"``, drops the ended decoders before the prefills are applied; the
-    step-level books later) and on the compiled loop (``wire.frontend.first_token_wait_s``).
+    step-level books later), through the traffic driver, and on the compiled loop
+    (``wire.frontend.first_token_wait_s``).
     Zero network, so delivery = token + the response side (0.5 ms) + the wait; 1e-12 s
     is the rounding of sums of ~0.04 s."""
     fe = {"request_ms": 0.0, "tokenize_us_per_token": 0.0, "ipc_ms": 0.0,
@@ -206,7 +207,10 @@ def test_decoders_ending_in_the_step_are_ahead_of_its_first_token_in_every_execu
     wl = Workload(arrival_s=np.r_[np.zeros(3), 0.025], prompt_tokens=np.full(4, 16),
                   output_tokens=np.r_[np.full(3, 5), 3], priority=np.zeros(4, int))
     sc = make_scenario(engine=_engine(frontend=fe))
-    for loop, mode in (("simpy", "slow"), ("simpy", "auto"), ("compiled", "auto")):
+    # report.utilization: the same replicas driven by the traffic driver (loops.traffic).
+    traffic = make_scenario(engine=_engine(frontend=fe), report={"utilization": True})
+    for sc, loop, mode in ((sc, "simpy", "slow"), (sc, "simpy", "auto"),
+                           (sc, "compiled", "auto"), (traffic, "simpy", "auto")):
         rec = simulate(sc, 0, workload=wl, profile=_const_decode_profile(), loop=loop,
                        mode=mode).rec
         assert rec.first_token[3] == rec.last_token[0] == rec.last_token[2]   # one step
