@@ -462,3 +462,35 @@ def test_a_sweep_row_carries_the_fault_figures():
         assert row[f"faults.{ph}.requests"] == f["phases"][ph]["requests"]
         assert row[f"faults.{ph}.slo_attainment"] == f["phases"][ph]["slo_attainment"]
     assert sum(row[f"faults.{ph}.failed"] for ph in ("before", "during", "after")) == f["lost"]
+
+
+def test_a_client_moving_elsewhere_meets_the_fault_checks_of_where_it_went():
+    """Replica 1 fails at 1 s for 5 s and the health check never notices within it;
+    clients go elsewhere when told a wait past 0.2 s (``on_long_wait: elsewhere``), and
+    those retried off replica 1 pile up on replica 0 (a seeded random router: first
+    attempts go to either). The empty, failed replica 1
+    publishes a zero wait, so clients told a long wait on replica 0 move there: each
+    must fail there (refused while down) and be retried, never be queued on the stopped
+    replica (where it would wait forever, unfinished: the clock is capped at 200 s so
+    that the run ends either way). Every request ends (completed, or balked: a retry
+    avoids replica 1, so told a long wait it has nowhere to go); none was admitted to
+    replica 1 during its outage."""
+    s, d = 1.0, 5.0
+    sc = _scenario({"replicas": 2, "router": "random",
+                    "faults": {"outages": [{"replica": 1, "start_s": s, "duration_s": d}],
+                               "detect_s": 1000.0, "max_retries": 50}},
+                   n=200, rate=30.0, client={"wait_patience_s": 0.2,
+                                             "on_long_wait": "elsewhere",
+                                             "read_timeout_s": None})
+    sc.max_sim_time_s = 200.0
+    sc.engine.max_num_seqs = 2      # a queue on replica 0: estimates past the patience
+    res = simulate(sc, loop="simpy")
+    df = requests_table(res)
+    out = df["outcome"].to_numpy()
+    assert set(out) <= {"completed", "timed_out"}, df["outcome"].value_counts()
+    assert (out == "timed_out").sum() == res.meta["traffic"]["balked"]
+    on1 = (df["replica"] == 1).to_numpy()
+    enq = df["enqueued"].to_numpy()
+    assert not (on1 & (enq >= s) & (enq < s + d)).any()
+    assert res.meta["traffic"]["moved_elsewhere"] > 10
+    assert res.meta["faults"]["refused_while_down"] > 10

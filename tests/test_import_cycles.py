@@ -23,9 +23,6 @@ KNOWN: dict[frozenset, str] = {
     # ``simulate``.
     frozenset({"simulator.cluster.edgeengine", "simulator.config.scenario",
                "simulator.config.edge"}): "edge engine check",
-    # Client patience reads the gateway's outcome codes, and the gateway calls it: landed
-    # with issue 32's wait estimates; the codes can live in a module of their own.
-    frozenset({"simulator.cluster.gateway", "simulator.cluster.patience"}): "patience",
 }
 
 

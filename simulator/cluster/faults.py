@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from simulator.cluster.breaker import Breakers
-from simulator.cluster.gateway import FAILED, UNFINISHED
+from simulator.cluster.outcomes import FAILED, UNFINISHED
 from simulator.loops.simpy.replica import SimSeq
 from simulator.model.kv.blocks import request_blocks
 from simulator.wire import clients as C

@@ -9,21 +9,17 @@ the request's row at the end (``fold``): the final attempt's timestamps, the sum
 every attempt's KV work, the attempt count, and how the request ended.
 
 An attempt's way, as in the plain model: the client takes a connection (its keep-alive
-pool) and sends; after ``T_net`` it reaches the gateway, which refuses what can never
-fit a replica's KV cache (413, never retried; with pools of different capacity, that
-fits no ready replica, and it is routed among those that can hold it), routes it among the *ready* replicas,
-computes the wait estimate it publishes for it, and asks admission control; admitted,
-it joins the replica's queue (a shed victim is cancelled and answered 503). A refusal
+pool) and sends; after ``T_net`` it reaches the gateway, which routes it
+(``cluster.routing``: what can never fit a KV cache is refused there, 413, never
+retried; faults, breakers, degradation and clients acting on the wait estimate act
+there) and asks admission control; admitted, it joins the replica's queue (a shed
+victim is cancelled and answered 503). A refusal
 reaches the client one way later (429/503 with Retry-After); the connection is then
 free again. Client timers (``wire.clients``): connect, read (the response's first
 byte) and the deadline; a client that gives up closes its connection, and the server
 cancels the attempt one way later (dropped from the queue, or its KV freed at the next
 step boundary); a request that reaches the gateway after its client gave up is
 dropped there. After a refusal or a timeout the client may retry after a backoff.
-
-Replicas that fail, circuit breakers and degradation under overload act on the routing
-(``cluster.faults``, ``cluster.degrade``: which replicas a request may go to, a request
-held or failed there).
 
 With nothing of this configured (no admission, patient clients, a fixed fleet) the
 events are exactly the plain model's: the same results, bit for bit (tested).
@@ -37,17 +33,13 @@ import numpy as np
 
 from simulator.cluster.admission import SHED, TOO_LARGE, Decision
 from simulator.cluster.autoscaler import DRAINING
+from simulator.cluster.outcomes import (  # noqa: F401  (re-exported: the codes' old home)
+    CANCELLED, DONE, FAILED, OUTCOMES, REJECTED, TIMED_OUT, UNFINISHED)
+from simulator.cluster.routing import route
 from simulator.loops.simpy.replica import SimSeq
 from simulator.model.kv.blocks import request_blocks
 from simulator.wire import clients as C
 from simulator.wire.network import net_time
-
-# How a request (logical) ended. A client that gives up here does so on a timer
-# (connect, read, deadline): ``timed_out``. ``cancelled`` (a client's own disconnect) is
-# the per-request stream model's (``stream.disconnect``), which this model does not run.
-# ``failed``: lost to a replica failure (``cluster.faults``).
-OUTCOMES = ("completed", "rejected", "timed_out", "cancelled", "unfinished", "failed")
-DONE, REJECTED, TIMED_OUT, CANCELLED, UNFINISHED, FAILED = range(6)
 
 
 class Gateway:
@@ -62,9 +54,8 @@ class Gateway:
         self.router, self.pools, self.net = router, pools, net
         self.clients, self.admission, self.estimator = clients, admission, estimator
         self.keys_of, self.bs, self.client_ids = keys_of, block_size, client_ids
-        # ``entry(ready, seq)``: the slots a request may enter by, among the ready ones
-        # that can hold it (disaggregated serving: the prefill replicas; none when it
-        # fits nowhere); None: every ready one.
+        # ``entry(ready, seq)``: the ready slots a request may enter by, that can hold it
+        # (disaggregated: the prefill replicas; none: it fits nowhere); None: all ready.
         self.entry = entry
         self.faults = faults     # replicas that fail (``cluster.faults``) or None
         self.degrade = degrade   # degradation under overload (``cluster.degrade``) or None
@@ -155,37 +146,10 @@ class Gateway:
         self.a_reached[aid] = True
         seq.enqueued = now
         self.arec.enqueued[aid] = now
-        fleet = self.fleet
-        ready = fleet.ready
-        if self.entry is not None:
-            ready = self.entry(ready, seq)
-        elif fleet.mixed:
-            # Pools of different KV capacity: route among the replicas that can hold it.
-            ready = fleet.holding(ready, seq)
-        if (not ready) if fleet.mixed else fleet.built[0].rejects(seq):
-            self.arec.rejected[aid] = True
-            self._refuse(aid, Decision(TOO_LARGE, math.inf), now)
+        routed = route(self, seq, now)     # (``cluster.routing``)
+        if routed is None:
             return
-        if self.faults is not None:
-            ready = self.faults.routable(ready, seq)
-            if not ready:
-                self.faults.hold(seq)       # routed again when a replica is routable
-                return
-        if self.degrade is not None:
-            ready = self.degrade.route(ready, seq, fleet.replicas)
-        reps = [fleet.replicas[i] for i in ready]
-        slot = ready[self.router.pick(reps, seq)]
-        if self.faults is not None and self.faults.refused(slot, seq):
-            return                          # it was down: failed there (retried or lost)
-        rep = fleet.replicas[slot]
-        waiting = [s for s in rep.queued() if s.rid not in self.leaving]
-        est, est99 = self.estimator.estimate(rep, waiting, now)
-        if est > self.clients.patience:     # clients that act on it (``cluster.patience``)
-            from simulator.cluster.patience import long_wait
-            moved = long_wait(self, seq, ready, slot, now, est, est99)
-            if moved is None:
-                return
-            slot, rep, waiting, est, est99 = moved
+        slot, rep, waiting, est, est99 = routed
         self.a_est[aid], self.a_est99[aid] = est, est99
         dec = (self.admission.decide(seq, now, waiting, est) if self.admission is not None
                else Decision())
@@ -417,8 +381,7 @@ class Gateway:
 
     def attempts_table(self) -> dict:
         """Every attempt sent: its request, whether it is the first, send time, outcome
-        (``wire.clients``'s codes),
-        refusal reason, when its client learned the outcome, and when it was admitted."""
+        (``wire.clients``'s codes), refusal reason, when its client learned it, admitted."""
         m = self.next_aid
         sent = self.a_rid[:m] >= 0
         return {"rid": self.a_rid[:m][sent], "first": np.arange(m)[sent] < self.n,

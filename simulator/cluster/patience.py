@@ -55,7 +55,7 @@ def long_wait(gw, seq, ready, slot: int, now: float, est: float, est99: float):
 
 def _decide(gw, aid: int, rid: int, est: float) -> None:
     """The client of attempt ``aid`` heard the estimate now: come back later, or leave."""
-    from simulator.cluster.gateway import TIMED_OUT, UNFINISHED
+    from simulator.cluster.outcomes import TIMED_OUT, UNFINISHED
     if gw.outcome[rid] != UNFINISHED or gw.cur[rid] != aid:
         return
     cl = gw.clients
