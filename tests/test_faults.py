@@ -262,6 +262,15 @@ def test_compiled_loop_declines_with_a_reason():
     ({"mtbf_s": 100}, "cluster.faults"),
     ({"outages": [{"replica": 3, "start_s": 1, "duration_s": 2}]}, "cluster.faults.outages"),
     ({"outages": [{"replica": 0, "start_s": 1, "duration_s": 0}]}, "duration_s"),
+    # A replica down for 1e300 s held its requests (and the clock) that long: the time
+    # series then could not be allocated (an internal error, exit 70). Bounded at 1e7 s.
+    ({"outages": [{"replica": 0, "start_s": 1, "duration_s": 1e300}]}, "duration_s"),
+    ({"outages": [{"replica": 0, "start_s": float("nan"), "duration_s": 1}]}, "start_s"),
+    # MTBF 1e-9 s: a billion failures per simulated second (the run never ended).
+    ({"mtbf_s": 1e-9, "mttr_s": 1e-9}, "cluster.faults.mtbf_s"),
+    ({"mtbf_s": 10, "mttr_s": "x"}, "cluster.faults.mttr_s"),
+    ({"mtbf_s": 10, "mttr_s": 1, "in_flight": "maybe"}, "cluster.faults.in_flight"),
+    ({"outages": []}, "cluster.faults"),
 ])
 def test_bad_faults_yaml_is_one_line_exit_2(tmp_path, faults, field):
     from test_fuzz import run_cli

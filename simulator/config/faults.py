@@ -19,14 +19,21 @@ from pydantic import Field, model_validator
 
 from simulator.config.strict import StrictModel
 
+# The longest outage (and latest start) taken, 1e7 s (~116 days): a request held at the
+# gateway for a replica that never comes back would otherwise stretch the run's clock
+# (and its time series) to the outage's end. ``mtbf_s`` at least 1 s: a replica failing
+# more often is no replica, and each failure is events for every request it held.
+MAX_S = 1e7
+
 
 class OutageConfig(StrictModel):
     """One scheduled outage: replica ``replica`` is down from ``start_s`` for
     ``duration_s`` (then back with an empty KV cache)."""
 
     replica: int = Field(..., ge=0, description="the replica (slot index, from 0)")
-    start_s: float = Field(..., ge=0, description="when it fails (s of simulated time)")
-    duration_s: float = Field(..., gt=0, description="how long it stays down (s)")
+    start_s: float = Field(..., ge=0, le=MAX_S, description="when it fails (s of "
+                           "simulated time)")
+    duration_s: float = Field(..., gt=0, le=MAX_S, description="how long it stays down (s)")
 
 
 class FaultsConfig(StrictModel):
@@ -35,10 +42,11 @@ class FaultsConfig(StrictModel):
     the scheduled ``outages``. A failure drops the replica's KV (prefix cache included)
     and every request it held; ``in_flight`` says what becomes of them."""
 
-    mtbf_s: Optional[float] = Field(None, gt=0, description="mean time between failures "
-                                    "of one replica (s, exponential)")
-    mttr_s: Optional[float] = Field(None, gt=0, description="mean time to repair (s, "
-                                    "exponential): restart, model load and warm-up")
+    mtbf_s: Optional[float] = Field(None, ge=1.0, description="mean time between failures "
+                                    "of one replica (s, exponential; at least 1 s)")
+    mttr_s: Optional[float] = Field(None, ge=1e-3, le=MAX_S, description="mean time to "
+                                    "repair (s, exponential): restart, model load and "
+                                    "warm-up")
     outages: list[OutageConfig] = Field(default_factory=list, description="scheduled "
                                         "outages: {replica, start_s, duration_s}")
     detect_s: float = Field(0.0, ge=0, description="health-check delay: the gateway stops "
