@@ -419,3 +419,38 @@ def test_tied_arrivals_under_memory_pressure(tmp_path, victim, policy, preemptio
     res = simulate(sc, loop="compiled")
     assert res.rec.preemptions.sum() > 0
     assert_identical(simulate(sc, loop="simpy"), res)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 300])
+def test_vllm_preset_replay_is_the_simpy_run(num_blocks):
+    """A realistic vLLM scenario all at once: ``engine: {preset: vllm}`` (prefix caching,
+    async scheduling, the API server, chunked prefill), ``roofline`` costs and
+    inference-perf traffic whose prompts share system prompts and repeat (hash-id keys,
+    as ``benchmarks/vllm_runs.py`` replays the recorded runs); with the GPU's own cache
+    and with 300 blocks (evictions, preemptions). Bit for bit."""
+    from simulator.config.scenario import validate_scenario
+    wl = {"kind": "inference_perf",
+          "data": {"shared_prefix": {"num_groups": 4, "num_prompts_per_group": 6,
+                                     "system_prompt_len": 700, "question_len": 300,
+                                     "output_len": 120}},
+          "load": {"type": "constant", "stages": [{"rate": 20, "duration": 6},
+                                                   {"rate": 60, "duration": 3}]}}
+    kv = {"max_model_len": 4096}
+    if num_blocks:
+        kv["num_blocks"] = num_blocks
+    sc = validate_scenario({
+        "name": "vllm", "seed": 2, "workload": wl,
+        "network": {"distance_km": 0, "base_rtt_ms": 0.2, "tls": "none", "gateway_ms": 0,
+                    "clients": 32, "pool_size": 16},
+        "engine": {"preset": "vllm", "max_num_seqs": 32, "max_num_batched_tokens": 2048,
+                   "kv": kv},
+        "model": {"name": "llama-2-7b", "cost": {"kind": "roofline", "gpu": "h100-sxm",
+                                                 "tp": 1}}})
+    assert sc.engine.async_scheduling and sc.engine.frontend is not None
+    ref = simulate(sc, loop="simpy")
+    res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+    assert ref.meta["kv"]["hit_blocks"] > 0
+    if num_blocks:
+        assert ref.meta["kv"]["evictions"] > 0
