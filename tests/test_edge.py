@@ -214,7 +214,17 @@ class _Sessions:
     ({"speculation": {"cost": ROOF, "acceptance": 1.5}}, "edge.speculation.acceptance"),
     ({"rtt_ms": -1, "cache": {"popularity": {"kind": "trace"}}}, "edge.rtt_ms"),
     ({}, "edge"),
-    ({"cache": {"popularity": {"kind": "trace"}}}, "edge.cache.popularity.kind")])
+    ({"cache": {"popularity": {"kind": "trace"}}}, "edge.cache.popularity.kind"),
+    # 1e8 prompts ran out of memory (the law's arrays) instead of failing here.
+    ({"cache": {"popularity": {"kind": "zipf", "catalogue": 10**8}}},
+     "edge.cache.popularity.catalogue"),
+    # 1e-300 tokens/s gave hits an E2E of 1e304 ms (and a run clock to match).
+    ({"cache": {"popularity": {"kind": "zipf", "catalogue": 10},
+                "stream_tokens_per_s": 1e-300}}, "edge.cache.stream_tokens_per_s"),
+    ({"speculation": {"cost": ROOF, "acceptance": float("nan")}},
+     "edge.speculation.acceptance"),
+    ({"speculation": {"cost": ROOF, "acceptance": 0.5, "engine": {"max_num_seqs": -1}}},
+     "edge.speculation.engine.max_num_seqs")])
 def test_bad_edge_yaml_is_one_line_exit_2(tmp_path, edge, field):
     import yaml
     from simulator.cli.main import app

@@ -26,8 +26,10 @@ class PopularityConfig(StrictModel):
     trace's ``hash_ids``: equal lists are the same prompt)."""
 
     kind: Literal["zipf", "trace"]
-    catalogue: Optional[int] = Field(None, ge=1, le=10**8, strict=True,
-                                     description="zipf: distinct prompts K")
+    # At most 1e7 prompts: the law's probabilities are an array of K floats, and
+    # 1e8 (800 MB each, several of them) ran out of memory rather than failing here.
+    catalogue: Optional[int] = Field(None, ge=1, le=10**7, strict=True,
+                                     description="zipf: distinct prompts K (at most 1e7)")
     exponent: float = Field(1.0, ge=0, le=10, description="zipf: s")
     same_lengths: bool = Field(False, description="every request of a prompt takes its "
                                "first request's prompt and output lengths")
@@ -50,9 +52,9 @@ class EdgeCacheConfig(StrictModel):
                                     description="entries held, LRU (null: unbounded)")
     ttl_s: Optional[float] = Field(None, gt=0, description="an entry's life from its fetch "
                                    "(null: forever)")
-    stream_tokens_per_s: Optional[float] = Field(None, gt=0, le=1e9, description="a hit's "
-                                                 "tokens per second from the edge (null: "
-                                                 "one frame)")
+    stream_tokens_per_s: Optional[float] = Field(None, ge=0.01, le=1e9, description="a "
+                                                 "hit's tokens per second from the edge, at "
+                                                 "least 0.01 (null: one frame)")
 
 
 class EdgeSpeculationConfig(StrictModel):
