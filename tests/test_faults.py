@@ -503,3 +503,46 @@ def test_a_client_moving_elsewhere_meets_the_fault_checks_of_where_it_went():
     assert not (on1 & (enq >= s) & (enq < s + d)).any()
     assert res.meta["traffic"]["moved_elsewhere"] > 10
     assert res.meta["faults"]["refused_while_down"] > 10
+
+
+def test_degraded_answers_are_reported_apart_from_the_slo_attainment():
+    """A degraded (capped, small-model) answer is cheaper and faster, so it may meet the
+    latency SLO: ``overall.slo_attainment`` counts it (the latency SLO, as vLLM's
+    goodput), and ``degrade`` says how many of the good ones were degraded and the
+    attainment of the undegraded: good_degraded + (good and not degraded) = good, and
+    slo_attainment_undegraded = (good - good_degraded) / requests, from the table."""
+    from simulator.report.metrics import good_mask
+    d = _degrade_scenario({"queue_per_replica": 2, "max_output_tokens": 16,
+                           "pool": "small"}).model_dump(mode="json", exclude_none=True)
+    d["workload"]["classes"] = [{"name": "all", "share": 1.0, "slo": {"ttft_ms": 400}}]
+    sc = validate_scenario(d)
+    res = simulate(sc, loop="simpy")
+    df = requests_table(res)
+    s = summary_of_run(res)
+    good = good_mask(df, sc)
+    deg = df["degraded"].to_numpy(bool)
+    n = len(df)
+    dg = s["degrade"]
+    assert 0 < dg["good_degraded"] == int((good & deg).sum()) < s["overall"]["good_requests"]
+    assert dg["slo_attainment_undegraded"] == pytest.approx(
+        (s["overall"]["good_requests"] - dg["good_degraded"]) / n, abs=1e-12)
+    assert dg["slo_attainment_undegraded"] < s["overall"]["slo_attainment"]
+
+
+def test_the_small_pool_serving_while_every_main_replica_is_down_is_degraded():
+    """The main pool's one replica down 2-6 s (the gateway told at once), a bound no
+    queue reaches: the small pool serves only while it is down (the main pool has no
+    routable replica: overloaded), and each request it serves is degraded, with the cap;
+    after the recovery nothing is."""
+    d = _degrade_scenario({"queue_per_replica": 1e9, "max_output_tokens": 16,
+                           "pool": "small"}).model_dump(mode="json", exclude_none=True)
+    d["cluster"]["faults"] = {"outages": [{"replica": 0, "start_s": 2.0, "duration_s": 4.0}]}
+    d["workload"]["arrival"]["rate"] = 20.0
+    df = requests_table(simulate(validate_scenario(d), loop="simpy"))
+    small = (df["replica"] == 1).to_numpy()
+    deg = df["degraded"].to_numpy(bool)
+    enq = df["enqueued"].to_numpy()
+    assert small.any() and (deg == small).all()
+    assert ((enq[small] >= 2.0) & (enq[small] < 6.0)).all()
+    assert (df["output_tokens"][small] == 16).all()
+    assert (df["outcome"] == "completed").all()

@@ -9,6 +9,17 @@ model, KV capacity and price, ``cluster.pools``), and its output is cut to
 ``max_output_tokens`` (its KV reservation shrinks with it). Without a ``pool`` only the
 cap applies.
 
+Overloaded also when no main replica is routable (all down, or their breakers open) and
+the degrade pool is: what it serves then is degraded too.
+
+What the run reports (``report.faults.degrade_summary``): a degraded answer is cheaper
+and faster, so it can meet the latency SLO while not being the answer asked for.
+``overall.slo_attainment`` stays the latency SLO over all requests (``vllm bench
+serve``'s goodput); ``summary.json`` ``degrade`` adds ``degraded_requests``,
+``good_degraded`` (degraded and within the SLO) and ``slo_attainment_undegraded`` (good
+and not degraded / all requests: what a capacity plan should be sized on), and the
+fault phases each carry ``degraded`` and ``slo_attainment_undegraded``.
+
 Per request: ``degraded`` (its final attempt was routed while overloaded) and
 ``output_tokens`` (the tokens it was to generate: the cap when degraded, else its
 own); the latter replaces the workload's column in the per-request table, so TPOT and
@@ -36,9 +47,11 @@ class Degrade:
         self.routed = 0           # routing decisions taken while overloaded
 
     def overloaded(self, reps) -> bool:
-        """Whether ``reps`` (the main replicas) hold ``queue_per_replica`` waiting each."""
-        return bool(reps) and (sum(r.n_queued() for r in reps) / len(reps)
-                               >= self.cfg.queue_per_replica)
+        """Whether ``reps`` (the main replicas) hold ``queue_per_replica`` waiting each;
+        none routable (all down, or their breakers open) is overloaded too: the degrade
+        pool then serves what it is sent, degraded (capped, counted)."""
+        return not reps or (sum(r.n_queued() for r in reps) / len(reps)
+                            >= self.cfg.queue_per_replica)
 
     def route(self, slots, seq, replicas) -> list:
         """Of the routable ``slots``, those ``seq`` goes to (module doc); caps its output
@@ -49,7 +62,7 @@ class Degrade:
             # (A request held at the gateway keeps the cut it was given.)
             self.degraded[rid] = seq.output_tokens < self.full[rid]
             self.output[rid] = seq.output_tokens
-            return main or slots
+            return main
         self.routed += 1
         self.degraded[rid] = True
         cap = self.cfg.max_output_tokens

@@ -10,7 +10,9 @@ move), plus ``phases``: the requests first sent ``before`` the first failure,
 (every replica up again, after the first failure), each with its request count,
 completed and failed, ``slo_attainment`` (good / requests), ``request_goodput`` (good
 requests / the phase's time, within the span of arrivals) and the mean time lost to
-faults (``fault_lost_s``).
+faults (``fault_lost_s``); with ``cluster.degrade``, also ``degraded`` and
+``slo_attainment_undegraded`` (``degrade_summary``: a degraded answer within the SLO is
+good for ``slo_attainment``, not for this one).
 
 ``timeseries.csv``'s cluster rows gain ``replicas_down`` (time-averaged over the
 window) and, with a breaker, ``breakers_open`` (replicas whose breaker is open, same
@@ -112,6 +114,7 @@ def fault_summary(res, frame, good) -> dict:
     failed = frame["failed"].to_numpy(bool) if "failed" in frame else np.zeros(len(ph), bool)
     lost = (frame["fault_lost_s"].to_numpy(float) if "fault_lost_s" in frame
             else np.zeros(len(ph)))
+    deg = frame["degraded"].to_numpy(bool) if "degraded" in frame else None
     phases = {}
     for k, name in enumerate(PHASES):
         m = ph == k
@@ -123,15 +126,36 @@ def fault_summary(res, frame, good) -> dict:
             "request_goodput": float(good[m].sum()) / secs[k] if secs[k] > 0 else None,
             "mean_fault_lost_s": float(lost[m].mean()) if n else None,
         }
+        if deg is not None:
+            phases[name]["degraded"] = int(deg[m].sum())
+            phases[name]["slo_attainment_undegraded"] = (
+                float((good & ~deg)[m].sum()) / n if n else None)
     meta["phases"] = phases
     return meta
+
+
+def degrade_summary(meta: dict, frame, good) -> dict:
+    """``summary.json``'s ``degrade``: the degrade model's tallies (``Degrade.meta``) and
+    how the degraded answers stand against the SLO (``cluster.degrade``'s module doc):
+    ``good_degraded`` and ``slo_attainment_undegraded`` (good and not degraded / all
+    requests). ``good``: the SLO mask (None: no SLO, every completed request is good)."""
+    out = dict(meta)
+    deg = frame["degraded"].to_numpy(bool)
+    good = (np.asarray(good, dtype=bool) if good is not None
+            else frame["finished"].to_numpy(bool))
+    n = len(deg)
+    out["good_degraded"] = int((good & deg).sum())
+    out["slo_attainment_undegraded"] = float((good & ~deg).sum()) / n if n else None
+    return out
 
 
 def fault_figures(summary: dict) -> dict:
     """A sweep or plan row's fault cells (``planning.executors.flatten``) from a run's
     summary: ``faults.<tally>`` (failures, in-flight failed, refused while down, retried,
     lost, breaker opens in all), ``faults.<phase>.<figure>`` (requests, failed,
-    slo_attainment, request_goodput, mean_fault_lost_s) and ``degrade.degraded_requests``."""
+    slo_attainment, request_goodput, mean_fault_lost_s; with degrade, degraded and
+    slo_attainment_undegraded) and ``degrade.<figure>`` (degraded_requests,
+    good_degraded, slo_attainment_undegraded)."""
     row: dict = {}
     f = summary.get("faults")
     if f is not None:
@@ -141,8 +165,11 @@ def fault_figures(summary: dict) -> dict:
             row["faults.breaker_opens"] = sum(f["breaker_opens"])
         for name, ph in f.get("phases", {}).items():
             for k in ("requests", "failed", "slo_attainment", "request_goodput",
-                      "mean_fault_lost_s"):
-                row[f"faults.{name}.{k}"] = ph[k]
+                      "mean_fault_lost_s", "degraded", "slo_attainment_undegraded"):
+                if k in ph:
+                    row[f"faults.{name}.{k}"] = ph[k]
     if "degrade" in summary:
-        row["degrade.degraded_requests"] = summary["degrade"]["degraded_requests"]
+        for k in ("degraded_requests", "good_degraded", "slo_attainment_undegraded"):
+            if k in summary["degrade"]:
+                row[f"degrade.{k}"] = summary["degrade"][k]
     return row

@@ -79,7 +79,8 @@ def _outputs(res, df: pd.DataFrame) -> dict:
         from simulator.report.faults import fault_summary
         out["faults"] = fault_summary(res, df, good_mask(df, res.scenario))
     if "degrade" in res.meta:
-        out["degrade"] = res.meta["degrade"]
+        from simulator.report.faults import degrade_summary
+        out["degrade"] = degrade_summary(res.meta["degrade"], df, good_mask(df, res.scenario))
     # The rich stream/network model's totals (see simulate._Wire), when it was on; the
     # gateway's attempt tallies (``loops.traffic``), when traffic control was on.
     for key in ("stream", "network", "traffic", "speculative", "disaggregation", "edge"):
