@@ -546,3 +546,68 @@ def test_the_small_pool_serving_while_every_main_replica_is_down_is_degraded():
     assert ((enq[small] >= 2.0) & (enq[small] < 6.0)).all()
     assert (df["output_tokens"][small] == 16).all()
     assert (df["outcome"] == "completed").all()
+
+
+def test_time_lost_to_exponential_outages_is_the_residual_repair_time():
+    """One replica failing with MTBF 20 s, MTTR 5 s (exponential), the gateway told at
+    once, Poisson requests: a request arriving while the replica is down is held until
+    its recovery, so it loses exactly (recovery - arrival) when it is not caught by a
+    later failure (no fault retry); the outages' mean length is MTTR within 5 standard
+    errors (MTTR / sqrt(outages), exponential); and the mean loss of the requests that
+    arrive during an outage is MTTR too (memoryless repair: the residual of an
+    exponential is the same exponential), within 5 standard errors of the outages'
+    own mean (requests in one outage share its residual, so the outages, not the
+    requests, are the independent samples). Every completed request's breakdown adds up
+    to its E2E, the time lost inside its T_net."""
+    mtbf, mttr = 20.0, 5.0
+    sc = _scenario({"replicas": 1, "faults": {"mtbf_s": mtbf, "mttr_s": mttr,
+                                              "max_retries": 100}}, n=2000, rate=0.5)
+    res = simulate(sc, loop="simpy")
+    df = requests_table(res)
+    iv = [(e["time_s"], e["event"]) for e in res.meta["faults"]["timeline"]
+          if e["event"] in ("fail", "recover")]
+    downs = [(iv[i][0], iv[i + 1][0]) for i in range(0, len(iv) - 1, 2)]
+    assert all(a == "fail" for _, a in iv[0::2]) and len(downs) > 100
+    arr, lost = df["arrival"].to_numpy(), df["fault_lost_s"].to_numpy()
+    clean = (df["fault_retries"] == 0).to_numpy()
+    inside, per_outage = np.zeros(len(df), bool), []
+    for a, b in downs:
+        m = (arr >= a) & (arr < b)
+        inside |= m
+        assert np.allclose(lost[m & clean], b - arr[m & clean], rtol=0, atol=1e-9)
+        assert (lost[m] >= b - arr[m] - 1e-9).all()
+    lengths = np.array([b - a for a, b in downs])
+    assert abs(lengths.mean() - mttr) < 5 * mttr / math.sqrt(len(lengths))
+    assert abs(lost[inside].mean() - mttr) < 5 * mttr / math.sqrt(len(lengths))
+    done = (df["outcome"] == "completed").to_numpy()
+    parts = df[["t_net", "t_queue", "t_prefill", "t_decode", "t_stream"]].sum(axis=1)
+    assert done.all()
+    assert np.allclose(parts[done], df["e2el"][done], rtol=0, atol=1e-9)
+    assert (df["t_net"].to_numpy()[done] >= lost[done] - 1e-9).all()
+
+
+def test_a_fault_run_is_the_same_for_its_seed_and_its_retries_add_up():
+    """The outage with retries, a breaker and MTBF failures on top, run twice with one
+    seed: every recorded time equal bit for bit, the same timeline; another seed gives
+    other failures. Each completed request's breakdown (retried ones included: the
+    time lost on a failed attempt is in its T_net) adds up to its E2E."""
+    cl = {"replicas": 2, "faults": {"mtbf_s": 15.0, "mttr_s": 3.0, "detect_s": 1.0,
+                                    "refuse_s": 0.5, "max_retries": 5},
+          "breaker": {"failures": 2, "cooldown_s": 2.0}}
+    def run(seed=1):
+        sc = _scenario(cl, n=150, rate=10.0)
+        sc.seed = seed
+        sc.engine.max_num_seqs = 8     # queues to be caught by the failures
+        return simulate(sc, loop="simpy")
+    a, b = run(), run()
+    for col in ("enqueued", "scheduled", "first_token", "last_token", "last_delivered"):
+        assert np.array_equal(getattr(a.rec, col), getattr(b.rec, col), equal_nan=True), col
+    assert a.meta["faults"]["timeline"] == b.meta["faults"]["timeline"]
+    assert run(2).meta["faults"]["timeline"] != a.meta["faults"]["timeline"]
+    df = requests_table(a)
+    done = (df["outcome"] == "completed").to_numpy()
+    retried = (df["fault_retries"] > 0).to_numpy()
+    assert (done & retried).sum() > 0
+    parts = df[["t_net", "t_queue", "t_prefill", "t_decode", "t_stream"]].sum(axis=1)
+    assert np.allclose(parts[done], df["e2el"][done], rtol=0, atol=1e-9)
+    assert (df["t_net"].to_numpy()[done] >= df["fault_lost_s"].to_numpy()[done] - 1e-9).all()
