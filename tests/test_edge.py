@@ -108,7 +108,9 @@ def test_hits_cost_edge_rtt_and_stream_time_and_add_up():
     assert np.allclose(ready["e2el"], want, rtol=1e-12, atol=1e-12)
     assert (ready[["t_prefill", "t_decode"]] == 0).all().all()
     waited = hits[hits["t_queue"] > 0]
-    src_done = df["last_delivered"].iloc[0]
+    # The entry is at the edge when the fetch's last byte is: one edge hop (RTT / 2)
+    # before that byte reaches the fetch's own client.
+    src_done = df["last_delivered"].iloc[0] - 0.003
     assert np.allclose(waited["scheduled"], src_done, rtol=0, atol=1e-12)
     e = res.meta["edge"]
     assert e["cache"]["hits"] == 59 and e["cache"]["coalesced_hits"] == len(waited)
@@ -370,3 +372,22 @@ def test_a_sweep_row_holds_the_edge_figures():
     assert row["edge.hit"] == s["edge"]["hit"] > 0
     assert row["edge.cache.hit_ratio"] == s["edge"]["cache"]["hit_ratio"]
     assert row["edge.speculation.escalation_ratio"] is None
+
+
+def test_hits_on_a_fetch_that_failed_end_as_it_did():
+    """One prompt, so every request after the first hits the first one's entry; the only
+    replica fails while that fetch runs and the fault model loses it (``in_flight:
+    lost``): the hits waiting on it end ``failed`` as it did (they were left
+    ``unfinished``, as if the clock had cut them), and the summary's outcomes count
+    every request once. (The cache is played out before the cluster runs, so an entry
+    whose fetch failed is not fetched again: see README's edge section.)"""
+    from simulator.report.output import run_summary
+    d = _edge_dict(n=30, rate=20.0, cache={"popularity": {"kind": "zipf", "catalogue": 1}})
+    d["workload"]["output_tokens"] = {"kind": "constant", "value": 300}
+    d["cluster"] = {"replicas": 1, "faults": {"outages": [{"replica": 0, "start_s": 0.2,
+                                                           "duration_s": 1.0}],
+                                              "in_flight": "lost"}}
+    res, df = _run(d)
+    assert df["edge"][0] == "miss" and (df["edge"][1:] == "hit").all()
+    assert (df["outcome"] == "failed").all(), df["outcome"].value_counts()
+    assert sum(run_summary(res)["overall"]["outcomes"].values()) == 30

@@ -182,14 +182,20 @@ def _edge_answers(rec, wl, plan, h: float) -> None:
 
 
 def _hits(rec, wl, plan, cfg, h: float) -> None:
-    """The cache's hits: ready when the entry is (its fetch delivered), streamed from
-    the edge. A hit whose fetch never completed ends as the fetch did."""
+    """The cache's hits: ready when the entry is (its fetch's last byte at the edge, one
+    edge hop ``h`` before it reaches that fetch's client), streamed from the edge. A hit
+    whose fetch never completed ends as the fetch did (rejected, timed out, failed,
+    cancelled; unfinished when the clock cut it)."""
     rate = cfg.cache.stream_tokens_per_s if cfg.cache is not None else None
     for i in np.flatnonzero(plan.kind == E.HIT):
         s = plan.src[i]
-        avail = rec.last_delivered[s]
+        avail = rec.last_delivered[s] - h
         if not np.isfinite(avail):
-            rec.rejected[i], rec.timed_out[i] = rec.rejected[s], rec.timed_out[s]
+            for name in ("rejected", "refused", "timed_out", "failed", "cancelled",
+                         "reject_reason"):
+                col = getattr(rec, name, None)
+                if col is not None:
+                    col[i] = col[s]
             rec.enqueued[i] = plan.reach[i]
             continue
         ready = max(plan.reach[i], avail)
