@@ -70,8 +70,9 @@ print("latency in ms")
 print(table.to_string(float_format=lambda v: f"{v:,.2f}"))
 # What the edge took off the cluster, measured: the busy GPU-seconds without it less
 # with it. Far less than either estimate: a continuously batching replica steps as long
-# as any request runs, and its step time is mostly a fixed cost per step (DESIGN.md,
-# section 7), so fewer requests make smaller batches, hardly fewer steps. What the edge
+# as any request runs, and its step time is mostly a fixed cost per step (the fitted
+# cost model's constant term: ``latsim fit``), so fewer requests make smaller batches,
+# hardly fewer steps. What the edge
 # frees is batch room (lower TPOT for the rest, headroom for more traffic or fewer
 # replicas: ``latsim plan``), not busy time of a fleet this size. "saved (alone)" prices
 # each answered request alone on a replica (an upper bound), "saved (run rate)" at the
