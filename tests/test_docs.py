@@ -25,9 +25,9 @@ Paths a command *writes* (``results/...``, ``profiles/my-calibrated.json``,
 ``profiles/cpu-tiny.json`` from ``latsim profile``) are outputs, not references; the
 few that README names are listed in ``OUTPUTS`` (each with the command that makes it).
 
-No docstring may lean on documents that are not in the repository: the ``shared``
-folder beside the checkout (absent from a clone) or "the seed(s)" meaning the design
-articles the project started from. Facts taken from them are kept, attributed, in
+No docstring or document may lean on documents that are not in the repository: the
+``shared`` folder beside the checkout (absent from a clone), its design document, or "the
+seed(s)" meaning the design articles the project started from. Facts taken from them are kept, attributed, in
 ``data/README.md`` (*Facts from two design articles*); a docstring states the mechanism
 and may cite that section. ("the seed" meaning an RNG seed is fine: the check looks for
 the articles' phrasings, which an RNG seed never takes.)
@@ -72,7 +72,7 @@ _SHORT = re.compile(r"`([a-z_]+(?:/[a-z_]+)+(?:\.py)?/?)`")
 # started from ("the seed's score", "the seeds' measure", "the high-concurrency seed").
 # An RNG seed is never written possessively nor with those adjectives.
 _OUTSIDE = re.compile(
-    r"\.\./" r"shared|\bseed's|\bseeds'|\b(?:high-concurrency|end-to-end)\s+seed|"
+    r"\.\./" r"shared|\bDESIGN\.md|\bseed's|\bseeds'|\b(?:high-concurrency|end-to-end)\s+seed|"
     r"\bseed\s+(?:article|document|text)s?|\bthe\s+seeds\b(?!\s*(?:=|:|of\b|per\b|alone|"
     r"listed|given|run|the))", re.IGNORECASE)
 
@@ -236,11 +236,9 @@ def missing_references(files: set[str] | None = None):
 
 
 def outside_references():
-    """Every (where, phrase) of a docstring that points outside the repository."""
+    """Every (where, phrase) of a docstring or document that points outside the repository."""
     out = []
     for where, text in sources():
-        if where in DOC_FILES:
-            continue
         for m in _OUTSIDE.finditer(text):
             out.append((where, m.group(0)))
     return out
