@@ -348,3 +348,26 @@ def test_readme_test_command_is_what_ci_runs():
     ], blocks
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert blocks[1].replace("pip install ", "pip install -q ") in ci
+
+
+# In comments (code and scenario files) an RNG's "seeds'" is common, so only the
+# unambiguous phrases are looked for there.
+_OUTSIDE_IN_COMMENTS = re.compile(
+    r"\.\./" r"shared|\bDESIGN\.md|\b(?:high-concurrency|end-to-end)\s+seed|\bseed\s+articles?",
+    re.IGNORECASE)
+
+
+def test_no_comment_cites_documents_outside_the_repository():
+    """Comments of the code (``#`` lines) and of the shipped scenarios cite nothing outside
+    the repository either."""
+    found = []
+    files = [p for d in CODE_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
+    files += sorted((ROOT / "scenarios").glob("*.yaml"))
+    for p in files:
+        rel = p.relative_to(ROOT).as_posix()
+        if rel in ("tests/test_docs.py", "tests/test_datasets.py"):
+            continue                  # the checks themselves name what they look for
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if "#" in line and _OUTSIDE_IN_COMMENTS.search(line.split("#", 1)[1]):
+                found.append(f"{rel}:{i}: {line.strip()[:80]}")
+    assert not found, found
