@@ -218,6 +218,29 @@ def test_decoders_ending_in_the_step_are_ahead_of_its_first_token_in_every_execu
         assert wait == pytest.approx(3 * 0.5e-3, abs=1e-12), (loop, mode)
 
 
+def test_a_one_token_answer_leaves_after_its_first_tokens_wait():
+    """A one-token answer's first token is its last: it leaves the API server after the
+    same wait for the step's other outputs, so its E2E is its TTFT (before, its last
+    byte left without the wait and TTFT exceeded E2E by 3 x 0.5 ms). Three 5-token
+    decoders from t=0, a one-token newcomer at 25 ms whose token comes from the step
+    that ends them; on every executor. 1e-12 s: rounding of sums of ~0.04 s."""
+    fe = {"request_ms": 0.0, "tokenize_us_per_token": 0.0, "ipc_ms": 0.0,
+          "output_ms_per_token": 0.5}
+    wl = Workload(arrival_s=np.r_[np.zeros(3), 0.025], prompt_tokens=np.full(4, 16),
+                  output_tokens=np.r_[np.full(3, 5), 1], priority=np.zeros(4, int))
+    sc = make_scenario(engine=_engine(frontend=fe))
+    traffic = make_scenario(engine=_engine(frontend=fe), report={"utilization": True})
+    for sc, loop, mode in ((sc, "simpy", "slow"), (sc, "simpy", "auto"),
+                           (sc, "compiled", "auto"), (traffic, "simpy", "auto")):
+        rec = simulate(sc, 0, workload=wl, profile=_const_decode_profile(), loop=loop,
+                       mode=mode).rec
+        assert rec.first_token[3] == rec.last_token[3] == rec.last_token[0]
+        wait = float(rec.first_delivered[3] - rec.first_token[3]) - 0.5e-3
+        assert wait == pytest.approx(3 * 0.5e-3, abs=1e-12), (loop, mode)
+        assert rec.last_delivered[3] == pytest.approx(rec.first_delivered[3], abs=1e-12), \
+            (loop, mode)
+
+
 def _vllm_scenario(gpu: str = "h100-sxm", **engine) -> dict:
     return {"name": "vllm", "seed": 1,
             "workload": {"kind": "synthetic", "num_requests": 10,

@@ -12,6 +12,7 @@ import heapq
 from simulator.loops.compiled import state as S
 from simulator.kernel import kernel as jit
 from simulator.loops.compiled.prefix import computed, release, shared_refs, take
+from simulator.wire.frontend import first_token_wait_s
 from simulator.wire.keepalive import pool_release
 from simulator.model.kv.rules import ceil_blocks, growth_tick, held_tokens
 from simulator.model.scheduling.progress import (emit_tokens, finish_tick, prefill_progress,
@@ -152,17 +153,20 @@ def prefill(r, t, GI, FH, RS, RQ, RQF, IP, FP, TS, DEC, PRE, CHR, CHN, PHASE, LT
         pre_remove(r, rid, RS, PRE)
         resumed = RQ[rid, S.Q_GENERATED] > 0
         RQ[rid, S.Q_GENERATED], last = emit_tokens(RQ[rid, S.Q_GENERATED], 1, output[rid])
+        wait = 0.0
         if not resumed:
             TS[S.T_FIRST][rid] = t
             # The API server handles the step's outputs ahead of it first (the decoders).
-            TS[S.T_FIRSTDEL][rid] = t + ft + FP[S.D_ONEWAY] + FP[S.D_FIRSTOUT] * RS[r, S.R_ND]
+            wait = first_token_wait_s(FP[S.D_FIRSTOUT], RS[r, S.R_ND])
+            TS[S.T_FIRSTDEL][rid] = t + ft + FP[S.D_ONEWAY] + wait
         else:
             itl_add(GI, ITL, t - RQF[rid, S.QF_LAST_T], 1, flush)
         if last:
             RS[r, S.R_KV] += tokens
             RS[r, S.R_OUT] -= tokens
             tokens = 0
-            finish(r, rid, t, t + ft, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN, PFX)
+            # A one-token answer leaves after its first token's wait (``_prefill``).
+            finish(r, rid, t, t + ft + wait, RS, RQ, IP, FP, TS, prompt, clients, IDL, ILEN, PFX)
             continue
         join(r, rid, t, False, FH, RS, RQ, RQF, IP, DEC, PHASE, LT_T, LT_C, prompt, output)
     RS[r, S.R_KV] += tokens

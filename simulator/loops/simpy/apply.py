@@ -153,12 +153,13 @@ class ReplicaApply:
             self.prefilling.remove(s)
             resumed = s.generated > 0
             last = s.emit()
+            wait = 0.0
             if not resumed:
                 rec.first_token[rid] = t
                 if s.stream is None:
                     ahead = len(self.decoding) + (self._ended_n if self._ended_t == t else 0)
-                    rec.first_delivered[rid] = (t + ft + self.one_way
-                                                + _first_wait_s(self.first_out_s, ahead))
+                    wait = _first_wait_s(self.first_out_s, ahead)
+                    rec.first_delivered[rid] = t + ft + self.one_way + wait
             if s.stream is not None:
                 s.stream.emit(t)
             if last:
@@ -173,7 +174,9 @@ class ReplicaApply:
                 else:
                     if resumed:
                         self.rec.itl.add(t - s.last_t)
-                    self._finish(s, t, t + ft)
+                    # A one-token answer's first token is its last: it leaves after the
+                    # same front-end wait (TTFT never exceeds E2E).
+                    self._finish(s, t, t + ft + wait)
                 continue
             if self.hands_off:
                 self._hand_off(s, t)    # a prefill replica (``handoff``)
