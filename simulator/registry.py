@@ -41,8 +41,16 @@ class Registry(Generic[T]):
             raise RuntimeError(f"{self.what} {name!r} registered twice")
         self._items[name] = (config_cls, factory)
 
+    def unregister(self, name: str) -> None:
+        """Take ``name`` out (a plug-in a test or a notebook registered for a while);
+        an unknown name is a no-op."""
+        self._items.pop(name, None)
+
     def names(self) -> list[str]:
         return sorted(self._items)
+
+    def __iter__(self):
+        return iter(self.names())
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._items

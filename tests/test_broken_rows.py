@@ -212,7 +212,7 @@ def _forget_test_policies():
     yield
     from simulator.model.scheduling.policy import POLICIES
     for name in [n for n in POLICIES if n.startswith("t_")]:
-        del POLICIES[name]
+        POLICIES.unregister(name)
 
 
 def _policy(name, key=None, by_class=False, kern=None, timed=False):

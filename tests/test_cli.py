@@ -148,8 +148,8 @@ def test_missing_file_and_bad_override(tmp_path):
     assert r.returncode == 2 and "none.yaml" in r.stderr and "not found" in r.stderr
     r = latsim("run", "scenarios/quickstart.yaml", "--set", "engine.policy")
     assert r.returncode == 2 and "a.b=value" in r.stderr
-    r = latsim("run", "scenarios/quickstart.yaml", "--set", "engine.policy=sjf")
-    assert r.returncode == 2 and "'sjf'" in r.stderr and "engine.policy" in r.stderr
+    r = latsim("run", "scenarios/quickstart.yaml", "--set", "engine.policy=sjf_oracle")
+    assert r.returncode == 2 and "'sjf_oracle'" in r.stderr and "engine.policy" in r.stderr
 
 
 def test_override_applies(tmp_path):

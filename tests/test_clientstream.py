@@ -406,7 +406,7 @@ def test_silent_disconnect_of_a_request_that_ends_first_wastes_its_remaining_dec
     assert rec.cancelled[0] and df["cancelled"][0]
     assert list(outcome_names(rec)) == ["cancelled"]
     assert unfinished(df, None) == {"rejected": 0, "cancelled": 1, "refused": 0,
-                                    "timed_out": 0, "cut": 0, "stuck": 0}
+                                    "timed_out": 0, "failed": 0, "cut": 0, "stuck": 0}
     assert m["wasted_request_s_unsignalled"] == pytest.approx(rec.last_token[0] - t_left)
 
 

@@ -134,7 +134,7 @@ FLAG_CASES = [
     ["run", "S", "--table-format", "xml"], ["run", "S", "--set", "engine.policy"],
     ["run", "S", "--set", "=3"], ["run", "S", "--set", "a..b=1"],
     ["run", "S", "--set", "workload.num_requests=[&a [1], *a]"],
-    ["run", "S", "--set", "workload=&w [*w]"], ["run", "S", "--set", "engine.policy=sjf"],
+    ["run", "S", "--set", "workload=&w [*w]"], ["run", "S", "--set", "engine.policy=sjf_oracle"],
     ["run", "S", "--policies", "fifo,nope"], ["run", "S", "--plots"],
     ["run", "S", "--out", "T/file"], ["run", "S", "--out", "T/file/under"],
     ["run", "S", "--bogus"], ["run", "T/missing.yaml"], ["run", "T"], ["run", "/dev/null"],
