@@ -15,7 +15,7 @@ delivered.
 When any stream or network setting departs from the defaults (coalescing,
 heartbeats, a bounded send buffer, per-client downlinks, disconnects, HTTP/2,
 regions) every request carries its own ``clientstream.ClientStream`` (``seq.stream``)
-and ``wire.Wire`` does the per-request work: route (with regions, at send time), take a
+and ``wire.per_request.Wire`` does the per-request work: route (with regions, at send time), take a
 connection, open the stream, and play out the client disconnects (a cancel one way
 after a signalled one, or a heartbeat timeout after a silent one). Its totals go to
 ``Results.meta["stream"]`` (and ``meta["network"]`` with regions).
