@@ -52,6 +52,15 @@ class Registry(Generic[T]):
     def __iter__(self):
         return iter(self.names())
 
+    def builtin_names(self) -> list[str]:
+        """The names latsim itself registers (its factory, or its config class where it
+        has none, defined in the ``simulator`` package): what the YAML reference
+        documents, whatever plug-ins a process has loaded since."""
+        def ours(item) -> bool:
+            obj = item[1] if item[1] is not None else item[0]
+            return getattr(obj, "__module__", "").split(".")[0] == "simulator"
+        return sorted(n for n, item in self._items.items() if ours(item))
+
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._items
 

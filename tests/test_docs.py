@@ -371,3 +371,19 @@ def test_no_comment_cites_documents_outside_the_repository():
             if "#" in line and _OUTSIDE_IN_COMMENTS.search(line.split("#", 1)[1]):
                 found.append(f"{rel}:{i}: {line.strip()[:80]}")
     assert not found, found
+
+
+def test_the_yaml_reference_documents_latsims_kinds_not_a_processes_plugins():
+    # A plug-in a test (or a user's scenario) registered earlier in the process must not
+    # change the reference: test_compiled's half_budget policy, run in the same worker,
+    # made the README comparison fail.
+    from simulator.config.reference import markdown
+    from simulator.model.policies.chunked import ChunkedPolicy
+    from simulator.model.scheduling.policy import POLICIES, register_policy
+    before = markdown()
+    register_policy("t_docs_plugin")(type("TDocsPlugin", (ChunkedPolicy,), {}))
+    try:
+        assert "t_docs_plugin" in POLICIES
+        assert markdown() == before
+    finally:
+        POLICIES.unregister("t_docs_plugin")

@@ -131,7 +131,7 @@ def rows(model: type[BaseModel], prefix: str, seen: tuple = ()) -> Iterator[tupl
         if not desc and len(subs) == 1:
             desc = _first_sentence(subs[0].__doc__)
         if reg is not None and not desc:
-            desc = f"{reg.what}, `kind`: {', '.join(reg.names())} (tables below)"
+            desc = f"{reg.what}, `kind`: {', '.join(reg.builtin_names())} (tables below)"
         elif reg is not None:
             desc += f" ({reg.what}: tables below)"
         kinds = [_kind_of(m) for m in subs]
@@ -181,7 +181,7 @@ def markdown() -> str:
     regs = [getattr(R, n) for n in dir(R) if isinstance(getattr(R, n), R.Registry)]
     regs.append(POLICIES)
     for reg in sorted(regs, key=lambda r: r.what):
-        for kind in reg.names():
+        for kind in reg.builtin_names():     # not the plug-ins a process loaded
             cls = reg.config_class(kind)
             items = [r for r in rows(cls, "") if r[0] != "kind"]
             head = f"{reg.what} `kind: {kind}`"
