@@ -252,6 +252,15 @@ class StreamConfig(StrictModel):
     backpressure: Literal["block", "buffer", "degrade"] = Field(
         "buffer", description="when the buffer is full: stop the request, grow, or un-stream")
     disconnect: DisconnectConfig = Field(default_factory=DisconnectConfig)
+    target_tpot_ms: Optional[float] = Field(
+        None, gt=0, le=MAX_WIRE_MS, description="pacing: release tokens to the client no "
+        "faster than one per this many ms (the delay is part of T_stream)")
+    write_timeout_s: Optional[float] = Field(
+        None, gt=0, le=3600, description="block: a write waiting this long for a client that "
+        "does not drain closes the stream and cancels the request")
+    framing: Optional[Literal["sse", "websocket"]] = Field(
+        None, description="add the transport's bytes per frame (sse: 8; websocket: 2/4/10 "
+        "header); frame_overhead_bytes is then the JSON envelope alone")
 
     @model_validator(mode="after")
     def _consistent(self) -> "StreamConfig":
@@ -262,6 +271,9 @@ class StreamConfig(StrictModel):
             raise ValueError("every_tokens and every_ms cannot both be null")
         if self.backpressure != "buffer" and self.buffer_bytes is None:
             raise ValueError(f"backpressure {self.backpressure!r} needs buffer_bytes")
+        if self.write_timeout_s is not None and self.backpressure != "block":
+            raise ValueError("write_timeout_s needs backpressure 'block' (only a blocked "
+                             "write can wait)")
         if self.buffer_bytes is not None:
             frame = self.frame_overhead_bytes + (self.every_tokens or 1) * self.bytes_per_token
             if self.buffer_bytes < frame:
@@ -276,4 +288,5 @@ class StreamConfig(StrictModel):
         return (self.downlink is not None or self.every_tokens != 1
                 or self.every_ms is not None or self.heartbeat_s is not None
                 or self.buffer_bytes is not None or self.backpressure != "buffer"
-                or self.disconnect.probability > 0)
+                or self.disconnect.probability > 0 or self.target_tpot_ms is not None
+                or self.write_timeout_s is not None or self.framing is not None)

@@ -30,6 +30,15 @@ What it models (seconds and bytes throughout):
   ``: ping`` comment frame of ``heartbeat_bytes`` is written. A heartbeat due while
   this stream still has bytes queued is skipped (the bytes in flight already prove
   the connection alive), and its timer restarts.
+- **Pacing** (``target_tpot_s``, the seeds' ``target_tpot_ms``): token k is released
+  at ``R_k = max(t_k, R_{k-1} + target)``, early tokens held in server memory (not the
+  send buffer: pacing never blocks the engine). Faster generation: token k leaves at
+  ``R_1 + (k-1) x target``; slower: ``R_k = t_k``. The delay is part of ``T_stream``.
+  A cancel drops the tokens not yet released.
+- **Write timeout** (``write_timeout_s``, ``block``): a write waiting for room longer
+  than the timeout (client not draining, or gone) closes the stream at ``r + timeout``
+  (``r``: when it began waiting); ``on_write_timeout(t)`` lets the caller cancel.
+- **Framing**: ``sse`` / ``websocket`` wrap each payload (``framing.framing_bytes``).
 - **Client gone.** After ``disconnect(t)`` nothing more leaves the buffer (no
   acknowledgements come back) and nothing arriving later is delivered, so a
   ``block`` stream fills up and stays blocked (``unblock_time`` is infinite) until
@@ -45,15 +54,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 
+from simulator.wire.framing import FRAMINGS, framing_bytes
+from simulator.wire.streamstats import StreamStats  # noqa: F401  (re-exported)
+
 POLICIES = ("block", "buffer", "degrade")
 INF = math.inf
-
-
 @dataclass(frozen=True)
 class StreamParams:
     """Everything one stream needs to know: frame sizes, the client's downlink,
@@ -69,6 +79,9 @@ class StreamParams:
     buffer_bytes: Optional[float] = None   # send-buffer capacity (None: unbounded)
     backpressure: str = "buffer"           # block | buffer | degrade
     one_way: float = 0.0                   # server-to-client latency
+    target_tpot_s: Optional[float] = None  # pacing: at most one token per this
+    write_timeout_s: Optional[float] = None  # block: close a write waiting longer
+    framing: Optional[str] = None          # sse | websocket (None: overhead is all)
 
     def __post_init__(self) -> None:
         if self.backpressure not in POLICIES:
@@ -85,10 +98,18 @@ class StreamParams:
             raise ValueError("downlink_bps must be > 0")
         if self.backpressure != "buffer" and self.buffer_bytes is None:
             raise ValueError(f"backpressure {self.backpressure!r} needs buffer_bytes")
+        if self.target_tpot_s is not None and not self.target_tpot_s > 0:
+            raise ValueError("target_tpot_s must be > 0")
+        if self.write_timeout_s is not None and (not self.write_timeout_s > 0
+                                                 or self.backpressure != "block"):
+            raise ValueError("write_timeout_s must be > 0, with backpressure 'block'")
+        if self.framing is not None and self.framing not in FRAMINGS:
+            raise ValueError(f"framing must be one of {FRAMINGS}, not {self.framing!r}")
 
     def frame_bytes(self, tokens: int) -> float:
         """Bytes of one data frame carrying ``tokens`` tokens."""
-        return self.frame_overhead_bytes + tokens * self.bytes_per_token
+        return framing_bytes(self.framing, self.frame_overhead_bytes
+                             + tokens * self.bytes_per_token)
 
 
 class Link:
@@ -121,6 +142,7 @@ class StreamResult:
     last_depart: float            # last byte written left the server (NaN if nothing)
     cancelled: bool = False
     over_capacity: bool = False   # buffer policy: the peak exceeded buffer_bytes
+    timed_out: bool = False       # closed by the server's write timeout
 
 
 class ClientStream:
@@ -129,15 +151,24 @@ class ClientStream:
     __slots__ = ("p", "t_open", "link", "on_first_token", "_pending", "_pending_t0",
                  "_q", "_qbytes", "_last_write", "_entered", "_last_depart", "_arr", "_cnt",
                  "_tokens", "_held", "_frames", "_bytes", "_hb", "_peak", "_degraded",
-                 "_blocked_s", "_gone", "_first_done", "_every_s", "result")
+                 "_blocked_s", "_gone", "_first_done", "_every_s", "result", "on_write_timeout",
+                 "_rel", "_wait_until", "_timed_out", "_wt")
 
     def __init__(self, params: StreamParams, t_open: float, link: Optional[Link] = None,
-                 on_first_token: Optional[Callable[[float], None]] = None) -> None:
+                 on_first_token: Optional[Callable[[float], None]] = None,
+                 on_write_timeout: Optional[Callable[[float], None]] = None) -> None:
         """``params``: see ``StreamParams``; ``t_open``: when the request reached the
         server (the heartbeat clock starts); ``link``: a shared ``Link`` (HTTP/2),
         else the stream has its own; ``on_first_token(arrival)``: called once, when
-        the first token's frame is written, with the client's arrival time of it."""
+        the first token's frame is written, with the client's arrival time of it;
+        ``on_write_timeout(t)``: called once, when a write is found to wait past the
+        write timeout, with the time ``t`` the server closes the stream."""
         self.p = params
+        self.on_write_timeout = on_write_timeout
+        self._rel = -INF             # pacing: when the latest token was released
+        self._wait_until = -INF      # block: until when a write waits for room
+        self._timed_out = False
+        self._wt: list[float] = []   # write time of each token-carrying frame
         self.t_open = t_open
         self.link = link if link is not None else Link()
         self.on_first_token = on_first_token
@@ -168,6 +199,12 @@ class ClientStream:
         """The engine produced this request's next token at ``t`` (non-decreasing)."""
         if self.result is not None:
             return   # closed (e.g. cancelled while its last step was in flight)
+        tp = self.p.target_tpot_s
+        if tp is not None:
+            # Released no sooner than one target TPOT after the previous token.
+            r = self._rel + tp
+            t = r if r > t else t
+            self._rel = t
         self._advance(t)
         self._tokens += 1
         if self._degraded:
@@ -186,13 +223,13 @@ class ClientStream:
         if self.p.backpressure != "block":
             return False
         self._advance(t)
-        return self._entered > t
+        return self._wait_until > t
 
     def unblock_time(self, t: float) -> float:
         """The earliest time >= ``t`` at which ``blocked`` turns False (``inf`` if the
-        client is gone and the buffer will never drain)."""
+        client is gone and the buffer will never drain, or the write timed out)."""
         self._advance(t)
-        return self._entered if self._entered > t else t
+        return self._wait_until if self._wait_until > t else t
 
     def disconnect(self, t: float) -> None:
         """The client went away at ``t``: nothing leaves the buffer or is delivered later."""
@@ -204,6 +241,9 @@ class ClientStream:
         pending and held tokens are dropped). Idempotent: later calls return the result."""
         if self.result is not None:
             return self.result
+        t_cancel = t
+        if self._rel > t:
+            t = self._rel   # paced: the last tokens are released after the engine's end
         self._advance(t)
         if not cancelled:
             if self._degraded:
@@ -220,6 +260,11 @@ class ClientStream:
         if self._gone < INF:
             # Frames written before the client left but arriving after it: lost.
             arr = arr[arr <= self._gone]
+        if cancelled and self.p.target_tpot_s is not None:
+            # Paced tokens not yet released when the request was cancelled: dropped.
+            wt = np.repeat(np.asarray(self._wt, dtype=np.float64),
+                           np.asarray(self._cnt, dtype=np.int64))[:len(arr)]
+            arr = arr[wt <= t_cancel]
         cap = self.p.buffer_bytes
         self.result = StreamResult(
             first_arrival=float(arr[0]) if len(arr) else math.nan,
@@ -237,9 +282,10 @@ class ClientStream:
             cancelled=cancelled,
             over_capacity=(cap is not None and self.p.backpressure == "buffer"
                            and self._peak > cap),
+            timed_out=self._timed_out,
         )
         self._q.clear()
-        self._arr = self._cnt = []
+        self._arr = self._cnt = self._wt = []
         return self.result
 
     # -- internals -------------------------------------------------------------------
@@ -312,9 +358,20 @@ class ClientStream:
                 e = d
             if not q:
                 self._qbytes = 0.0
-            if e == INF:
-                self._entered = INF
+            wto = p.write_timeout_s
+            if wto is not None and e - r > wto:
+                # The client has not drained its socket for the write timeout: the
+                # server closes the stream; nothing more goes out.
+                self._blocked_s += wto
+                self._entered = self._wait_until = INF
+                self._timed_out = True
+                if self.on_write_timeout is not None:
+                    self.on_write_timeout(r + wto)
                 return
+            if e == INF:
+                self._entered = self._wait_until = INF
+                return
+            self._wait_until = e
             self._blocked_s += e - r
             r = e
         self._entered = r
@@ -335,59 +392,8 @@ class ClientStream:
             if a <= self._gone:
                 self._arr.append(a)
                 self._cnt.append(ntok)
+                self._wt.append(r)
             if not self._first_done:
                 self._first_done = True
                 if self.on_first_token is not None:
                     self.on_first_token(a)
-
-
-@dataclass
-class StreamStats:
-    """Run-wide totals over closed streams, for ``Results.meta["stream"]``."""
-
-    streams: int = 0
-    frames: int = 0
-    bytes: float = 0.0
-    heartbeats: int = 0
-    tokens_emitted: int = 0
-    tokens_delivered: int = 0
-    degraded: int = 0
-    blocked: int = 0
-    blocked_s: float = 0.0
-    over_capacity: int = 0
-    peak_buffer_bytes: list = field(default_factory=list)
-
-    def add(self, r: StreamResult) -> None:
-        """Count one closed stream."""
-        self.streams += 1
-        self.frames += r.frames
-        self.bytes += r.bytes
-        self.heartbeats += r.heartbeats
-        self.tokens_emitted += r.tokens_emitted
-        self.tokens_delivered += r.tokens_delivered
-        self.degraded += r.degraded
-        self.blocked += r.blocked_s > 0
-        self.blocked_s += r.blocked_s
-        self.over_capacity += r.over_capacity
-        self.peak_buffer_bytes.append(r.peak_buffer_bytes)
-
-    def as_dict(self) -> dict:
-        """Totals plus the peak send-buffer bytes (max, P99, mean over streams)."""
-        peaks = np.asarray(self.peak_buffer_bytes, dtype=np.float64)
-        has = len(peaks) > 0
-        return {
-            "streams": self.streams,
-            "frames": self.frames,
-            "bytes": self.bytes,
-            "heartbeats": self.heartbeats,
-            "tokens_per_frame": (self.tokens_emitted / self.frames) if self.frames else math.nan,
-            "tokens_emitted": self.tokens_emitted,
-            "tokens_delivered": self.tokens_delivered,
-            "degraded": self.degraded,
-            "blocked_streams": self.blocked,
-            "blocked_s": self.blocked_s,
-            "over_capacity": self.over_capacity,
-            "peak_buffer_bytes_max": float(peaks.max()) if has else math.nan,
-            "peak_buffer_bytes_p99": float(np.percentile(peaks, 99)) if has else math.nan,
-            "peak_buffer_bytes_mean": float(peaks.mean()) if has else math.nan,
-        }

@@ -58,6 +58,7 @@ class Wire:
         self.stats = StreamStats()
         self.left: dict[int, tuple] = {}            # rid -> (time the client left, seq)
         self.released_at: dict[int, float] = {}     # rid -> when its connection went idle
+        self.timed_out: dict[int, object] = {}      # rid -> seq closed by the write timeout
 
     def _timing(self, rid: int) -> NetworkTiming:
         if self.topo is None:
@@ -111,7 +112,9 @@ class Wire:
             if link is None:
                 link = self.links[c] = Link()
         cb = (lambda a, s=seq: self._first_token(s, a)) if self.dc.leaves[rid] else None
-        return ClientStream(params, now, link, cb)
+        wto = ((lambda t, s=seq: self._write_timeout(s, t))
+               if self.scfg.write_timeout_s is not None else None)
+        return ClientStream(params, now, link, cb, wto)
 
     # -- a request's way out -----------------------------------------------------------
     def _release(self, seq, free_at: float) -> None:
@@ -163,6 +166,13 @@ class Wire:
         if self.replicas[int(self.rec.replica[seq.rid])].cancel(seq.rid):
             self._release(seq, self.env.now)   # frees the HTTP/2 stream slot
 
+    def _write_timeout(self, seq, t: float) -> None:
+        """Its client did not drain for the write timeout: the server closes the stream
+        at ``t`` and cancels the request (freeing its KV) if it is still running."""
+        self.timed_out[seq.rid] = seq
+        self.env.timeout(max(t - self.env.now, 0.0)).callbacks.append(
+            lambda _e: self._notice(seq))
+
     # -- totals -------------------------------------------------------------------------
     def summary(self, sim_end: float) -> dict:
         """``meta`` entries: stream totals, disconnects and their waste; regions.
@@ -197,6 +207,17 @@ class Wire:
             # Its client left before the end reached it: it ends ``cancelled`` whether the
             # server cancelled it (``cancelled_at``) or finished generating first (a
             # silent disconnect found after the last token; ``cancelled_at`` stays NaN).
+            rec.cancelled[rid] = True
+        for rid, seq in self.timed_out.items():
+            if rid in self.left:
+                continue
+            self._count(seq)
+            res = seq.stream.result
+            if res is not None and np.isnan(rec.first_delivered[rid]):
+                rec.first_delivered[rid] = res.first_arrival
+            # The server closed the stream before its end reached the client (its last
+            # token may have been generated first, into the full buffer): cancelled.
+            rec.last_delivered[rid] = np.nan
             rec.cancelled[rid] = True
         price = self.scfg.disconnect.gpu_cost_per_hour
         out = {"stream": {

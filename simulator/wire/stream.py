@@ -66,6 +66,9 @@ def stream_params(cfg, downlink_bps: float, one_way: float) -> StreamParams:
         buffer_bytes=None if cfg.buffer_bytes is None else float(cfg.buffer_bytes),
         backpressure=cfg.backpressure,
         one_way=float(one_way),
+        target_tpot_s=None if cfg.target_tpot_ms is None else cfg.target_tpot_ms / 1000.0,
+        write_timeout_s=cfg.write_timeout_s,
+        framing=cfg.framing,
     )
 
 
