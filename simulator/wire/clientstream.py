@@ -31,9 +31,10 @@ What it models (seconds and bytes throughout):
   this stream still has bytes queued is skipped (the bytes in flight already prove
   the connection alive), and its timer restarts.
 - **Pacing** (``target_tpot_s``; ``target_tpot_ms`` in ``data/README.md``'s article):
-  token k is released at ``R_k = max(t_k, R_{k-1} + target)``, early tokens held in server memory (not the
-  send buffer: pacing never blocks the engine). Faster generation: token k leaves at
-  ``R_1 + (k-1) x target``; slower: ``R_k = t_k``. The delay is part of ``T_stream``.
+  token k is released at ``R_k = max(t_k, R_{k-1} + target)``, early tokens held in
+  server memory (not the send buffer: pacing never blocks the engine). Faster
+  generation: token k leaves at ``R_1 + (k-1) x target``; slower: ``R_k = t_k``. The
+  delay is part of ``T_stream``.
   A cancel drops the tokens not yet released.
 - **Write timeout** (``write_timeout_s``, ``block``): a write waiting for room longer
   than the timeout (client not draining, or gone) closes the stream at ``r + timeout``
