@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from simulator.config.strict import StrictModel
 
@@ -27,6 +27,7 @@ from simulator.cost.fitted import FittedCostModel
 from simulator.cost.replica import CatalogSized
 from simulator.cost.roofline.constants import (VLLM_GRAPH_BUCKETS, Engine, build_constants,
                                                compute_peak)
+from simulator.cost.roofline.expert import ExpertParallel, ep_terms
 from simulator.cost.roofline.transfer import (Calibration, apply_scales, calibrate,
                                               profile_engine)
 from simulator.errors import LatsimError
@@ -58,6 +59,29 @@ class RooflineCostConfig(CatalogSized, StrictModel):
                                    "piecewise graphs (vLLM v1's FULL_AND_PIECEWISE)")
     decode_attention: Literal["paged", "padded"] = "paged"
     scale: float = Field(1.0, gt=0, description="multiply every step time (what-if)")
+    ep: int = Field(1, ge=1, description="expert-parallel GPUs of a mixture's MoE layers: 1 "
+                    "(experts TP-sharded) or tp (vLLM's --enable-expert-parallel, EP = TP x DP "
+                    "with DP = 1; roofline.expert)")
+    expert_imbalance: Optional[float] = Field(None, ge=1.0, description="with ep > 1: the "
+                                              "busiest GPU's routed tokens over the mean "
+                                              "(default: uniform routing's expectation)")
+
+    @field_validator("ep")
+    @classmethod
+    def _ep(cls, v: int, info: ValidationInfo) -> int:
+        tp = info.data.get("tp", 1)
+        if v > 1 and v != tp:
+            raise ValueError(f"must be 1 or equal tp ({tp}): vLLM's expert parallelism runs "
+                             "EP = TP x DP over the same GPUs, and data-parallel attention "
+                             "(DP > 1) is not modelled")
+        return v
+
+    def model_formats(self, arch) -> Optional[tuple]:
+        """``CatalogSized.model_formats``, after refusing ``ep > 1`` on a dense model."""
+        if self.ep > 1 and not arch.is_moe:
+            raise LatsimError(f"{arch.name} is dense: expert parallelism needs a mixture of "
+                              "experts", field="ep", value=self.ep, has_value=True)
+        return super().model_formats(arch)
 
     @field_validator("gpu")
     @classmethod
@@ -98,7 +122,8 @@ class RooflineCostModel(FittedCostModel):
                  weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                  engine: Optional[Engine] = None, profile: Optional[dict] = None,
                  profile_source: str = "", scale: float = 1.0,
-                 eff: Optional[dict] = None) -> None:
+                 eff: Optional[dict] = None, ep: int = 1,
+                 expert_imbalance: Optional[float] = None) -> None:
         self.arch = model if isinstance(model, ModelArch) else catalog.model(model)
         self.spec = gpu if isinstance(gpu, GpuSpec) else catalog.gpu(gpu)
         self.tp, self.pp = int(tp), int(pp)
@@ -129,6 +154,67 @@ class RooflineCostModel(FittedCostModel):
         self._rng = None
         self.CL = new_counts()
         self._chunks = ChunkArrays()
+        self.ep = int(ep)
+        self.expert = None
+        if self.ep > 1:
+            if not self.arch.is_moe:
+                raise LatsimError(f"{self.arch.name} is dense: expert parallelism needs a "
+                                  "mixture of experts", field="model.cost.ep", value=ep,
+                                  has_value=True)
+            if self.ep != self.tp:
+                raise LatsimError(f"must be 1 or equal tp ({self.tp}) (vLLM: EP = TP x DP, "
+                                  "DP = 1 here)", field="model.cost.ep", value=ep, has_value=True)
+            self.expert = ExpertParallel.of(self.arch, self.spec, c, self.ep, expert_imbalance)
+
+    # -- expert parallelism: named terms added to the physics' step (``roofline.expert``)
+    def ep_terms(self, tokens: float) -> dict:
+        """``expert.ep_terms`` of a step of ``tokens`` packed tokens (ms; zeros at ep 1)."""
+        if self.expert is None:
+            return {k: 0.0 for k in ("ep_dispatch", "ep_combine", "ep_allreduce_replaced",
+                                     "ep_imbalance", "ep_total")}
+        return ep_terms(self.expert, self.c, tokens)
+
+    def _with_ep(self, seconds: float, tokens: float) -> float:
+        if self.expert is None:
+            return seconds
+        return seconds + ep_terms(self.expert, self.c, tokens)["ep_total"] * self.scale / 1000.0
+
+    def step_time(self, n_decode, decode_ctx_max, decode_ctx_sum, chunks) -> float:
+        """``FittedCostModel.step_time``, plus the EP terms when ``ep > 1``."""
+        t = super().step_time(n_decode, decode_ctx_max, decode_ctx_sum, chunks)
+        if self.expert is None:
+            return t
+        return self._with_ep(t, n_decode + sum(int(ch[0]) for ch in chunks))
+
+    def verify_time(self, n_decode, q, decode_ctx_max, decode_ctx_sum, chunks) -> float:
+        """``FittedCostModel.verify_time``, plus the EP terms when ``ep > 1``."""
+        t = super().verify_time(n_decode, q, decode_ctx_max, decode_ctx_sum, chunks)
+        if self.expert is None:
+            return t
+        return self._with_ep(t, n_decode * q + sum(int(ch[0]) for ch in chunks))
+
+    def decode_times(self, batch: int, ctx0: float, k: int) -> list:
+        """``FittedCostModel.decode_times``; with EP every step gains the batch's terms."""
+        out = super().decode_times(batch, ctx0, k)
+        if self.expert is None:
+            return out
+        add = ep_terms(self.expert, self.c, batch)["ep_total"] * self.scale / 1000.0
+        return [t + add for t in out]
+
+    @property
+    def min_step_s(self) -> float:
+        """``FittedCostModel.min_step_s``; with EP, the smaller of it and the one-token
+        steps with their EP terms (those can be negative: the replaced all-reduce)."""
+        m = super().min_step_s
+        if self.expert is None:
+            return m
+        return min(m, self._with_ep(m, 1.0))
+
+    def compiled_reason(self) -> Optional[str]:
+        """``FittedCostModel``'s, and EP: its terms are priced in Python only."""
+        if self.expert is not None:
+            return "expert parallelism (model.cost.ep > 1)"
+        return super().compiled_reason()
 
     @property
     def label(self) -> str:
@@ -148,6 +234,14 @@ class RooflineCostModel(FittedCostModel):
         b["compute"] = b["gemm_compute"] + b["prefill_attention"]
         b["memory"] = b["weights"] + b["elementwise"] + b["decode_attention"]
         b["communication"] = b["allreduce"] + b["pipeline_send"]
+        if self.expert is not None:
+            T = n_decode + sum(int(ch[0]) for ch in chunks)
+            e = ep_terms(self.expert, self.c, T)
+            b.update(e)
+            b["communication"] += e["ep_dispatch"] + e["ep_combine"] + e["ep_allreduce_replaced"]
+            b["compute"] += e["ep_imbalance"]
+            b["device"] += e["ep_total"]
+            b["ms"] += e["ep_total"] * self.scale
         b["overhead"] = b["floor"] + b["bookkeeping"] + max(0.0, b["host"] - b["device"])
         b["bound"] = ("host" if b["host"] > b["device"] else
                       max(("compute", "memory", "communication", "overhead"), key=b.__getitem__))
@@ -173,7 +267,7 @@ class RooflineCostModel(FittedCostModel):
             "kind": "roofline",
             "estimate": self.label,
             "model": self.arch.name, "gpu": self.spec.name, "tp": self.tp, "pp": self.pp,
-            "gpus": self.tp * self.pp,
+            "gpus": self.tp * self.pp, "ep": self.ep,
             "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype,
             "peaks": {"linear_tflops": peak, "linear_on": why,
                       "attention_tflops": self.spec.bf16_tflops,
@@ -214,7 +308,7 @@ def build_roofline(cfg: RooflineCostConfig, rng, base_dirs: Sequence[Path],
     return RooflineCostModel(model_arch(cfg.model, base_dirs), cfg.gpu, cfg.tp, cfg.pp,
                              weight_dtype=cfg.weight_dtype, kv_dtype=cfg.kv_dtype,
                              engine=cfg.engine(), profile=profile, profile_source=src,
-                             scale=cfg.scale)
+                             scale=cfg.scale, ep=cfg.ep, expert_imbalance=cfg.expert_imbalance)
 
 
 def model_arch(name: str, base_dirs: Sequence[Path] = ()) -> ModelArch:
