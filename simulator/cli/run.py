@@ -423,7 +423,7 @@ def _unfinished_text(counts: dict, max_sim_time_s) -> tuple[str, bool]:
                      "rejected) or the clock stopped before their turn")
     if counts["cancelled"]:
         parts.append(f"{counts['cancelled']:,} cancelled after their clients disconnected "
-                     "(stream.disconnect)")
+                     "(stream.disconnect) or stopped reading (stream.write_timeout_s)")
     # Traffic control did what the scenario asked: not a failure of the run.
     if counts.get("refused"):
         parts.append(f"{counts['refused']:,} refused by admission control "

@@ -142,6 +142,7 @@ STREAM_ROWS = (
     ("disconnects_signalled", "disconnects, signalled"),
     ("disconnects_unsignalled", "disconnects, silent"),
     ("disconnects_cancelled", "cancelled by the server"),
+    ("write_timeouts", "closed by the write timeout"),
     ("wasted_gpu_s_signalled", "GPU-s after signalled ones"),
     ("wasted_gpu_s_unsignalled", "GPU-s after silent ones"),
     ("wasted_cost_usd_unsignalled", "$ after silent ones"),
