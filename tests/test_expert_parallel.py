@@ -161,3 +161,15 @@ def test_planner_searches_ep_and_reports_it(tmp_path):
     import pandas as pd
     ev = pd.read_csv(tmp_path / "o" / "evaluations.csv")
     assert set(ev["model.cost.ep"]) == {1, 2}
+
+
+@pytest.mark.parametrize("model,tp", [("mixtral-8x7b", 8), ("qwen3-30b-a3b", 4)])
+def test_ep_steps_never_cost_less_for_more_work(model, tp):
+    """The cost-model contract (``cost.model``) with EP's terms: the replaced all-reduce
+    falls with the tokens, but it is one of the two the physics' step already grows by."""
+    m = RooflineCostModel(model, "h100-80gb", tp=tp, ep=tp)
+    dec = [m.step_time(n, 512, n * 512, []) for n in range(1, 600, 7)]
+    pre = [m.step_time(0, 0, 0, [(n, 0, True)]) for n in range(1, 16384, 97)]
+    assert all(b >= a for a, b in zip(dec, dec[1:]))
+    assert all(b >= a for a, b in zip(pre, pre[1:]))
+    assert min(dec + pre) >= m.min_step_s
