@@ -97,11 +97,15 @@ def _mc_imbalance(T, k, E, ep, trials, seed=0):
 
 
 @pytest.mark.parametrize("T,k,E,ep,tol", [(64, 2, 8, 4, 0.015), (256, 2, 8, 8, 0.01),
-                                          (128, 8, 128, 4, 0.01)])
+                                          (128, 8, 128, 4, 0.01), (1, 2, 8, 8, 1e-12),
+                                          (4, 8, 128, 8, 0.05)])
 def test_uniform_imbalance_against_monte_carlo(T, k, E, ep, tol):
     """The normal approximation with a fixed sum against 3,000 routed steps. Tolerance:
     the counts are discrete and skewed (the approximation's error shrinks as 1 / sqrt of
-    the copies per GPU, ~1% at 32 copies) plus the Monte Carlo's standard error (~0.1%)."""
+    the copies per GPU, ~1% at 32 copies) plus the Monte Carlo's standard error (~0.1%).
+    Small steps: one token to 2 of 8 experts on 8 GPUs is exact (the whole-copy bound,
+    4); 4 tokens to 8 of 128 on 8 GPUs (4 copies a GPU) within 5% (the normal law is
+    loose there: it is 2% low)."""
     mc = _mc_imbalance(T, k, E, ep, 3000)
     assert uniform_imbalance(T, k, E, ep) == pytest.approx(mc, rel=tol)
     assert uniform_imbalance(T, k, E, 1) == 1.0
@@ -168,7 +172,7 @@ def test_ep_steps_never_cost_less_for_more_work(model, tp):
     """The cost-model contract (``cost.model``) with EP's terms: the replaced all-reduce
     falls with the tokens, but it is one of the two the physics' step already grows by."""
     m = RooflineCostModel(model, "h100-80gb", tp=tp, ep=tp)
-    dec = [m.step_time(n, 512, n * 512, []) for n in range(1, 600, 7)]
+    dec = [m.step_time(n, 512, n * 512, []) for n in list(range(1, 40)) + list(range(40, 600, 7))]
     pre = [m.step_time(0, 0, 0, [(n, 0, True)]) for n in range(1, 16384, 97)]
     assert all(b >= a for a, b in zip(dec, dec[1:]))
     assert all(b >= a for a, b in zip(pre, pre[1:]))

@@ -92,14 +92,17 @@ def uniform_imbalance(tokens: float, top_k: int, experts: int, ep: int) -> float
     experts ``experts / ep`` to a GPU. One token's copies on a GPU are hypergeometric
     (mean ``k / ep``, variance ``k p (1 - p) (E - k) / (E - 1)``, ``p = 1 / ep``); over
     the tokens the counts are about normal with a fixed sum, so their maximum is the
-    mean plus ``σ sqrt(ep / (ep - 1)) E[max of ep standard normals]``."""
+    mean plus ``σ sqrt(ep / (ep - 1)) E[max of ep standard normals]``. Counts are
+    whole copies: the busiest GPU holds at least ``ceil(mean)`` (the bound that binds
+    in small decode steps, where the normal law is loose: one token routed to 2 of 8
+    experts on 8 GPUs gives exactly 4)."""
     if ep <= 1 or tokens <= 0:
         return 1.0
     p = 1.0 / ep
     mean = tokens * top_k * p
     var = tokens * top_k * p * (1.0 - p) * (experts - top_k) / (experts - 1.0)
     sd = math.sqrt(var * ep / (ep - 1.0))
-    return 1.0 + sd * expected_max_std_normal(ep) / mean
+    return max(1.0 + sd * expected_max_std_normal(ep) / mean, math.ceil(mean - 1e-9) / mean)
 
 
 @dataclass(frozen=True)
