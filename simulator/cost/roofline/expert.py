@@ -154,7 +154,7 @@ def ep_terms(x: ExpertParallel, c: np.ndarray, tokens: float) -> dict:
     replaced = -float(ar) / (c[ph.C_AR_PER_LAYER] * x.layers) * x.moe_layers
     balanced_ms = 2.0 * T * x.top_k * x.expert_params / ep / (x.gemm_tflops * 1e9)
     imb = (x.factor(T) - 1.0) * balanced_ms
-    out = {"ep_dispatch": dispatch, "ep_combine": combine,
-           "ep_allreduce_replaced": replaced, "ep_imbalance": imb}
+    out = {"ep_dispatch": float(dispatch), "ep_combine": float(combine),
+           "ep_allreduce_replaced": float(replaced), "ep_imbalance": float(imb)}
     out["ep_total"] = dispatch + combine + replaced + imb
     return out
