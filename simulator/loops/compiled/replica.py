@@ -44,28 +44,29 @@ def outstanding(r, now, RS, ENDS):
     return RS[r, S.R_OUT] - steps_ended(ENDS[r], RS[r, S.R_EPK], now) * RS[r, S.R_ND]
 
 
+@jit(inline=True)
+def _fifo_append(r, rid, RS, RQ, HEAD, TAIL, LEN):
+    """Append ``rid`` to replica ``r``'s FIFO threaded through ``RQ[:, Q_NEXT]``, whose
+    head, tail and length are the ``RS`` columns ``HEAD``, ``TAIL``, ``LEN``."""
+    RQ[rid, S.Q_NEXT] = -1
+    if RS[r, LEN]:
+        RQ[RS[r, TAIL], S.Q_NEXT] = rid
+    else:
+        RS[r, HEAD] = rid
+    RS[r, TAIL] = rid
+    RS[r, LEN] += 1
+
+
 @jit
 def swapped_append(r, rid, RS, RQ):
     """The swapped queue: ``deque.append``."""
-    RQ[rid, S.Q_NEXT] = -1
-    if RS[r, S.R_SLEN]:
-        RQ[RS[r, S.R_STAIL], S.Q_NEXT] = rid
-    else:
-        RS[r, S.R_SHEAD] = rid
-    RS[r, S.R_STAIL] = rid
-    RS[r, S.R_SLEN] += 1
+    _fifo_append(r, rid, RS, RQ, S.R_SHEAD, S.R_STAIL, S.R_SLEN)
 
 
 @jit
 def inbox_append(r, rid, RS, RQ):
     """Async scheduling's inbox: ``list.append``."""
-    RQ[rid, S.Q_NEXT] = -1
-    if RS[r, S.R_ILEN]:
-        RQ[RS[r, S.R_ITAIL], S.Q_NEXT] = rid
-    else:
-        RS[r, S.R_IHEAD] = rid
-    RS[r, S.R_ITAIL] = rid
-    RS[r, S.R_ILEN] += 1
+    _fifo_append(r, rid, RS, RQ, S.R_IHEAD, S.R_ITAIL, S.R_ILEN)
 
 
 @jit
