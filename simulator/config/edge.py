@@ -8,13 +8,14 @@ field (``load_scenario``).
 """
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from simulator.config.pluginfield import plugin
 from simulator.config.registry import COST_MODELS
-from simulator.config.strict import StrictModel
+from simulator.config.strict import StrictModel, checked_as
 
 
 class PopularityConfig(StrictModel):
@@ -78,13 +79,7 @@ class EdgeSpeculationConfig(StrictModel):
         None, description="the edge GPUs' engine section (policy, max_num_seqs, kv, ...): "
         "they run the engine loop, batching; null: one request at a time each")
 
-    @field_validator("engine")
-    @classmethod
-    def _engine(cls, v):
-        if v is not None:
-            from simulator.config.engine import EngineConfig
-            EngineConfig.model_validate(v)   # unknown keys and bad values fail at load time
-        return v
+    _engine = checked_as("engine", lambda: import_module("simulator.config.engine").EngineConfig)
 
     @model_validator(mode="after")
     def _model_named(self):

@@ -37,7 +37,7 @@ from simulator.config.engine import (EngineConfig, KVConfig, SpeculativeConfig,
 from simulator.config.edge import EdgeConfig
 from simulator.config.model import ModelConfig
 from simulator.config.presets import apply_presets
-from simulator.config.strict import StrictModel
+from simulator.config.strict import StrictModel, checked_as
 from simulator.config.yamlfile import MAX_SCENARIO_BYTES, apply_overrides, check_numbers, safe_yaml
 
 
@@ -215,12 +215,7 @@ class PolicyRun(StrictModel):
     edge: Optional[dict[str, Any]] = Field(None, description="edge sections to change for "
                                            "this run; null: no edge")
 
-    @field_validator("edge")
-    @classmethod
-    def _edge(cls, v):
-        if v is not None:
-            EdgeConfig.model_validate(v)
-        return v
+    _edge = checked_as("edge", EdgeConfig)
 
     def edge_of(self, base: "Scenario") -> Optional[EdgeConfig]:
         """This run's edge: the base scenario's with this entry's sections changed
@@ -230,29 +225,14 @@ class PolicyRun(StrictModel):
         old = base.edge.model_dump(exclude_unset=True) if base.edge is not None else {}
         return EdgeConfig.model_validate({**old, **self.edge})
 
-    @field_validator("speculative")
-    @classmethod
-    def _speculative(cls, v):
-        if v is not None:
-            SpeculativeConfig.model_validate(v)
-        return v
+    _speculative = checked_as("speculative", SpeculativeConfig)
 
     _spec = model_validator(mode="before")(classmethod(lambda cls, v: _policy_spec(v)))
     _known = field_validator("policy")(classmethod(lambda cls, v: check_policy_name(v)))
 
-    @field_validator("cluster")
-    @classmethod
-    def _cluster(cls, v):
-        if v is not None:
-            ClusterConfig.model_validate(v)   # unknown keys and bad values fail at load time
-        return v
+    _cluster = checked_as("cluster", ClusterConfig)
 
-    @field_validator("client")
-    @classmethod
-    def _client(cls, v):
-        if v is not None:
-            ClientConfig.model_validate(v)
-        return v
+    _client = checked_as("client", ClientConfig)
 
     def traffic_update(self, base: "Scenario") -> dict:
         """The ``cluster`` and ``client`` of this run: the base scenario's with this
@@ -276,12 +256,7 @@ class PolicyRun(StrictModel):
         _check_policy_params(self.policy, self.policy_params or {})
         return self
 
-    @field_validator("kv")
-    @classmethod
-    def _kv(cls, v):
-        if v is not None:
-            KVConfig.model_validate(v)   # unknown keys and bad values fail at load time
-        return v
+    _kv = checked_as("kv", KVConfig)
 
     @property
     def name(self) -> str:

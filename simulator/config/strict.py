@@ -5,7 +5,9 @@ from __future__ import annotations
 import types
 import typing
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from typing import Callable, Union
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 
 def _wants_number(annotation) -> bool:
@@ -40,3 +42,16 @@ class StrictModel(BaseModel):
                 if isinstance(v, bool) and _wants_number(f.annotation):
                     data = {**data, key: str(v).lower()}
         return data
+
+
+def checked_as(field: str, model: Union[type, Callable[[], type]]):
+    """A validator for a section kept as the mapping it was written as (a ``policies``
+    entry's partial section, merged into the scenario's later) but checked as ``model``
+    when the scenario is read, so unknown keys and bad values fail at load time.
+    ``model``: the config class, or a function returning it (to import it late)."""
+    def check(cls, v):
+        if v is not None:
+            m = model if isinstance(model, type) else model()
+            m.model_validate(v)
+        return v
+    return field_validator(field)(classmethod(check))
