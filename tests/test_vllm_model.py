@@ -168,6 +168,25 @@ def test_frontend_constants_are_the_cited_ones():
     assert none.request_s(10**6) == 0.0 and none.first_token_s(10**6) == 0.0
 
 
+def _newcomer_behind_three_decoders(newcomer_tokens: int):
+    """Three 5-token decoders from t=0 and a newcomer of ``newcomer_tokens`` at 25 ms,
+    front end with only its per-output cost (0.5 ms) and a 0.5 ms response side, zero
+    network: ``(loop, mode, recorder)`` for every executor (SimPy per request and
+    step-level, compiled, and the traffic driver: ``report.utilization`` drives the same
+    replicas through ``loops.traffic``)."""
+    fe = {"request_ms": 0.0, "tokenize_us_per_token": 0.0, "ipc_ms": 0.0,
+          "output_ms_per_token": 0.5}
+    wl = Workload(arrival_s=np.r_[np.zeros(3), 0.025], prompt_tokens=np.full(4, 16),
+                  output_tokens=np.r_[np.full(3, 5), newcomer_tokens],
+                  priority=np.zeros(4, int))
+    sc = make_scenario(engine=_engine(frontend=fe))
+    traffic = make_scenario(engine=_engine(frontend=fe), report={"utilization": True})
+    for sc, loop, mode in ((sc, "simpy", "slow"), (sc, "simpy", "auto"),
+                           (sc, "compiled", "auto"), (traffic, "simpy", "auto")):
+        yield loop, mode, simulate(sc, 0, workload=wl, profile=_const_decode_profile(),
+                                   loop=loop, mode=mode).rec
+
+
 def test_first_token_waits_for_the_steps_other_outputs_in_the_api_server():
     """vLLM's API server handles a step's outputs in the engine core's order, running
     requests first and the step's newly admitted ones last, one event loop for all: a
@@ -202,17 +221,7 @@ def test_decoders_ending_in_the_step_are_ahead_of_its_first_token_in_every_execu
     (``wire.frontend.first_token_wait_s``).
     Zero network, so delivery = token + the response side (0.5 ms) + the wait; 1e-12 s
     is the rounding of sums of ~0.04 s."""
-    fe = {"request_ms": 0.0, "tokenize_us_per_token": 0.0, "ipc_ms": 0.0,
-          "output_ms_per_token": 0.5}
-    wl = Workload(arrival_s=np.r_[np.zeros(3), 0.025], prompt_tokens=np.full(4, 16),
-                  output_tokens=np.r_[np.full(3, 5), 3], priority=np.zeros(4, int))
-    sc = make_scenario(engine=_engine(frontend=fe))
-    # report.utilization: the same replicas driven by the traffic driver (loops.traffic).
-    traffic = make_scenario(engine=_engine(frontend=fe), report={"utilization": True})
-    for sc, loop, mode in ((sc, "simpy", "slow"), (sc, "simpy", "auto"),
-                           (sc, "compiled", "auto"), (traffic, "simpy", "auto")):
-        rec = simulate(sc, 0, workload=wl, profile=_const_decode_profile(), loop=loop,
-                       mode=mode).rec
+    for loop, mode, rec in _newcomer_behind_three_decoders(3):
         assert rec.first_token[3] == rec.last_token[0] == rec.last_token[2]   # one step
         wait = float(rec.first_delivered[3] - rec.first_token[3]) - 0.5e-3
         assert wait == pytest.approx(3 * 0.5e-3, abs=1e-12), (loop, mode)
@@ -224,16 +233,7 @@ def test_a_one_token_answer_leaves_after_its_first_tokens_wait():
     byte left without the wait and TTFT exceeded E2E by 3 x 0.5 ms). Three 5-token
     decoders from t=0, a one-token newcomer at 25 ms whose token comes from the step
     that ends them; on every executor. 1e-12 s: rounding of sums of ~0.04 s."""
-    fe = {"request_ms": 0.0, "tokenize_us_per_token": 0.0, "ipc_ms": 0.0,
-          "output_ms_per_token": 0.5}
-    wl = Workload(arrival_s=np.r_[np.zeros(3), 0.025], prompt_tokens=np.full(4, 16),
-                  output_tokens=np.r_[np.full(3, 5), 1], priority=np.zeros(4, int))
-    sc = make_scenario(engine=_engine(frontend=fe))
-    traffic = make_scenario(engine=_engine(frontend=fe), report={"utilization": True})
-    for sc, loop, mode in ((sc, "simpy", "slow"), (sc, "simpy", "auto"),
-                           (sc, "compiled", "auto"), (traffic, "simpy", "auto")):
-        rec = simulate(sc, 0, workload=wl, profile=_const_decode_profile(), loop=loop,
-                       mode=mode).rec
+    for loop, mode, rec in _newcomer_behind_three_decoders(1):
         assert rec.first_token[3] == rec.last_token[3] == rec.last_token[0]
         wait = float(rec.first_delivered[3] - rec.first_token[3]) - 0.5e-3
         assert wait == pytest.approx(3 * 0.5e-3, abs=1e-12), (loop, mode)
