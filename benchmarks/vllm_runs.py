@@ -14,7 +14,8 @@ driven by inference-perf; provenance in that folder's README) is simulated with:
   (``simulator/workload/inference_perf.py``: the same prompts, repeats, arrival
   spacing and stages), prompt lengths scaled by the run's recorded mean ``prompt_len``
   (re-tokenised random text);
-- the client beside the server (one Kubernetes cluster: no distance, no TLS).
+- the client beside the server (one Kubernetes cluster: no distance, no TLS), opening a
+  connection per request as inference-perf did (``NETWORK``).
 
 It prints per run and per stage (where the run has stage files) real vs simulated
 mean, P90 and P99 of TTFT and E2E and the mean ITL, each on inference-perf's clock
@@ -54,8 +55,16 @@ ENGINE_PRESET = "preset" in EngineConfig.model_fields
 SHOWDOWN = ("mean_e2el_ms", "mean_ttft_ms", "mean_itl_ms")
 TAILS = ("p90_ttft_ms", "p99_ttft_ms", "p90_e2el_ms", "p99_e2el_ms")
 #: The client sits in the server's cluster (inference-perf's service URL, plain HTTP).
+#: inference-perf at 3b6f82a opens a new aiohttp ClientSession, with its own connector and
+#: resolver, for every request (``openai_client.py``; its PR #282 later shared sessions):
+#: so every request opens a connection (``connection_reuse: false``: the TCP handshake,
+#: one RTT), pays the software's set-up of it (``connect_ms``: 0.59-0.75 ms measured by
+#: ``benchmarks/frontend_floor.py`` with the same client and server stacks) and looks the
+#: service name up again (``dns_ms``: one round trip to the cluster's DNS service, taken
+#: as the cluster's base RTT).
 NETWORK = {"distance_km": 0.0, "base_rtt_ms": 0.2, "tls": "none", "gateway_ms": 0.0,
-           "clients": 224, "pool_size": 100}
+           "clients": 224, "pool_size": 100, "connection_reuse": False,
+           "connect_ms": 0.7, "dns_ms": 0.2}
 
 
 def explicit_engine(exp: dict) -> dict:

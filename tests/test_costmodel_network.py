@@ -208,6 +208,30 @@ def test_t_net_and_t_stream_in_a_run():
     assert (df2["tpot"] >= 0.1 - 1e-9).all()
 
 
+def test_connection_setup_software_and_name_lookup_are_paid_on_new_connections_only():
+    """``connect_ms`` and ``dns_ms`` add to a new connection's round trips (arithmetic:
+    T_net = handshake RTTs + connect + lookup + one way + gateway), and a request that
+    reuses a pooled connection pays none of them."""
+    base = {"distance_km": 0, "base_rtt_ms": 0.2, "tls": "none", "gateway_ms": 0.0,
+            "request_overhead_bytes": 0, "bytes_per_prompt_token": 0, "clients": 1,
+            "pool_size": 1}
+    wl = make_workload(4, rate=0.01, prompt=100, output=10)   # far apart: the pool is idle
+    one_way = 0.0001
+    fresh = make_scenario(network={**base, "connection_reuse": False, "connect_ms": 0.7,
+                                   "dns_ms": 0.2})
+    t = NetworkTiming.from_config(fresh.network)
+    assert t.handshake == pytest.approx(0.0002 + 0.0007 + 0.0002)   # TCP, set-up, lookup
+    df = requests_table(simulate(fresh, 0, workload=wl))
+    np.testing.assert_allclose(df["t_net"], 0.0002 + 0.0009 + one_way, rtol=1e-9)
+    pooled = make_scenario(network={**base, "connect_ms": 0.7, "dns_ms": 0.2})
+    df2 = requests_table(simulate(pooled, 0, workload=wl))
+    # The first request opens the pooled connection; the others reuse it.
+    np.testing.assert_allclose(df2["t_net"], [0.0011 + one_way] + [one_way] * 3, rtol=1e-9)
+    # Zero set-up is today's handshake exactly.
+    plain = make_scenario(network={**base, "connection_reuse": False})
+    assert NetworkTiming.from_config(plain.network).handshake == pytest.approx(0.0002)
+
+
 def test_noise_model_is_seeded_and_fitted_to_the_spread(refbench):
     rng = np.random.default_rng
     a = ProfileCostModel(refbench, noise=True, rng=rng(1))

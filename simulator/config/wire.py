@@ -87,6 +87,13 @@ class NetworkConfig(StrictModel):
         "0rtt none (after TCP's one)")
     connection_reuse: bool = Field(True, description="keep-alive: reuse a client's idle "
                                    "connections (false: a new one per request)")
+    connect_ms: float = Field(0.0, ge=0, le=MAX_WIRE_MS,
+                              description="software cost of opening a connection beyond the "
+                              "handshake's round trips: the client's connector, the socket "
+                              "connect, the server's accept (wire.network)")
+    dns_ms: float = Field(0.0, ge=0, le=MAX_WIRE_MS,
+                          description="a name lookup before each new connection (0: the "
+                          "client caches lookups)")
     clients: int = Field(64, ge=1, le=10_000_000,
                          description="distinct clients, each with its own pool")
     pool_size: int = Field(8, ge=1, le=100_000, description="keep-alive connections per client")

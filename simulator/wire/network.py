@@ -2,8 +2,10 @@
 
 RTT = ``base_rtt`` + 2 x distance / fibre speed (light in fibre ~200,000 km/s).
 A request on a new connection pays a TCP handshake (1 RTT) plus the TLS handshake
-(TLS 1.2: 2 RTT, TLS 1.3: 1 RTT, 0-RTT resumption: 0) before it can be sent; a
-request that finds an idle keep-alive connection in its client's pool pays none.
+(TLS 1.2: 2 RTT, TLS 1.3: 1 RTT, 0-RTT resumption: 0) before it can be sent, and the
+software's own cost of opening it (``connect_ms``: the client's connector, the socket
+connect, the server's accept; ``dns_ms``: a name lookup, for a client that caches none);
+a request that finds an idle keep-alive connection in its client's pool pays none of it.
 Then it travels one way (RTT/2), is uploaded at the client's uplink bandwidth,
 and crosses the gateway. That total is ``T_net``.
 
@@ -51,7 +53,7 @@ class NetworkTiming:
     """Fixed timings derived from the network config (seconds)."""
 
     rtt: float
-    handshake: float       # TCP + TLS on a new connection
+    handshake: float       # TCP + TLS round trips and set-up on a new connection
     gateway: float
     uplink_bps: float
     overhead_bytes: int
@@ -66,7 +68,8 @@ class NetworkTiming:
         dist = cfg.distance_km if distance_km is None else distance_km
         rtt = cfg.base_rtt_ms / 1000.0 + 2.0 * dist / cfg.fibre_km_per_s
         tls = TLS_RTTS[cfg.tls]
-        return cls(rtt=rtt, handshake=(1 + tls) * rtt, gateway=cfg.gateway_ms / 1000.0,
+        setup = (cfg.connect_ms + cfg.dns_ms) / 1000.0
+        return cls(rtt=rtt, handshake=(1 + tls) * rtt + setup, gateway=cfg.gateway_ms / 1000.0,
                    uplink_bps=cfg.uplink_mbps * 1e6, overhead_bytes=cfg.request_overhead_bytes,
                    bytes_per_token=cfg.bytes_per_prompt_token,
                    frontend=frontend if frontend is not None else FrontendTiming())
