@@ -14,6 +14,19 @@ from simulator.config.strict import StrictModel
 from simulator.wire.frontend import FrontendConfig
 
 
+class OffloadConfig(StrictModel):
+    """``engine.kv.offload``: a CPU-memory tier under the prefix cache (vLLM's offloading
+    KV connector, ``--kv-offloading-size``; LMCache's CPU backend): computed prompt blocks
+    are copied there (LRU), and a prefix found there and not on the GPU is loaded back
+    over PCIe instead of recomputed (the rules: ``simulator.model.kv.offload``)."""
+
+    cpu_gb: float = Field(ge=0, description="CPU memory for offloaded KV, per replica (all "
+                          "its GPUs together, as vLLM's --kv-offloading-size); 0: a tier "
+                          "that holds nothing")
+    pcie_gb_per_s: float = Field(25.0, gt=0, description="host-to-device copy rate of one "
+                                 "GPU's link (PCIe 4.0 x16 ~25, 5.0 x16 ~50 effective)")
+
+
 class KVConfig(StrictModel):
     """KV cache: capacity from GPU memory (or an explicit block count), allocation,
     preemption under memory pressure, and prefix caching (see ``simulator.model.kv.space``)."""
@@ -39,9 +52,18 @@ class KVConfig(StrictModel):
     swap_gb_per_s: float = Field(25.0, gt=0, description="GPU<->CPU copy bandwidth (PCIe)")
     prefix_caching: bool = Field(False, description="reuse cached blocks of a shared "
                                  "prompt prefix (block hashes, LRU of unreferenced blocks)")
+    offload: Optional[OffloadConfig] = Field(None, description="a CPU tier under the "
+                                             "prefix cache (turns prefix_caching on)")
 
     @model_validator(mode="after")
     def _coherent(self):
+        if self.offload is not None:
+            # The CPU tier holds prefix-cached blocks: offload turns prefix caching on
+            # (vLLM's offloading connector works under its prefix cache).
+            if "prefix_caching" in self.model_fields_set and not self.prefix_caching:
+                raise ValueError("offload needs prefix_caching: true (the CPU tier holds "
+                                 "prefix-cached blocks)")
+            self.prefix_caching = True
         if self.prefix_caching and self.allocation == "contiguous":
             raise ValueError("prefix_caching needs allocation: paged (contiguous "
                              "reservations are private to a request)")

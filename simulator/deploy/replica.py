@@ -54,6 +54,15 @@ def replica_kv_args(scenario) -> dict:
     args = {"kv_rules": KVRules.from_config(kv), "block_bytes": block_bytes,
             "swap_blocks": int(kv.swap_space_gb * 1e9 // block_bytes),
             "swap_bps": kv.swap_gb_per_s * 1e9}
+    if kv.offload is not None:
+        # A CPU tier (``model.kv.offload``): its blocks are whole ones (``cpu_gb`` is the
+        # replica's); a load copies each GPU's slice over its own link, like a swap.
+        from dataclasses import replace
+        from simulator.model.kv.offload import tier_blocks
+        whole = kv_bytes_per_token(scenario) * kv.block_size
+        args["kv_rules"] = replace(args["kv_rules"],
+                                   offload_blocks=tier_blocks(kv.offload.cpu_gb * 1e9, whole))
+        args["offload_bps"] = kv.offload.pcie_gb_per_s * 1e9
     if scenario.engine.async_scheduling:
         args["async_sched"] = True   # (``model.scheduling.asyncsched``)
     return args

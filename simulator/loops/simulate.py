@@ -130,6 +130,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
     net, stream, topo, pools, clients, rich = _connections(scenario, workload, rng_net)
     kv_args = replica_kv_args(scenario)
     keys_of = WorkloadKeys(workload, bs) if kv_args["kv_rules"].prefix_caching else None
+    if kv_args["kv_rules"].offload_blocks is not None:
+        rec.track_offload()           # a CPU tier (``model.kv.offload``)
     costs = _cost_models(scenario, cost_model, profile, base_dir, rng_cost)
     spec = None
     if eng.speculative is not None:

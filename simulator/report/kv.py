@@ -8,6 +8,11 @@ prefix-cache hits and what they saved.
   found cached (the longest leading run). *Token hit ratio*: prompt tokens whose
   prefill a hit skipped, over prompt tokens admitted (at least one token of a
   prompt is always recomputed, so it is a little lower).
+- *CPU tier* (``engine.kv.offload``, ``model.kv.offload``): of the same looked-up
+  blocks, the share found in the CPU tier after the GPU's run (``cpu_block_hit_ratio``;
+  the two ratios and the misses add up to 1), the GB loaded back over PCIe and copied
+  out to the tier, and the step time the loads took (loaded blocks x one GPU's slice of
+  a block / the link's rate: the GPUs of a replica load in parallel).
 - *Memory saved*: block references beyond the first on shared blocks, i.e. the
   blocks an engine without prefix sharing would have held on top, in GB.
 - *Prefill time saved*: per request with a hit, the cost model's time to prefill
@@ -30,7 +35,7 @@ def kv_run_stats(stats, cost, rec, workload, chunk: int) -> dict:
     """Tallies of the replicas' block managers (their ``KVStats``) and the prefill
     time hits saved."""
     keys = ("queried_blocks", "hit_blocks", "queried_tokens", "cached_tokens", "evictions",
-            "admissions")
+            "admissions", "cpu_hit_blocks", "loaded_blocks", "stored_blocks", "cpu_evictions")
     out = {k: sum(getattr(st, k) for st in stats) for k in keys}
     out["swap_copy_s"] = float(rec.swap_copy_s)
     out["prefill_s_saved"] = _prefill_saved(cost, rec, chunk)
@@ -110,6 +115,29 @@ def kv_summary(res, df) -> dict:
         "mean_memory_saved_gb": sum(saved_mean) * block_gb if saved_mean else 0.0,
         "peak_memory_saved_gb": sum(saved_peak) * block_gb if saved_peak else 0.0,
         "prefill_s_saved": st.get("prefill_s_saved", 0.0),
+        **_offload_summary(sc, st, block_gb),
+    }
+
+
+def _offload_summary(sc, st: dict, block_gb: float) -> dict:
+    """The CPU tier's part of the ``kv`` section (see module doc); {} without one."""
+    off = sc.engine.kv.offload
+    if off is None:
+        return {}
+    from simulator.deploy.replica import kv_bytes_per_token
+    from simulator.model.kv.offload import load_time
+    qb, loaded = st.get("queried_blocks", 0), st.get("loaded_blocks", 0)
+    slice_bytes = kv_bytes_per_token(sc, per_gpu=True) * sc.engine.kv.block_size
+    return {
+        "offload_cpu_gb": off.cpu_gb,
+        "gpu_block_hit_ratio": st.get("hit_blocks", 0) / qb if qb else float("nan"),
+        "cpu_block_hit_ratio": st.get("cpu_hit_blocks", 0) / qb if qb else float("nan"),
+        "cpu_hit_blocks": st.get("cpu_hit_blocks", 0),
+        "loaded_blocks": loaded,
+        "loaded_gb": loaded * block_gb,
+        "stored_gb": st.get("stored_blocks", 0) * block_gb,
+        "cpu_evictions": st.get("cpu_evictions", 0),
+        "offload_load_s": float(load_time(loaded, slice_bytes, off.pcie_gb_per_s * 1e9)[1]),
     }
 
 
@@ -149,6 +177,10 @@ def kv_table(outs: dict) -> Table:
             ("P99 time preempted ms", "p99_preempted_ms", ",.1f"),
             ("prefix block hit ratio", "block_hit_ratio", ".1%"),
             ("prefix token hit ratio", "token_hit_ratio", ".1%"),
+            ("CPU tier block hit ratio", "cpu_block_hit_ratio", ".1%"),
+            ("GB loaded from CPU tier", "loaded_gb", ".2f"),
+            ("GB copied to CPU tier", "stored_gb", ".2f"),
+            ("CPU tier load s", "offload_load_s", ".3f"),
             ("mean memory saved GB", "mean_memory_saved_gb", ".2f"),
             ("prefill s saved", "prefill_s_saved", ",.2f")]
     for label, key, spec in rows:

@@ -72,6 +72,11 @@ def requests_table(res) -> pd.DataFrame:
         with np.errstate(invalid="ignore", divide="ignore"):
             df["tokens_per_step"] = np.where(rec.spec_steps > 0, rec.spec_tokens
                                              / np.maximum(rec.spec_steps, 1), np.nan)
+    if rec.kv_load_s is not None:
+        # A CPU tier (``model.kv.offload``): prompt tokens loaded from it (their prefill
+        # skipped, counted in ``cached_tokens`` too) and the part of t_prefill the copy took.
+        df["loaded_tokens"] = rec.loaded_tokens
+        df["kv_load_s"] = rec.kv_load_s
     # Disaggregated serving: the parts of t_decode spent waiting to be taken in by a
     # decode replica and moving the KV there, the bytes moved, and which replica.
     for name in rec.disagg_columns:

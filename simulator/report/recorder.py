@@ -161,6 +161,10 @@ class Recorder:
         # Disaggregated serving (``cluster.disagg``): the names of per-request arrays set
         # as attributes at the end of the run (``set_disagg``); empty otherwise.
         self.disagg_columns: tuple = ()
+        # A CPU tier under the prefix cache (``track_offload``): prompt tokens each request
+        # loaded from it and the step time the loads took (s); None when off.
+        self.loaded_tokens = None
+        self.kv_load_s = None
         self.swap_copy_s = 0.0     # step time spent copying KV to and from CPU
         self.steps = 0
         self.step_time_total = 0.0
@@ -169,6 +173,11 @@ class Recorder:
         """Record per request the speculative verify steps and their tokens."""
         self.spec_steps = np.zeros(self.n, dtype=np.int64)
         self.spec_tokens = np.zeros(self.n, dtype=np.int64)
+
+    def track_offload(self) -> None:
+        """Record per request what it loaded from the CPU tier (``model.kv.offload``)."""
+        self.loaded_tokens = np.zeros(self.n, dtype=np.int64)
+        self.kv_load_s = np.zeros(self.n, dtype=np.float64)
 
     def set_disagg(self, columns: dict) -> None:
         """Per-request columns of disaggregated serving (``Disaggregation.columns``), kept

@@ -92,6 +92,8 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         return "speculative decoding (engine.speculative)"
     if cost_given:
         return "a cost model passed in"
+    if getattr(rules, "offload_blocks", None) is not None:
+        return "KV offload to a CPU tier (engine.kv.offload)"
     if policy_ids(policy) is None:
         from simulator.model.scheduling.queues import heads_suffice
         if not heads_suffice(policy):   # e.g. sjf: prompts do not follow arrival order

@@ -45,6 +45,7 @@ import simpy
 
 from simulator.cost.decodectx import epoch_context, tick_contexts
 from simulator.kernel import python_of
+from simulator.model.kv.offload import load_time
 from simulator.model.kv.space import KVRules, KVSpace
 from simulator.loops.simpy.apply import ReplicaApply
 from simulator.loops.simpy.handoff import ReplicaHandoff
@@ -61,6 +62,7 @@ _may_start, _epoch_length, _arrival_interrupts, _fits_now, _tick_contexts, _admi
     python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts, E.fits_now,
                            tick_contexts, admission_times))
 _sees = python_of(sees)
+_load_time = python_of(load_time)
 
 
 class SimSeq(Seq):
@@ -105,7 +107,9 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
     steps verify drafts and emit a drawn number of tokens per sequence; the replica
     then keeps the per-request bookkeeping, whatever ``mode`` says). ``async_sched``:
     the engine plans each step while the previous one runs (``asyncsched``): a new
-    arrival waits in an inbox until a decision sees it, and epochs are off."""
+    arrival waits in an inbox until a decision sees it, and epochs are off.
+    ``offload_bps``: the link a CPU tier's loads take (``kv_rules.offload_blocks``; the
+    rules: ``model.kv.offload``): a load lengthens the step that admits the request."""
 
     def queued(self) -> list:
         """Every request held here that no step has admitted yet: the waiting queue,
@@ -122,7 +126,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                  series_interval: float = 0.0, mode: str = "auto",
                  kv_rules: Optional[KVRules] = None, block_bytes: float = 0.0,
                  swap_blocks: int = 0, swap_bps: float = 25e9, streams: bool = False,
-                 speculative=None, async_sched: bool = False) -> None:
+                 speculative=None, async_sched: bool = False,
+                 offload_bps: float = 0.0) -> None:
         self.env = env
         self.index = index
         self.policy = policy
@@ -136,6 +141,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self.swapped: deque[SimSeq] = deque()
         self._cancels: list[SimSeq] = []
         self._copy_s = 0.0
+        self.offload_bps = offload_bps
+        self._load_s = 0.0     # this step's loads from the CPU tier (``model.kv.offload``)
         self.rec = rec
         self.trace = getattr(rec, "trace", None)   # a ``report.decisions`` trace, or None
         self.frame_time = frame_time
@@ -271,6 +278,7 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 continue
             now = env.now
             self._copy_s = 0.0
+            self._load_s = 0.0
             # Running requests first: their growth may preempt; then swapped ones come
             # back; new admissions only in a step that did neither (vLLM's order).
             hold = self._make_room(now)
@@ -370,6 +378,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                     dt = self.spec.step_time(cost, nd, ctx_max, ctx_sum, chunks) + self._copy_s
                 else:
                     dt = cost.step_time(nd, ctx_max, ctx_sum, chunks) + self._copy_s
+                if self._load_s:
+                    dt += self._load_s     # the admissions' KV loaded first
                 rec.steps += 1
                 rec.step_time_total += dt
                 rec.swap_copy_s += self._copy_s
@@ -427,6 +437,14 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 rec.preempted_s[rid] += waited
                 # Dropped KV that a re-admission's prefix hit recovers is not recomputed.
                 rec.recomputed_tokens[rid] -= recovered
+            loaded = self.kv.manager.loaded
+            if loaded:
+                # Its KV from the CPU tier: copied before the step's forward pass.
+                secs = _load_time(loaded, self.block_bytes, self.offload_bps)[1]
+                self._load_s += secs
+                if rec.kv_load_s is not None:
+                    rec.loaded_tokens[rid] += loaded * self.kv.bs
+                    rec.kv_load_s[rid] += secs
             seq.where = "p"
             self.prefilling.append(seq)
 

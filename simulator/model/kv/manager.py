@@ -26,6 +26,11 @@ frees its blocks they join the LRU tail-first (its last block is evicted first),
 as vLLM does, because a later request is likelier to share the beginning of a
 prompt than its end.
 
+**CPU tier** (``PrefixKV(cpu_blocks=...)``, ``engine.kv.offload``): computed prompt
+blocks are also copied to a CPU-memory tier with its own LRU, and an admission whose
+leading run goes on there loads those blocks instead of recomputing them (the rules:
+``offload``). ``loaded`` says how many blocks the last ``allocate`` loaded.
+
 ``CountingKV`` is the same accounting without block ids: what the simulator uses
 when prefix caching is off (it needs only counts, and a request of 1,000 tokens
 then costs O(1) instead of O(blocks)).
@@ -36,6 +41,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from simulator.model.kv import offload as off
 from simulator.model.kv import prefixcache as pc
 from simulator.model.kv.blocks import DEFAULT_BLOCK_SIZE, blocks_for
 
@@ -56,7 +62,8 @@ class KVStats:
     """Counters every manager keeps (prefix-cache ones stay 0 without caching)."""
 
     __slots__ = ("queried_blocks", "hit_blocks", "queried_tokens", "cached_tokens",
-                 "evictions", "admissions")
+                 "evictions", "admissions", "cpu_hit_blocks", "loaded_blocks",
+                 "stored_blocks", "cpu_evictions")
 
     def __init__(self) -> None:
         self.queried_blocks = 0   # full prompt blocks looked up at admission
@@ -65,6 +72,13 @@ class KVStats:
         self.cached_tokens = 0    # prompt tokens whose prefill a hit skipped
         self.evictions = 0        # cached blocks dropped to make room
         self.admissions = 0
+        # The CPU tier (``offload``; 0 without one): blocks found there after the GPU's
+        # run (``cached_tokens`` counts only the GPU's), loaded from it, copied to it,
+        # dropped from it.
+        self.cpu_hit_blocks = 0
+        self.loaded_blocks = 0
+        self.stored_blocks = 0
+        self.cpu_evictions = 0
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -74,6 +88,7 @@ class CountingKV:
     """Paged/contiguous block accounting by counts only (no ids, no prefix cache)."""
 
     prefix_caching = False
+    loaded = 0          # no CPU tier: nothing is ever loaded
 
     def __init__(self, capacity: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.capacity, self.block_size = _checked(capacity, block_size)
@@ -155,10 +170,17 @@ class PrefixKV:
     """
 
     def __init__(self, capacity: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, cpu_blocks: Optional[int] = None) -> None:
         self.capacity, self.block_size = _checked(capacity, block_size)
         self.prefix_caching = bool(prefix_caching)
         self.pool = pc.new_pool(self.capacity, self.prefix_caching)
+        # The CPU tier (``offload``: its pool and counters), or None.
+        self.tier = None
+        if cpu_blocks is not None:
+            if not self.prefix_caching:
+                raise ValueError("a CPU tier needs prefix caching")
+            self.tier = off.new_tier(cpu_blocks)
+        self.loaded = 0
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # rid -> (row, keys)
         self._intern: dict = {}
 
@@ -207,7 +229,12 @@ class PrefixKV:
 
     @property
     def stats(self) -> KVStats:
-        return pool_stats(self.pool)
+        st = pool_stats(self.pool)
+        if self.tier is not None:
+            n = self.tier[1]
+            st.cpu_hit_blocks, st.loaded_blocks = int(n[off.C_HITS]), int(n[off.C_LOADED])
+            st.stored_blocks, st.cpu_evictions = int(n[off.C_STORED]), int(n[off.C_EVICTED])
+        return st
 
     def holds(self, rid: int) -> bool:
         return rid in self._tables
@@ -226,6 +253,10 @@ class PrefixKV:
     def admission(self, tokens: int, keys: Optional[Sequence] = None) -> tuple[int, int]:
         """``(cached_tokens, blocks taken from the free pool)`` if admitted now: the
         new blocks plus the hit blocks that are evictable (they leave the free pool)."""
+        if self.tier is not None:
+            cached, need, _ = off.price(self.pool, self.tier[0], self._ids(keys), tokens,
+                                        self.block_size)
+            return int(cached), int(need)
         _, h, need = pc.price(self.pool, self._ids(keys), tokens, self.block_size)
         return h * self.block_size, need
 
@@ -238,7 +269,12 @@ class PrefixKV:
             raise ValueError(f"request {rid} already holds blocks")
         ids = self._ids(keys)
         row = pc.new_table()
-        cached = pc.allocate(self.pool, row, ids, tokens, self.block_size)
+        if self.tier is None:
+            cached = pc.allocate(self.pool, row, ids, tokens, self.block_size)
+        else:
+            cached, loaded = off.allocate(self.pool, row, *self.tier, ids, tokens,
+                                          self.block_size)
+            self.loaded = int(loaded)
         if cached < 0:
             need = pc.price(self.pool, ids, tokens, self.block_size)[2]
             raise MemoryError(f"KV cache full: request {rid} needs {need} blocks, "
@@ -262,8 +298,12 @@ class PrefixKV:
         block is left there (the duplicate block stays private and unnamed)."""
         if not self.prefix_caching or keys is None or not len(keys):
             return
-        pc.register(self.pool, self._tables[rid][0], self._ids(keys), computed_tokens,
-                    self.block_size)
+        row, ids = self._tables[rid][0], self._ids(keys)
+        lo = int(row[pc.T_REG])
+        pc.register(self.pool, row, ids, computed_tokens, self.block_size)
+        if self.tier is not None and row[pc.T_REG] > lo:
+            # Write-through: the blocks just computed go to the CPU tier (``offload``).
+            off.store_run(*self.tier, ids, lo, int(row[pc.T_REG]))
 
     def free(self, rid: int) -> int:
         """Release ``rid``'s blocks; cached ones become evictable, last block first."""
@@ -312,9 +352,12 @@ def pool_stats(p: np.ndarray) -> KVStats:
 
 
 def make_kv_manager(capacity: int, block_size: int = DEFAULT_BLOCK_SIZE, *,
-                    prefix_caching: bool = False, track_ids: bool = False):
+                    prefix_caching: bool = False, track_ids: bool = False,
+                    cpu_blocks: Optional[int] = None):
     """The cheapest manager that supports what is asked: ids are needed for prefix
-    caching and by the real engine; counts suffice otherwise."""
+    caching and by the real engine; counts suffice otherwise. ``cpu_blocks``: a CPU
+    tier of that many blocks under the prefix cache (None: none)."""
     if prefix_caching or track_ids:
-        return PrefixKV(capacity, block_size, prefix_caching=prefix_caching)
+        return PrefixKV(capacity, block_size, prefix_caching=prefix_caching,
+                        cpu_blocks=cpu_blocks if prefix_caching else None)
     return CountingKV(capacity, block_size)

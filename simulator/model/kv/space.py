@@ -47,6 +47,7 @@ class KVRules:
     victim: str = "priority"           # priority | latest
     prefix_caching: bool = False
     lookahead: int = 0                 # speculative decoding: draft tokens a step verifies
+    offload_blocks: Optional[int] = None   # a CPU tier of this many blocks (``offload``)
 
     @classmethod
     def from_config(cls, kv) -> "KVRules":
@@ -84,7 +85,7 @@ class KVSpace:
         self.paged = rules.allocation == "paged"
         self.manager = make_kv_manager(capacity_blocks, rules.block_size,
                                        prefix_caching=rules.prefix_caching and self.paged,
-                                       track_ids=track_ids)
+                                       track_ids=track_ids, cpu_blocks=rules.offload_blocks)
         self.capacity = capacity_blocks
         self.watermark_blocks = kvr.watermark_blocks(float(rules.watermark), capacity_blocks)
         self.max_len = -1 if rules.max_model_len is None else rules.max_model_len
