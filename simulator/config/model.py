@@ -163,7 +163,7 @@ class ModelConfig(StrictModel):
         try:
             formats = cost.model_formats(arch)
         except LatsimError as e:
-            which = next((f for f in ("pp", "ep") if f"'{f}'" in str(e)), "tp")
+            which = next((f for f in ("pp", "ep", "dp") if f"'{f}'" in str(e)), "tp")
             raise _field_error(f"cost.{which}", _bare(e), getattr(cost, which)) from None
         fixed = formats is not None     # the cost model's formats, not the shape's
         kv_bytes, w_bytes = formats if fixed else (2.0, None)

@@ -7,7 +7,8 @@ the two mixins their ``model.cost`` configs inherit (the ``CostModel`` interface
   block bytes. The replica's GPUs are ``cluster.gpus_per_replica``.
 - ``CatalogSized`` (``roofline``): the model is the catalogue's architecture on ``tp x
   pp`` of its GPU type; KV blocks are what ``catalog.plan_memory`` leaves after the
-  weights, activations and overhead; the replica takes ``tp x pp`` GPUs.
+  weights, activations and overhead; the replica takes ``tp x pp`` GPUs (``tp x pp x
+  dp`` with ``dp`` data-parallel attention ranks, each caching its own requests' KV).
 
 Given ``engine.kv.num_blocks`` are refused when more than that room holds (with a
 catalogue model, or with ``gpu_memory_gb`` given too): a cache the GPU cannot hold is
@@ -119,7 +120,11 @@ class CatalogSized:
         return None
 
     def gpus_per_replica(self) -> Optional[int]:
-        return self.tp * self.pp
+        return self.tp * self.pp * self._dp()
+
+    def _dp(self) -> int:
+        # Data-parallel attention ranks (``roofline``'s ``dp``; 1 for a config without).
+        return int(getattr(self, "dp", 1))
 
     def hardware(self) -> Optional[tuple]:
         return self.gpu, int(self.tp)
@@ -173,18 +178,21 @@ class CatalogSized:
                 kv_dtype=self.kv_dtype, gpu_memory_utilization=kv.gpu_memory_utilization,
                 block_size=kv.block_size, max_num_batched_tokens=eng.max_num_batched_tokens,
                 max_num_seqs=eng.max_num_seqs, max_model_len=kv.max_model_len,
-                require_fit=require_fit)
+                require_fit=require_fit, dp=self._dp())
         except LatsimError as e:
             raise LatsimError(str(e), field="model.cost") from None
 
     def settle_gpus(self, cluster) -> None:
-        """``cluster.gpus_per_replica``: tp x pp (set when left out, a one-line error when
-        it says otherwise)."""
-        n = self.tp * self.pp
+        """``cluster.gpus_per_replica``: tp x pp x dp (set when left out, a one-line error
+        when it says otherwise)."""
+        n = self.gpus_per_replica()
         if "gpus_per_replica" not in cluster.model_fields_set:
             cluster.gpus_per_replica = n
         elif cluster.gpus_per_replica != n:
-            raise LatsimError(f"must equal model.cost tp x pp = {self.tp} x {self.pp} = {n}",
+            names, dims = "tp x pp", f"{self.tp} x {self.pp}"
+            if self._dp() > 1:
+                names, dims = names + " x dp", dims + f" x {self._dp()}"
+            raise LatsimError(f"must equal model.cost {names} = {dims} = {n}",
                               field="cluster.gpus_per_replica",
                               value=cluster.gpus_per_replica, has_value=True)
 
@@ -219,7 +227,7 @@ class CatalogSized:
         return ReplicaMemory(plan.weight_bytes_per_gpu * plan.num_gpus,
                              self.kv_bytes_per_token(scenario),
                              self.kv_bytes_per_token(scenario, per_gpu=True),
-                             self.tp * self.pp, blocks)
+                             self.gpus_per_replica(), blocks)
 
     def fit_reason(self, scenario) -> Optional[str]:
         if scenario.engine.kv.num_blocks is not None:
@@ -235,7 +243,8 @@ class CatalogSized:
         tokens = blocks * kv.block_size
         plan = self.memory_plan(scenario, require_fit=False)
         gib = 2.0 ** 30
-        per_gpu = tokens * plan.kv_bytes_per_token_per_gpu / gib
+        # Each GPU caches its DP rank's share of the tokens.
+        per_gpu = tokens / plan.dp * plan.kv_bytes_per_token_per_gpu / gib
         head = (f"{tokens // kv.block_size:,} blocks x {kv.block_size} tokens = {tokens:,} "
                 f"tokens, {per_gpu:.1f} GiB on each of {plan.num_gpus} GPU(s)")
         if kv.num_blocks is not None:
@@ -247,5 +256,6 @@ class CatalogSized:
                    f"{plan.activation_bytes / gib:.1f} GiB activations - "
                    f"{plan.overhead_bytes / gib:.1f} GiB overhead per GPU; "
                    f"{plan.kv_bytes_per_token_per_gpu:,.0f} B/token per GPU, "
-                   f"TP{plan.tp} PP{plan.pp})")
+                   f"TP{plan.tp} PP{plan.pp}"
+                   f"{f' DP{plan.dp}: {plan.dp} ranks, each its own requests' if plan.dp > 1 else ''})")
         return f"KV cache per replica: {src}; {_kv_tail(kv)}"

@@ -55,7 +55,8 @@ REPLICAS = "cluster.replicas"
 GPU = "model.cost.gpu"
 COMPLETED = "completed"
 # Axis names the planner resolves itself (on top of sweep's shorthands).
-PLAN_SHORTHANDS = {"tp": "model.cost.tp", "pp": "model.cost.pp", "ep": "model.cost.ep", "gpu": GPU}
+PLAN_SHORTHANDS = {"tp": "model.cost.tp", "pp": "model.cost.pp", "ep": "model.cost.ep",
+                   "dp": "model.cost.dp", "gpu": GPU}
 def scale_rate(data: dict, scenario, mult: float) -> dict:
     """A copy of the scenario mapping with its workload's arrival rate multiplied by ``mult``."""
     out = copy.deepcopy(data)
@@ -295,7 +296,7 @@ class Planner:
             sc = validate_scenario(data, source=where, base_dir=self.base_dir)
         except LatsimError as e:
             if _hardware_fields(cost.get("kind")) and any(
-                    f"'model.cost.{k}'" in str(e) for k in ("tp", "pp", "ep")):
+                    f"'model.cost.{k}'" in str(e) for k in ("tp", "pp", "ep", "dp")):
                 return str(e).split(": ", 1)[-1]
             raise
         return sc.model.cost.fit_reason(sc)

@@ -30,6 +30,14 @@ A replica runs one model on ``tp x pp`` GPUs. What each GPU holds:
   divided by the bytes one token's K and V take on this GPU (its stage's layers, its
   KV heads, ``kv_dtype``), rounded down to whole blocks. Every GPU of the replica holds
   a slice of every cached token, so that token count is the replica's KV capacity.
+* **Data-parallel attention** (``dp`` ranks, vLLM's ``--data-parallel-size`` with
+  expert parallelism over ``tp x dp`` GPUs): the replica is ``dp`` TP groups. Each
+  holds attention, any dense MLP, the embedding and the LM head as above (replicated
+  across the ranks) and ``experts / (tp x dp)`` whole experts per GPU, reserves for its
+  own share of the batch (``max_num_batched_tokens / dp`` and ``max_num_seqs / dp``,
+  rounded up: latsim's engine limits are the replica's, one scheduler's) and caches the
+  KV of its own requests only, so the replica's KV capacity is ``dp`` times one rank's
+  (a request's whole context, ``max_model_len``, must fit in one rank's).
 """
 from __future__ import annotations
 
@@ -96,30 +104,41 @@ def kv_replication(arch: ModelArch, tp: int) -> int:
     return max(1, tp // arch.kv_heads)
 
 
-def _layer_bytes_per_gpu(arch: ModelArch, tp: int, wf: WeightFormat) -> float:
-    """One transformer block's weights on one GPU of a TP group, in bytes."""
+def _layer_bytes_per_gpu(arch: ModelArch, tp: int, wf: WeightFormat, dp: int = 1) -> float:
+    """One transformer block's weights on one GPU of a TP group, in bytes; with ``dp``
+    data-parallel attention ranks a mixture's experts are spread whole over the ``tp x
+    dp`` GPUs of its EP group (``experts / (tp x dp)`` of them, biases and all) while
+    attention and any dense MLP stay one TP group's share."""
     kvh = kv_heads_per_gpu(arch, tp)
     hd, h = arch.head_dim, arch.hidden
     # A mixture's dense layers (if any) hold a dense MLP in place of the experts: the
     # average block, times the stage's layers.
+    mlp = arch.mlp_linear_weights()
+    if dp > 1:
+        experts = arch.moe_layers * arch.experts * arch.expert_linear_weights()
+        mlp = mlp - experts + experts / dp
     linear = (h * arch.q_dim / tp + 2 * h * kvh * hd + arch.q_dim / tp * h
-              + arch.mlp_linear_weights() / arch.layers / tp)
+              + mlp / arch.layers / tp)
     small = (arch.router_weights() * arch.moe_layers / arch.layers
              + arch.norms_per_layer * arch.norm_params() + (2 * hd if arch.qk_norm else 0))
     if arch.linear_bias:
         small += arch.q_dim / tp + 2 * kvh * hd + h          # qkv split, o bias replicated
-        small += arch.experts * ((2 if arch.gated_mlp else 1) * arch.ffn / tp + h)
+        if dp > 1:
+            small += arch.experts / (tp * dp) * arch.expert_biases()
+        else:
+            small += arch.experts * ((2 if arch.gated_mlp else 1) * arch.ffn / tp + h)
     elif arch.qkv_bias:
         small += arch.q_dim / tp + 2 * kvh * hd
     return linear * wf.bytes_per_weight + 2.0 * small
 
 
 def weight_bytes_per_stage(arch: ModelArch, tp: int = 1, pp: int = 1,
-                           fmt: str | WeightFormat = "bf16") -> list[float]:
-    """Weight bytes on one GPU of each pipeline stage (first stage first)."""
+                           fmt: str | WeightFormat = "bf16", dp: int = 1) -> list[float]:
+    """Weight bytes on one GPU of each pipeline stage (first stage first); ``dp``: data-
+    parallel attention ranks, the experts spread over ``tp x dp`` GPUs (``_layer_bytes_per_gpu``)."""
     check_parallelism(arch, tp, pp, priced=False)
     wf = weight_format(fmt)
-    per_stage = arch.layers // pp * _layer_bytes_per_gpu(arch, tp, wf)
+    per_stage = arch.layers // pp * _layer_bytes_per_gpu(arch, tp, wf, dp)
     embed = 2.0 * (arch.vocab * arch.hidden / tp + arch.learned_positions * arch.hidden
                    + (arch.norm_params() if arch.embedding_norm else 0))
     head_rows = arch.vocab * arch.hidden / tp
@@ -133,9 +152,9 @@ def weight_bytes_per_stage(arch: ModelArch, tp: int = 1, pp: int = 1,
 
 
 def weight_bytes_per_gpu(arch: ModelArch, tp: int = 1, pp: int = 1,
-                         fmt: str | WeightFormat = "bf16") -> float:
+                         fmt: str | WeightFormat = "bf16", dp: int = 1) -> float:
     """Weight bytes on the most loaded GPU of the replica."""
-    return max(weight_bytes_per_stage(arch, tp, pp, fmt))
+    return max(weight_bytes_per_stage(arch, tp, pp, fmt, dp))
 
 
 def kv_bytes_per_token_per_gpu(arch: ModelArch, tp: int = 1, pp: int = 1,
@@ -184,11 +203,17 @@ class MemoryPlan:
     max_model_len: int | None
     fits: bool
     reason: str                         # '' when it fits
+    dp: int = 1                         # data-parallel attention ranks (kv_blocks: all of them)
 
     @property
     def num_gpus(self) -> int:
-        """GPUs of the replica (tp x pp)."""
-        return self.tp * self.pp
+        """GPUs of the replica (tp x pp x dp)."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def kv_blocks_per_rank(self) -> int:
+        """Blocks one data-parallel rank holds (all of them at ``dp = 1``)."""
+        return self.kv_blocks // self.dp
 
     @property
     def reserve_bytes(self) -> float:
@@ -199,7 +224,8 @@ class MemoryPlan:
         """A few lines with the arithmetic, in GiB."""
         g = GIB
         lines = [
-            f"{self.model} on {self.num_gpus} x {self.gpu} (TP{self.tp} PP{self.pp}), "
+            f"{self.model} on {self.num_gpus} x {self.gpu} (TP{self.tp} PP{self.pp}"
+            f"{f' DP{self.dp}' if self.dp > 1 else ''}), "
             f"{self.weight_format} weights, {self.kv_dtype} KV",
             f"  budget   {self.gpu_memory_utilization:.2f} x {self.gpu_bytes / g:.2f} GiB = "
             f"{self.budget_bytes / g:.2f} GiB per GPU",
@@ -207,7 +233,8 @@ class MemoryPlan:
             f"  reserve  {self.activation_bytes / g:.2f} GiB activations + "
             f"{self.overhead_bytes / g:.2f} GiB overhead",
             f"  KV       {self.kv_bytes_per_gpu / g:.2f} GiB / {self.kv_bytes_per_token_per_gpu:.0f} B "
-            f"per token = {self.kv_tokens} tokens ({self.kv_blocks} blocks of {self.block_size})",
+            f"per token = {self.kv_tokens} tokens ({self.kv_blocks} blocks of {self.block_size}"
+            f"{f', {self.dp} DP ranks' if self.dp > 1 else ''})",
         ]
         if not self.fits:
             lines.append(f"  {self.reason}")
@@ -228,14 +255,15 @@ def plan_memory(model: str | ModelArch, gpu: str | GpuSpec, tp: int = 1, pp: int
                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                 act_dtype: str = "bf16", overhead_gib: float = 1.0,
                 reserve_gib: float | None = None, max_model_len: int | None = None,
-                require_fit: bool = True) -> MemoryPlan:
+                require_fit: bool = True, dp: int = 1) -> MemoryPlan:
     """The per-GPU memory plan of ``model`` on ``tp x pp`` GPUs of type ``gpu``.
 
     ``reserve_gib`` replaces the whole activation + overhead estimate by a fixed
     figure. A plan fits when the weights and reserve leave room for at least one KV
     block, and for ``max_model_len`` tokens when that is given. With ``require_fit``
     a plan that does not fit raises a one-line LatsimError carrying the numbers;
-    otherwise it is returned with ``fits=False`` and the reason.
+    otherwise it is returned with ``fits=False`` and the reason. ``dp``: data-parallel
+    attention ranks (module doc; 1 is the plan of one TP x PP group, to the bit).
     """
     arch, spec = _resolve(model, gpu)
     check_parallelism(arch, tp, pp, priced=False)
@@ -245,8 +273,14 @@ def plan_memory(model: str | ModelArch, gpu: str | GpuSpec, tp: int = 1, pp: int
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise LatsimError("must be a positive integer", field="block_size", value=block_size,
                           has_value=True)
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise LatsimError("must be a positive integer", field="dp", value=dp, has_value=True)
     wf = weight_format(weight_dtype)
-    stages = weight_bytes_per_stage(arch, tp, pp, wf)
+    stages = weight_bytes_per_stage(arch, tp, pp, wf, dp)
+    if dp > 1:
+        # Each rank reserves for its own share of the replica's batch.
+        max_num_batched_tokens = -(-max_num_batched_tokens // dp)
+        max_num_seqs = -(-max_num_seqs // dp)
     w_max = max(stages)
     if reserve_gib is not None:
         act, over = 0.0, reserve_gib * GIB
@@ -257,10 +291,11 @@ def plan_memory(model: str | ModelArch, gpu: str | GpuSpec, tp: int = 1, pp: int
     kv_free = budget - w_max - act - over
     per_tok = kv_bytes_per_token_per_gpu(arch, tp, pp, kv_dtype)
     blocks = int(kv_free // (per_tok * block_size)) if kv_free > 0 else 0
-    tokens = blocks * block_size
+    tokens = blocks * block_size        # one rank's (a request lives on one)
 
     reason = ""
-    head = (f"{arch.name} on {tp * pp} x {spec.name} (TP{tp} PP{pp}, {wf.name} weights)")
+    head = (f"{arch.name} on {tp * pp * dp} x {spec.name} (TP{tp} PP{pp}"
+            f"{f' DP{dp}' if dp > 1 else ''}, {wf.name} weights)")
     if blocks < 1:
         reason = (f"{head} does not fit: weights {w_max / GIB:.1f} GiB + reserve "
                   f"{(act + over) / GIB:.1f} GiB per GPU exceed the budget "
@@ -268,6 +303,7 @@ def plan_memory(model: str | ModelArch, gpu: str | GpuSpec, tp: int = 1, pp: int
                   f"{budget / GIB:.1f} GiB")
     elif max_model_len is not None and tokens < max_model_len:
         reason = (f"{head} does not fit: the KV cache holds {tokens} tokens "
+                  f"{'per DP rank ' if dp > 1 else ''}"
                   f"({kv_free / GIB:.2f} GiB after {w_max / GIB:.1f} GiB weights), fewer than "
                   f"max_model_len {max_model_len}")
     if reason and require_fit:
@@ -280,5 +316,5 @@ def plan_memory(model: str | ModelArch, gpu: str | GpuSpec, tp: int = 1, pp: int
         activation_bytes=act, overhead_bytes=over,
         kv_heads_per_gpu=kv_heads_per_gpu(arch, tp), kv_replication=kv_replication(arch, tp),
         layers_per_stage=arch.layers // pp, kv_bytes_per_token_per_gpu=per_tok,
-        kv_bytes_per_gpu=kv_free, kv_blocks=blocks, kv_tokens=tokens,
-        max_model_len=max_model_len, fits=not reason, reason=reason)
+        kv_bytes_per_gpu=kv_free, kv_blocks=blocks * dp, kv_tokens=tokens * dp,
+        max_model_len=max_model_len, fits=not reason, reason=reason, dp=dp)

@@ -3,14 +3,17 @@ step gains when a MoE layer's experts are spread whole over ``ep`` GPUs instead 
 each expert being cut by tensor parallelism.
 
 Convention (vLLM's): ``--enable-expert-parallel`` makes the MoE layers' EP group
-``EP = TP x DP`` over the same GPUs; attention stays tensor-parallel. latsim models
-DP = 1 (no data-parallel attention ranks), so ``model.cost.ep`` is 1 (experts
-TP-sharded, the physics as before) or equal to ``tp``: the replica still takes ``tp x
-pp`` GPUs, and each GPU holds ``experts / ep`` whole experts per MoE layer -- the
-same bytes as ``1 / tp`` of every expert, so the weights per GPU and the KV capacity
-do not change at DP = 1 (``expert_bytes_per_gpu``).
+``EP = TP x DP`` over the same GPUs; attention stays tensor-parallel within each of the
+``dp`` data-parallel ranks (``model.cost.dp``; ``roofline.dataparallel`` prices a step
+of ``dp > 1``). ``model.cost.ep`` is 1 (experts TP-sharded, the physics as before) or
+``tp x dp``. At DP = 1 the replica takes ``tp x pp`` GPUs, and each GPU holds
+``experts / ep`` whole experts per MoE layer -- the same bytes as ``1 / tp`` of every
+expert, so the weights per GPU and the KV capacity do not change
+(``expert_bytes_per_gpu``); at DP > 1 each GPU holds ``1 / dp`` of that.
 
-The terms, per step of ``T`` packed tokens, added to the physics' step (``ep_terms``):
+The terms, per step of ``T`` packed tokens (at DP > 1: the EP group's, every rank
+padded to the slowest one's ``T_r``, ``T = dp x T_r``), added to the physics' step
+(``ep_terms``):
 
 - ``ep_dispatch`` / ``ep_combine``: per MoE layer one all-to-all each way. The step
   moves ``T x top_k x hidden x 2`` bytes each way (16-bit activations,
@@ -22,7 +25,8 @@ The terms, per step of ``T`` packed tokens, added to the physics' step (``ep_ter
   (``A2A_DISPATCH_EFF``, ``A2A_COMBINE_EFF``), plus one NCCL latency (the family's
   ``ar_lat_us``, fitted to Vidur's NCCL tables) per call;
 - ``ep_allreduce_replaced`` (negative): the MoE layers' second TP all-reduce, which
-  the combine replaces (``physics.comm_times`` priced one per layer);
+  the combine replaces (``physics.comm_times`` priced one per layer, over the rank's
+  ``T_r`` tokens; none at TP 1);
 - ``ep_imbalance``: the busiest GPU's expert compute beyond the mean's: ``(f - 1) x``
   the balanced per-GPU expert FLOPs ``2 x T x top_k x expert_params / ep`` at ``peak x
   e_gemm``, with ``f`` the busiest GPU's share of routed tokens over the mean
@@ -140,21 +144,25 @@ class ExpertParallel:
         return uniform_imbalance(tokens, self.top_k, self.experts, self.ep)
 
 
-def ep_terms(x: ExpertParallel, c: np.ndarray, tokens: float) -> dict:
-    """The EP terms (ms) of a step of ``tokens`` packed tokens (module doc), and
-    ``ep_total``, what they add to the step."""
+def ep_terms(x: ExpertParallel, c: np.ndarray, tokens: float,
+             rank_tokens: Optional[float] = None) -> dict:
+    """The EP terms (ms) of a step of ``tokens`` packed tokens over the EP group (module
+    doc), and ``ep_total``, what they add to the step. ``rank_tokens``: the tokens of one
+    data-parallel rank, whose TP all-reduce the combine replaces (default ``tokens``:
+    DP = 1)."""
     T = float(tokens)
+    T_rank = T if rank_tokens is None else float(rank_tokens)
     ep = x.ep
     per_gpu = a2a_bytes_per_layer(T / ep, x.top_k, x.hidden) * (ep - 1) / ep
     lat = x.lat_us * 1e-3
     dispatch = x.moe_layers * (lat + per_gpu / (x.link_gbs * A2A_DISPATCH_EFF) * 1e-6)
     combine = x.moe_layers * (lat + per_gpu / (x.link_gbs * A2A_COMBINE_EFF) * 1e-6)
-    ar, _ = ph.comm_times(c, T)
+    ar, _ = ph.comm_times(c, T_rank)
     # ``comm_times`` is ``ar_per_layer`` all-reduces in each of ``layers``: one per MoE layer.
     replaced = -float(ar) / (c[ph.C_AR_PER_LAYER] * x.layers) * x.moe_layers
     balanced_ms = 2.0 * T * x.top_k * x.expert_params / ep / (x.gemm_tflops * 1e9)
     imb = (x.factor(T) - 1.0) * balanced_ms
     out = {"ep_dispatch": float(dispatch), "ep_combine": float(combine),
            "ep_allreduce_replaced": float(replaced), "ep_imbalance": float(imb)}
-    out["ep_total"] = dispatch + combine + replaced + imb
+    out["ep_total"] = float(dispatch + combine + replaced + imb)
     return out

@@ -27,7 +27,9 @@ from simulator.cost.fitted import FittedCostModel
 from simulator.cost.replica import CatalogSized
 from simulator.cost.roofline.constants import (VLLM_GRAPH_BUCKETS, Engine, build_constants,
                                                compute_peak)
-from simulator.cost.roofline.expert import ExpertParallel, ep_terms
+from simulator.cost.roofline.dataparallel import rank_constants, rank_share
+from simulator.cost.roofline.epsteps import ExpertSteps
+from simulator.cost.roofline.expert import ExpertParallel
 from simulator.cost.roofline.transfer import (Calibration, apply_scales, calibrate,
                                               profile_engine)
 from simulator.errors import LatsimError
@@ -59,9 +61,13 @@ class RooflineCostConfig(CatalogSized, StrictModel):
                                    "piecewise graphs (vLLM v1's FULL_AND_PIECEWISE)")
     decode_attention: Literal["paged", "padded"] = "paged"
     scale: float = Field(1.0, gt=0, description="multiply every step time (what-if)")
+    dp: int = Field(1, ge=1, description="data-parallel attention ranks of a mixture "
+                    "(vLLM's --data-parallel-size): each rank runs attention on its own "
+                    "requests and caches their KV, the experts spread over ep = tp x dp GPUs; "
+                    "the replica takes tp x pp x dp GPUs (roofline.dataparallel)")
     ep: int = Field(1, ge=1, description="expert-parallel GPUs of a mixture's MoE layers: 1 "
-                    "(experts TP-sharded) or tp (vLLM's --enable-expert-parallel, EP = TP x DP "
-                    "with DP = 1; roofline.expert)")
+                    "(experts TP-sharded) or tp x dp (vLLM's --enable-expert-parallel, "
+                    "EP = TP x DP; roofline.expert)")
     expert_imbalance: Optional[float] = Field(None, ge=1.0, description="with ep > 1: the "
                                               "busiest GPU's routed tokens over the mean "
                                               "(default: uniform routing's expectation)")
@@ -69,18 +75,20 @@ class RooflineCostConfig(CatalogSized, StrictModel):
     @field_validator("ep")
     @classmethod
     def _ep(cls, v: int, info: ValidationInfo) -> int:
-        tp = info.data.get("tp", 1)
-        if v > 1 and v != tp:
-            raise ValueError(f"must be 1 or equal tp ({tp}): vLLM's expert parallelism runs "
-                             "EP = TP x DP over the same GPUs, and data-parallel attention "
-                             "(DP > 1) is not modelled")
+        tp, dp = info.data.get("tp", 1), info.data.get("dp", 1)
+        if dp > 1 and v != tp * dp:
+            raise ValueError(f"must be tp x dp = {tp * dp} with dp {dp}: data-parallel "
+                             "attention is modelled with vLLM's --enable-expert-parallel "
+                             "(EP = TP x DP); TP-sharded experts over tp x dp GPUs are not")
+        if v > 1 and v != tp * dp:
+            raise ValueError(f"must be 1 or tp x dp ({tp * dp}): vLLM's expert parallelism "
+                             "runs EP = TP x DP over the same GPUs")
         return v
 
     def model_formats(self, arch) -> Optional[tuple]:
-        """``CatalogSized.model_formats``, after refusing ``ep > 1`` on a dense model."""
-        if self.ep > 1 and not arch.is_moe:
-            raise LatsimError(f"{arch.name} is dense: expert parallelism needs a mixture of "
-                              "experts", field="ep", value=self.ep, has_value=True)
+        """``CatalogSized.model_formats``, after refusing ``ep > 1`` / ``dp > 1`` where
+        they cannot run (``check_expert_parallel``)."""
+        check_expert_parallel(arch, self.tp, self.pp, self.dp, self.ep)
         return super().model_formats(arch)
 
     @field_validator("gpu")
@@ -113,7 +121,34 @@ def _calibration(profile: dict, source: str, key: tuple, **kw) -> Calibration:
     return _CALIBRATIONS[k]
 
 
-class RooflineCostModel(FittedCostModel):
+def check_expert_parallel(arch: ModelArch, tp: int, pp: int, dp: int, ep: int,
+                          prefix: str = "") -> None:
+    """Refuse EP / DP attention where it cannot run or is not modelled, one line naming
+    ``{prefix}ep`` or ``{prefix}dp``: a dense model (its DP ranks would be independent
+    replicas: ``cluster.replicas``), more GPUs than experts or experts that do not split
+    evenly, an EP group wider than one server (its all-to-all would cross the network,
+    not priced), DP with pipeline stages (not modelled)."""
+    if dp > 1 and not arch.is_moe:
+        raise LatsimError(f"{arch.name} is dense: its data-parallel ranks are independent "
+                          "replicas (set cluster.replicas)", field=f"{prefix}dp", value=dp,
+                          has_value=True)
+    if ep > 1 and not arch.is_moe:
+        raise LatsimError(f"{arch.name} is dense: expert parallelism needs a mixture of "
+                          "experts", field=f"{prefix}ep", value=ep, has_value=True)
+    if ep > 1 and arch.experts % ep:
+        raise LatsimError(f"{arch.name}'s {arch.experts} experts do not split evenly over "
+                          f"{ep} GPUs", field=f"{prefix}ep", value=ep, has_value=True)
+    if dp > 1 and ep > catalog.memory.GPUS_PER_SERVER:
+        raise LatsimError(f"an EP group spans at most one server's "
+                          f"{catalog.memory.GPUS_PER_SERVER} GPUs here (tp x dp = {ep}; beyond, "
+                          "its all-to-all crosses the network, which latsim does not price)",
+                          field=f"{prefix}dp", value=dp, has_value=True)
+    if dp > 1 and pp > 1:
+        raise LatsimError("data-parallel attention with pipeline stages is not modelled "
+                          "(set pp 1)", field=f"{prefix}dp", value=dp, has_value=True)
+
+
+class RooflineCostModel(ExpertSteps, FittedCostModel):
     """``FittedCostModel`` whose constants come from the catalogues and ``DEFAULTS``
     (``build_constants``), optionally calibrated to a profile: every event loop calls
     it exactly as a fitted model. ``profile`` is the calibration profile (or None)."""
@@ -123,7 +158,7 @@ class RooflineCostModel(FittedCostModel):
                  engine: Optional[Engine] = None, profile: Optional[dict] = None,
                  profile_source: str = "", scale: float = 1.0,
                  eff: Optional[dict] = None, ep: int = 1,
-                 expert_imbalance: Optional[float] = None) -> None:
+                 expert_imbalance: Optional[float] = None, dp: int = 1) -> None:
         self.arch = model if isinstance(model, ModelArch) else catalog.model(model)
         self.spec = gpu if isinstance(gpu, GpuSpec) else catalog.gpu(gpu)
         self.tp, self.pp = int(tp), int(pp)
@@ -154,67 +189,18 @@ class RooflineCostModel(FittedCostModel):
         self._rng = None
         self.CL = new_counts()
         self._chunks = ChunkArrays()
-        self.ep = int(ep)
+        self.ep, self.dp = int(ep), int(dp)
         self.expert = None
+        check_expert_parallel(self.arch, self.tp, self.pp, self.dp, self.ep, "model.cost.")
+        if self.ep not in (1, self.tp * self.dp) or (self.dp > 1 and self.ep == 1):
+            raise LatsimError(f"must be {'1 or ' if self.dp == 1 else ''}tp x dp = "
+                              f"{self.tp * self.dp} (vLLM: EP = TP x DP)",
+                              field="model.cost.ep", value=ep, has_value=True)
         if self.ep > 1:
-            if not self.arch.is_moe:
-                raise LatsimError(f"{self.arch.name} is dense: expert parallelism needs a "
-                                  "mixture of experts", field="model.cost.ep", value=ep,
-                                  has_value=True)
-            if self.ep != self.tp:
-                raise LatsimError(f"must be 1 or equal tp ({self.tp}) (vLLM: EP = TP x DP, "
-                                  "DP = 1 here)", field="model.cost.ep", value=ep, has_value=True)
             self.expert = ExpertParallel.of(self.arch, self.spec, c, self.ep, expert_imbalance)
-
-    # -- expert parallelism: named terms added to the physics' step (``roofline.expert``)
-    def ep_terms(self, tokens: float) -> dict:
-        """``expert.ep_terms`` of a step of ``tokens`` packed tokens (ms; zeros at ep 1)."""
-        if self.expert is None:
-            return {k: 0.0 for k in ("ep_dispatch", "ep_combine", "ep_allreduce_replaced",
-                                     "ep_imbalance", "ep_total")}
-        return ep_terms(self.expert, self.c, tokens)
-
-    def _with_ep(self, seconds: float, tokens: float) -> float:
-        if self.expert is None:
-            return seconds
-        return seconds + ep_terms(self.expert, self.c, tokens)["ep_total"] * self.scale / 1000.0
-
-    def step_time(self, n_decode, decode_ctx_max, decode_ctx_sum, chunks) -> float:
-        """``FittedCostModel.step_time``, plus the EP terms when ``ep > 1``."""
-        t = super().step_time(n_decode, decode_ctx_max, decode_ctx_sum, chunks)
-        if self.expert is None:
-            return t
-        return self._with_ep(t, n_decode + sum(int(ch[0]) for ch in chunks))
-
-    def verify_time(self, n_decode, q, decode_ctx_max, decode_ctx_sum, chunks) -> float:
-        """``FittedCostModel.verify_time``, plus the EP terms when ``ep > 1``."""
-        t = super().verify_time(n_decode, q, decode_ctx_max, decode_ctx_sum, chunks)
-        if self.expert is None:
-            return t
-        return self._with_ep(t, n_decode * q + sum(int(ch[0]) for ch in chunks))
-
-    def decode_times(self, batch: int, ctx0: float, k: int) -> list:
-        """``FittedCostModel.decode_times``; with EP every step gains the batch's terms."""
-        out = super().decode_times(batch, ctx0, k)
-        if self.expert is None:
-            return out
-        add = ep_terms(self.expert, self.c, batch)["ep_total"] * self.scale / 1000.0
-        return [t + add for t in out]
-
-    @property
-    def min_step_s(self) -> float:
-        """``FittedCostModel.min_step_s``; with EP, the smaller of it and the one-token
-        steps with their EP terms (those can be negative: the replaced all-reduce)."""
-        m = super().min_step_s
-        if self.expert is None:
-            return m
-        return min(m, self._with_ep(m, 1.0))
-
-    def compiled_reason(self) -> Optional[str]:
-        """``FittedCostModel``'s, and EP: its terms are priced in Python only."""
-        if self.expert is not None:
-            return "expert parallelism (model.cost.ep > 1)"
-        return super().compiled_reason()
+        if self.dp > 1:
+            # The slowest rank's constants: experts 1 / dp per GPU, the EP group's routing.
+            self.c = rank_constants(c, self.dp)
 
     @property
     def label(self) -> str:
@@ -230,18 +216,23 @@ class RooflineCostModel(FittedCostModel):
         ``compute`` (GEMM FLOPs and prefill attention), ``memory`` (weights, elementwise
         passes, decode attention's KV reads), ``communication`` (all-reduces, pipeline
         sends) and ``overhead`` (kernel floors, and the host time when it binds)."""
-        b = ph.step_breakdown(self.c, n_decode, ctx_max, ctx_sum, chunks)
+        s = rank_share(n_decode, ctx_max, ctx_sum, chunks, self.dp)
+        b = ph.step_breakdown(self.c, s.n_decode, s.ctx_max, s.ctx_sum, s.chunks)
         b["compute"] = b["gemm_compute"] + b["prefill_attention"]
         b["memory"] = b["weights"] + b["elementwise"] + b["decode_attention"]
         b["communication"] = b["allreduce"] + b["pipeline_send"]
         if self.expert is not None:
-            T = n_decode + sum(int(ch[0]) for ch in chunks)
-            e = ep_terms(self.expert, self.c, T)
+            e = self.step_terms_ms(n_decode, 1, chunks)
+            add = e.pop("added")
             b.update(e)
-            b["communication"] += e["ep_dispatch"] + e["ep_combine"] + e["ep_allreduce_replaced"]
-            b["compute"] += e["ep_imbalance"]
-            b["device"] += e["ep_total"]
-            b["ms"] += e["ep_total"] * self.scale
+            b["communication"] += (e["ep_dispatch"] + e["ep_combine"] + e["ep_allreduce_replaced"]
+                                   + e.get("dp_sync", 0.0))
+            b["compute"] += e["ep_imbalance"] + e.get("dp_attention_share", 0.0)
+            b["device"] += add
+            b["ms"] += add * self.scale
+            if self.dp > 1:
+                b["dp_rank_tokens"] = s.tokens
+                b["dp_padded_tokens"] = s.padded(self.dp) - s.total
         b["overhead"] = b["floor"] + b["bookkeeping"] + max(0.0, b["host"] - b["device"])
         b["bound"] = ("host" if b["host"] > b["device"] else
                       max(("compute", "memory", "communication", "overhead"), key=b.__getitem__))
@@ -252,7 +243,7 @@ class RooflineCostModel(FittedCostModel):
         """``catalog.plan_memory`` of this configuration (never raises: ``fits``)."""
         return catalog.plan_memory(self.arch, self.spec, self.tp, self.pp,
                                    weight_dtype=self.weight_dtype, kv_dtype=self.kv_dtype,
-                                   require_fit=False, **kw)
+                                   require_fit=False, dp=self.dp, **kw)
 
     def describe(self) -> dict:
         """What the estimate rests on, for the run's summary and ``latsim cost``."""
@@ -267,7 +258,7 @@ class RooflineCostModel(FittedCostModel):
             "kind": "roofline",
             "estimate": self.label,
             "model": self.arch.name, "gpu": self.spec.name, "tp": self.tp, "pp": self.pp,
-            "gpus": self.tp * self.pp, "ep": self.ep,
+            "gpus": self.tp * self.pp * self.dp, "ep": self.ep, "dp": self.dp,
             "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype,
             "peaks": {"linear_tflops": peak, "linear_on": why,
                       "attention_tflops": self.spec.bf16_tflops,
@@ -308,7 +299,8 @@ def build_roofline(cfg: RooflineCostConfig, rng, base_dirs: Sequence[Path],
     return RooflineCostModel(model_arch(cfg.model, base_dirs), cfg.gpu, cfg.tp, cfg.pp,
                              weight_dtype=cfg.weight_dtype, kv_dtype=cfg.kv_dtype,
                              engine=cfg.engine(), profile=profile, profile_source=src,
-                             scale=cfg.scale, ep=cfg.ep, expert_imbalance=cfg.expert_imbalance)
+                             scale=cfg.scale, ep=cfg.ep, expert_imbalance=cfg.expert_imbalance,
+                             dp=cfg.dp)
 
 
 def model_arch(name: str, base_dirs: Sequence[Path] = ()) -> ModelArch:
