@@ -1,7 +1,7 @@
 """The engine thread of ``latsim serve``: one thread owns the ``EngineCore`` (it is
 not thread-safe), takes commands (add, cancel, resume) from a queue, steps the
 engine while it has work, and hands each step's tokens to the per-request
-``asyncio.Queue`` s of the event loop. Send buffers and backpressure (``block``
+inboxes (``streams.Inbox``) of the event loop. Send buffers and backpressure (``block``
 pauses a request in the engine, ``buffer``, ``degrade``) are accounted here; see
 ``server`` for the HTTP side and the whole design.
 
@@ -28,6 +28,7 @@ from typing import Optional
 
 from real_engine.engine import EngineCore
 from real_engine.openai_api import ApiError
+from real_engine.streams import Fanout, Inbox
 
 _DONE = object()    # end-of-stream marker put on a request's queue
 _ABORT = object()   # the engine stopped (shutdown or a crash): the request cannot finish
@@ -58,12 +59,13 @@ class _Stream:
     ``EngineLoop.consumed``). ``timing``: server wall-clock times, for the
     ``latsim-timing`` trailer."""
 
-    __slots__ = ("rid", "loop", "q", "delivered", "written", "paused", "wake_sent",
+    __slots__ = ("rid", "loop", "q", "fanout", "delivered", "written", "paused", "wake_sent",
                  "paused_at", "wake_at", "paused_s", "timing", "prompt_tokens", "last_at")
 
     def __init__(self, rid: int, loop: asyncio.AbstractEventLoop, received: float,
-                 prompt_tokens: int = 0) -> None:
-        self.rid, self.loop, self.q = rid, loop, asyncio.Queue()
+                 prompt_tokens: int = 0, fanout: Optional[Fanout] = None) -> None:
+        self.rid, self.loop, self.q = rid, loop, Inbox(loop)
+        self.fanout = fanout or Fanout(loop)      # the hand-over to ``loop``
         self.prompt_tokens = prompt_tokens
         self.last_at = 0.0          # wall time of its last token (inter-token latency)
         self.delivered = self.written = 0
@@ -128,6 +130,7 @@ class EngineLoop:
         self.prompt_tokens = self.generation_tokens = 0
         # ``real_engine.metrics.ServerMetrics``: its histograms observe each handed-over token.
         self.observer = None
+        self.fanouts: dict = {}         # event loop -> its ``Fanout`` (streams keep theirs)
         self._publish()
 
     # -- called from the event loop ----------------------------------------------
@@ -155,8 +158,11 @@ class EngineLoop:
         if not self.alive:
             raise ApiError(f"engine is not running ({self.failure or 'stopped'})", 503)
         loop = asyncio.get_running_loop()
+        fanout = self.fanouts.get(loop)
+        if fanout is None:
+            fanout = self.fanouts[loop] = Fanout(loop)
         st = _Stream(next(self.rids), loop, time.time() if received is None else received,
-                     len(ids))
+                     len(ids), fanout)
         ack = loop.create_future()
         # Enqueued = handed to the engine: the engine thread takes it at its next step
         # boundary, as a simulated request waits for the step in flight (T_queue).
@@ -357,7 +363,7 @@ class EngineLoop:
         self.requests_failed += 1
         if st is not None:
             try:
-                st.loop.call_soon_threadsafe(st.q.put_nowait, Failed(why))
+                st.fanout.post([(st.q, (Failed(why),))])
             except RuntimeError:
                 pass
 
@@ -405,7 +411,7 @@ class EngineLoop:
         streams, self.streams = self.streams, {}
         for st in streams.values():
             try:
-                st.loop.call_soon_threadsafe(st.q.put_nowait, _ABORT)
+                st.fanout.post([(st.q, (_ABORT,))])
             except RuntimeError:
                 pass
         while True:                 # adds still queued: refuse them
@@ -420,10 +426,11 @@ class EngineLoop:
                     pass
 
     def _deliver(self, tokens: dict, finished: set, t: float) -> None:
-        """Hand one step's tokens to their request queues (one thread hop per event
-        loop), after publishing the metrics they change; under ``block``, pause every
-        request whose buffer is now full, so it sits out the next step."""
-        by_loop: dict = {}
+        """Hand one step's tokens to their request inboxes (one thread hop per event
+        loop: ``streams.Fanout``), after publishing the metrics they change; under
+        ``block``, pause every request whose buffer is now full, so it sits out the next
+        step."""
+        by_fanout: dict = {}
         wall = t + self.wall_offset
         block = self.backpressure == "block"
         obs = self.observer
@@ -432,7 +439,7 @@ class EngineLoop:
             if st is None:
                 continue                  # cancelled meanwhile
             last = rid in finished
-            by_loop.setdefault(st.loop, []).append((st.q, tok, last))
+            by_fanout.setdefault(st.fanout, []).append((st.q, (tok, _DONE) if last else (tok,)))
             st.delivered += 1
             self.generation_tokens += 1
             if st.delivered == 1:
@@ -461,9 +468,9 @@ class EngineLoop:
         # it counted (published after the hand-over, a quick client could read the
         # metrics of the step before).
         self._publish()
-        for loop, items in by_loop.items():
+        for fanout, pairs in by_fanout.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                fanout.post(pairs)
             except RuntimeError:          # that event loop is closed: nobody is listening
                 pass
 
@@ -471,10 +478,3 @@ class EngineLoop:
 def _resolve(fut: asyncio.Future, err) -> None:
     if not fut.done():
         fut.set_result(err)
-
-
-def _put_all(items) -> None:
-    for q, tok, last in items:
-        q.put_nowait(tok)
-        if last:
-            q.put_nowait(_DONE)

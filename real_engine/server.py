@@ -31,10 +31,14 @@ unless it asks for nothing. Unknown fields are ignored, as vLLM ignores them.
 
 Threads. The engine is not thread-safe, so ONE background thread owns it: it
 takes commands (add, cancel) from a queue, steps the engine while it has work
-and hands each step's tokens to per-request ``asyncio.Queue`` s on the event
+and hands each step's tokens to per-request inboxes (``streams.Inbox``) on the event
 loop with ``loop.call_soon_threadsafe`` (one call per step, not per token).
 The event loop never touches the engine; ``/metrics`` reads a snapshot the
-thread publishes after every step and command.
+thread publishes after every step and command. The loop's per-token work (the
+hand-over in slices, the inbox, the frame) is kept small in ``real_engine.streams``,
+so ``/health`` waits behind a slice of streams, not a step's worth; ``serve`` shortens
+the GIL's switch interval (``SWITCH_INTERVAL_S``) so the loop, which gives the GIL up
+at every write, gets it back from the engine thread within half a millisecond.
 
 Disconnects. When a client goes away mid-stream, Starlette cancels the
 streaming generator; its ``finally`` sends a cancel command, and the engine
@@ -76,6 +80,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import time
 import uuid
 from typing import Optional
@@ -94,7 +99,11 @@ from real_engine.metrics import ServerMetrics
 from real_engine.openai_api import (MAX_JSON_DEPTH, ApiError, Parsed, chunk, completion,
                                    detokenize, error_body, loads_body, parse_request,
                                    usage_chunk)
+from real_engine.streams import TIMEOUT, Frames, frame as _frame
 
+
+
+SWITCH_INTERVAL_S = 0.0005     # ``serve``'s GIL switch interval (Python's default: 5 ms)
 
 
 def _error(message: str, status: int = 400, param: Optional[str] = None,
@@ -102,33 +111,6 @@ def _error(message: str, status: int = 400, param: Optional[str] = None,
     # ``close``: the body was not (fully) read; draining it would be the work refused.
     headers = {"Connection": "close"} if close else None
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
-
-
-class _Getter:
-    """``q.get()`` with a timeout that never loses an item: the pending get survives
-    a timeout (``asyncio.wait_for`` would cancel it, and a cancelled get can race
-    with a put)."""
-
-    def __init__(self, q: asyncio.Queue) -> None:
-        self.q, self.task = q, None
-
-    async def get(self, timeout: Optional[float]):
-        """The next item, or ``_Getter`` itself if ``timeout`` s passed first."""
-        if self.task is None and not self.q.empty():
-            return self.q.get_nowait()     # no task, no timer: the common case under load
-        if timeout is None and self.task is None:
-            return await self.q.get()
-        if self.task is None:
-            self.task = asyncio.ensure_future(self.q.get())
-        done, _ = await asyncio.wait({self.task}, timeout=timeout)
-        if not done:
-            return _Getter
-        item, self.task = self.task.result(), None
-        return item
-
-    def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
 
 
 def make_app(engine: EngineCore, model_name: str = "latsim",
@@ -231,10 +213,6 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
     return app
 
 
-def _frame(obj: dict) -> str:
-    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
-
-
 async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Parsed,
                   chat: bool, heartbeat_s: Optional[float] = None, timing: bool = False,
                   deadline: Optional[Deadline] = None):
@@ -249,7 +227,8 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
     staying behind with every other request (``/health`` included) queued behind it.
     Each frame is still its own SSE event, so what a client parses is unchanged."""
     done = False
-    getter = _Getter(st.q)
+    inbox = st.q
+    frames = Frames(cid, created, p.model, chat)
     degrade = loop_.backpressure == "degrade"
     held: Optional[list] = None          # degraded: the text not streamed yet
     pending = None                       # an end marker met while taking queued tokens
@@ -264,8 +243,8 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
             if pending is not None:
                 tok, pending = pending, None
             else:
-                tok = await getter.get(wait) if wait is None or wait > 0 else _Getter
-            if tok is _Getter:
+                tok = await inbox.get(wait) if wait is None or wait > 0 else TIMEOUT
+            if tok is TIMEOUT:
                 if expires:
                     # Freed before the error event is written: that write may block.
                     loop_.cancel(st.rid)
@@ -292,11 +271,10 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
                     held.append(detokenize(tok))
                     loop_.consumed(st)
                 else:
-                    batch.append(_frame(chunk(cid, created, p.model, detokenize(tok), n == 1,
-                                              n == p.max_tokens, chat)))
-                if st.q.empty():
+                    batch.append(frames.frame(detokenize(tok), n == 1, n == p.max_tokens))
+                if inbox.empty():
                     break
-                tok = st.q.get_nowait()
+                tok = inbox.get_nowait()
                 if tok is _DONE or tok is _ABORT or isinstance(tok, Failed):
                     pending = tok
                     break
@@ -317,7 +295,7 @@ async def _stream(loop_: EngineLoop, st: _Stream, cid: str, created: int, p: Par
             yield f": {TIMING_COMMENT} {json.dumps(st.timing, separators=(',', ':'))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        getter.close()
+        inbox.close()
         if not done:
             # Client went away (Starlette cancelled us) or the write failed: free the KV now.
             loop_.cancel(st.rid)
@@ -330,11 +308,11 @@ async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
     or with a 504 at ``deadline``)."""
     toks: list[int] = []
     next_check = time.monotonic() + 0.1
-    getter = _Getter(st.q)
+    inbox = st.q
     try:
         while True:
             wait = 0.1 if deadline is None else min(0.1, max(0.0, deadline.left()))
-            tok = await getter.get(wait) if wait > 0 else _Getter
+            tok = await inbox.get(wait) if wait > 0 else TIMEOUT
             if tok is _DONE:
                 break
             if deadline is not None and deadline.left() <= 0:
@@ -347,7 +325,7 @@ async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
                 if await request.is_disconnected():
                     loop_.cancel(st.rid)
                     return _error("client disconnected", 499)
-            if tok is _Getter:
+            if tok is TIMEOUT:
                 continue
             if tok is _ABORT:
                 return _error("engine stopped", 503)
@@ -359,7 +337,7 @@ async def _collect(request: Request, loop_: EngineLoop, st: _Stream, cid: str,
         loop_.cancel(st.rid)
         raise
     finally:
-        getter.close()
+        inbox.close()
     return completion(cid, created, p.model, "".join(detokenize(t) for t in toks), len(p.ids),
                       len(toks), chat)
 
@@ -384,6 +362,11 @@ def serve(model: str = "tiny", device: str = "cpu", host: str = "127.0.0.1", por
     import uvicorn
 
     from real_engine.profile import build_engine
+    # The event loop gives up the GIL on every socket write and select and must take it
+    # back from the engine thread: with Python's 5 ms switch interval, each of ~256
+    # writes per step could wait that long behind the engine's Python between two torch
+    # ops. 0.5 ms bounds the wait (this process serves; nothing else shares its GIL).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Bound first: a taken port fails at once, not after building the model.
     if sock is None:
         sock = listen_socket(host, port, send_buffer_bytes)

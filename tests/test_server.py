@@ -523,14 +523,15 @@ def test_metrics_count_a_request_before_its_last_token_is_handed_over(slow_engin
     tokens to the event loop: a client that has read a request's last frame then finds
     it counted. (Published after, ``requests_served`` lagged a quick client: once in a
     whole-suite run, the slow-reader test read 0 after its stream had ended.)"""
-    from real_engine.engineloop import EngineLoop, _Stream
+    from real_engine.engineloop import _DONE, EngineLoop, _Stream
 
     el = EngineLoop(slow_engine)
     seen = []
 
     class Loop:                 # an event loop that records what the metrics said
-        def call_soon_threadsafe(self, fn, items):
-            seen.append((el.snapshot["requests_served"], [last for _, _, last in items]))
+        def call_soon_threadsafe(self, fn, pairs):
+            seen.append((el.snapshot["requests_served"],
+                         [items[-1] is _DONE for _, items in pairs]))
 
     st = _Stream(7, Loop(), 0.0)
     el.streams[7] = st
