@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import make_scenario, make_scenario_dict
+from simulator import kernel
 from simulator.config.scenario import validate_scenario
 from simulator.errors import LatsimError, Unsupported
 from simulator.loops.simulate import simulate
@@ -188,6 +189,9 @@ def test_the_compiled_loop_refuses_and_auto_says_why():
     assert "\n" not in str(e.value)
     res = simulate(sc, loop="auto")
     assert res.meta["loop"].startswith("simpy (")
+    if kernel.ENABLED:      # (without numba the reason is that, checked first)
+        assert str(e.value) == "KV offload to a CPU tier (engine.kv.offload)"
+        assert res.meta["loop"] == "simpy (KV offload to a CPU tier (engine.kv.offload))"
 
 
 # -- bad input --------------------------------------------------------------------------
