@@ -18,7 +18,7 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 # fidelity_runs: latency and ITL CDFs for each of the two recorded H200 runs).
 EXPECTED_PNGS = {"policy_comparison": 3, "latency_vs_load": 1, "fidelity": 3 if HAS_TORCH else 0,
                  "kv_pressure": 2, "hardware_whatif": 1, "fidelity_runs": 4,
-                 "static_vs_continuous": 2, "edge": 1}
+                 "static_vs_continuous": 2, "edge": 1, "moe_ep": 1}
 
 
 def test_every_notebook_is_known_and_a_percent_script():
