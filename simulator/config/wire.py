@@ -8,6 +8,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from simulator.config.reconnect import ReconnectConfig
 from simulator.config.strict import StrictModel
 
 
@@ -268,6 +269,8 @@ class StreamConfig(StrictModel):
     framing: Optional[Literal["sse", "websocket"]] = Field(
         None, description="add the transport's bytes per frame (sse: 8; websocket: 2/4/10 "
         "header); frame_overhead_bytes is then the JSON envelope alone")
+    reconnect: ReconnectConfig = Field(default_factory=ReconnectConfig,
+                                       description="connection drops and SSE auto-reconnect")
 
     @model_validator(mode="after")
     def _consistent(self) -> "StreamConfig":
@@ -296,4 +299,5 @@ class StreamConfig(StrictModel):
                 or self.every_ms is not None or self.heartbeat_s is not None
                 or self.buffer_bytes is not None or self.backpressure != "buffer"
                 or self.disconnect.probability > 0 or self.target_tpot_ms is not None
-                or self.write_timeout_s is not None or self.framing is not None)
+                or self.write_timeout_s is not None or self.framing is not None
+                or self.reconnect.drops)

@@ -40,6 +40,11 @@ What it models (seconds and bytes throughout):
   than the timeout (client not draining, or gone) closes the stream at ``r + timeout``
   (``r``: when it began waiting); ``on_write_timeout(t)`` lets the caller cancel.
 - **Framing**: ``sse`` / ``websocket`` wrap each payload (``framing.framing_bytes``).
+- **Drops and reconnection** (``attach_reconnect``, ``streamdrop``): the connection
+  drops (drawn per second of streaming, scheduled, or the write timeout); an SSE client
+  reconnects after its retry delay and either resumes from its last event id (the
+  server replays the frames after it: no token lost, the gap lands in ``T_stream``) or
+  the wire restarts the request.
 - **Client gone.** After ``disconnect(t)`` nothing more leaves the buffer (no
   acknowledgements come back) and nothing arriving later is delivered, so a
   ``block`` stream fills up and stays blocked (``unblock_time`` is infinite) until
@@ -55,105 +60,29 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 
-from simulator.wire.framing import FRAMINGS, framing_bytes
+from simulator.wire.framing import framing_bytes  # noqa: F401  (re-exported)
+from simulator.wire.streamdrop import StreamDrops
+from simulator.wire.streamparams import (INF, POLICIES, Link, StreamParams,  # noqa: F401
+                                         StreamResult)
 from simulator.wire.streamstats import StreamStats  # noqa: F401  (re-exported)
 
-POLICIES = ("block", "buffer", "degrade")
-INF = math.inf
-@dataclass(frozen=True)
-class StreamParams:
-    """Everything one stream needs to know: frame sizes, the client's downlink,
-    coalescing, heartbeats, the send buffer and its backpressure policy, latency."""
 
-    frame_overhead_bytes: float = 80.0
-    bytes_per_token: float = 4.0
-    downlink_bps: float = 50e6
-    every_tokens: Optional[int] = 1        # write a frame once this many tokens are pending
-    every_ms: Optional[float] = None       # ... or this long after the oldest pending token
-    heartbeat_s: Optional[float] = None    # comment frame after this long without a write
-    heartbeat_bytes: float = 8.0           # ": ping\n\n"
-    buffer_bytes: Optional[float] = None   # send-buffer capacity (None: unbounded)
-    backpressure: str = "buffer"           # block | buffer | degrade
-    one_way: float = 0.0                   # server-to-client latency
-    target_tpot_s: Optional[float] = None  # pacing: at most one token per this
-    write_timeout_s: Optional[float] = None  # block: close a write waiting longer
-    framing: Optional[str] = None          # sse | websocket (None: overhead is all)
-
-    def __post_init__(self) -> None:
-        if self.backpressure not in POLICIES:
-            raise ValueError(f"backpressure must be one of {POLICIES}, not {self.backpressure!r}")
-        if self.every_tokens is None and self.every_ms is None:
-            raise ValueError("coalescing needs every_tokens or every_ms")
-        if self.every_tokens is not None and self.every_tokens < 1:
-            raise ValueError("every_tokens must be >= 1")
-        if self.every_ms is not None and self.every_ms <= 0:
-            raise ValueError("every_ms must be > 0")
-        if self.heartbeat_s is not None and self.heartbeat_s <= 0:
-            raise ValueError("heartbeat_s must be > 0")
-        if self.downlink_bps <= 0:
-            raise ValueError("downlink_bps must be > 0")
-        if self.backpressure != "buffer" and self.buffer_bytes is None:
-            raise ValueError(f"backpressure {self.backpressure!r} needs buffer_bytes")
-        if self.target_tpot_s is not None and not self.target_tpot_s > 0:
-            raise ValueError("target_tpot_s must be > 0")
-        if self.write_timeout_s is not None and (not self.write_timeout_s > 0
-                                                 or self.backpressure != "block"):
-            raise ValueError("write_timeout_s must be > 0, with backpressure 'block'")
-        if self.framing is not None and self.framing not in FRAMINGS:
-            raise ValueError(f"framing must be one of {FRAMINGS}, not {self.framing!r}")
-
-    def frame_bytes(self, tokens: int) -> float:
-        """Bytes of one data frame carrying ``tokens`` tokens."""
-        return framing_bytes(self.framing, self.frame_overhead_bytes
-                             + tokens * self.bytes_per_token)
-
-
-class Link:
-    """The client's downlink as one FIFO: ``busy`` is when its last queued byte leaves.
-
-    One per stream under HTTP/1.1 (each stream has its connection); one per client
-    under HTTP/2, shared by all its streams."""
-
-    __slots__ = ("busy",)
-
-    def __init__(self) -> None:
-        self.busy = -INF
-
-
-@dataclass
-class StreamResult:
-    """What a stream delivered and what it cost (seconds, bytes)."""
-
-    first_arrival: float          # client receives token 1 (NaN if never)
-    last_arrival: float           # client receives the last delivered token (NaN if none)
-    gaps: np.ndarray              # client-observed gaps between consecutive tokens
-    tokens_emitted: int           # tokens the engine produced
-    tokens_delivered: int         # tokens that reached the client
-    frames: int                   # data frames written (the degraded body counts as one)
-    bytes: float                  # data + heartbeat bytes written
-    heartbeats: int               # heartbeat comment frames written
-    peak_buffer_bytes: float      # most bytes queued on the connection at once
-    degraded: bool                # switched to a non-streamed body (degrade policy)
-    blocked_s: float              # time writes waited for buffer room (block policy)
-    last_depart: float            # last byte written left the server (NaN if nothing)
-    cancelled: bool = False
-    over_capacity: bool = False   # buffer policy: the peak exceeded buffer_bytes
-    timed_out: bool = False       # closed by the server's write timeout
-
-
-class ClientStream:
+class ClientStream(StreamDrops):
     """One request's SSE stream; see the module docstring for the model."""
 
     __slots__ = ("p", "t_open", "link", "on_first_token", "_pending", "_pending_t0",
                  "_q", "_qbytes", "_last_write", "_entered", "_last_depart", "_arr", "_cnt",
                  "_tokens", "_held", "_frames", "_bytes", "_hb", "_peak", "_degraded",
                  "_blocked_s", "_gone", "_first_done", "_every_s", "result", "on_write_timeout",
-                 "_rel", "_wait_until", "_timed_out", "_wt")
+                 "_rel", "_wait_until", "_timed_out", "_wt",
+                 # drops and reconnections (``streamdrop``)
+                 "rc", "on_drop", "on_closed", "_shared", "_down", "_resume_at",
+                 "_replay", "_drops", "_seg", "_next_drop", "_sched_i", "_gap_s",
+                 "_replayed", "_wait_from")
 
     def __init__(self, params: StreamParams, t_open: float, link: Optional[Link] = None,
                  on_first_token: Optional[Callable[[float], None]] = None,
@@ -194,6 +123,19 @@ class ClientStream:
         self._gone = INF             # client disconnect time
         self._first_done = False
         self.result: Optional[StreamResult] = None
+        # Drops and reconnections (``streamdrop``; off until ``attach_reconnect``).
+        self.rc = self.on_drop = self.on_closed = None
+        self._shared = link is not None
+        self._down = False           # the connection is lost, the client reconnecting
+        self._resume_at = INF        # ... until the reconnection reaches the server
+        self._replay: list[int] = []  # tokens of each frame to write again on resuming
+        self._drops = 0
+        self._seg = None             # when the current segment of streaming started
+        self._next_drop = INF
+        self._sched_i = 0
+        self._gap_s = 0.0
+        self._replayed = 0
+        self._wait_from = -INF       # block: when the latest wait for room began
 
     # -- the engine's side --------------------------------------------------------
     def emit(self, t: float) -> None:
@@ -228,9 +170,14 @@ class ClientStream:
 
     def unblock_time(self, t: float) -> float:
         """The earliest time >= ``t`` at which ``blocked`` turns False (``inf`` if the
-        client is gone and the buffer will never drain, or the write timed out)."""
+        client is gone and the buffer will never drain, or the write timed out); with
+        drops on, at most the next drop (which may end the wait)."""
         self._advance(t)
-        return self._wait_until if self._wait_until > t else t
+        w = self._wait_until if self._wait_until > t else t
+        if self.rc is not None and w > t:
+            d = self._rc_due()
+            w = d if d < w else w
+        return w
 
     def disconnect(self, t: float) -> None:
         """The client went away at ``t``: nothing leaves the buffer or is delivered later."""
@@ -256,6 +203,8 @@ class ClientStream:
                     self._held = 0
             elif self._pending:
                 self._flush(t)
+        if self.rc is not None:
+            self._settle()
         arr = np.repeat(np.asarray(self._arr, dtype=np.float64),
                         np.asarray(self._cnt, dtype=np.int64))
         if self._gone < INF:
@@ -284,14 +233,22 @@ class ClientStream:
             over_capacity=(cap is not None and self.p.backpressure == "buffer"
                            and self._peak > cap),
             timed_out=self._timed_out,
+            drops=self._drops - (self.rc.prior if self.rc is not None else 0),
+            replayed_tokens=self._replayed,
+            reconnect_s=self._gap_s,
         )
         self._q.clear()
         self._arr = self._cnt = self._wt = []
+        if self.on_closed is not None:
+            self.on_closed()
         return self.result
 
     # -- internals -------------------------------------------------------------------
     def _advance(self, t: float) -> None:
         """Fire the flush and heartbeat timers due by ``t``, in time order."""
+        if self.rc is not None:
+            self._advance_rc(t)      # with drops and reconnections (``streamdrop``)
+            return
         every = self._every_s
         hb = self.p.heartbeat_s
         if every is None and hb is None:
@@ -314,6 +271,9 @@ class ClientStream:
         self._write(t, self.p.frame_bytes(n), n)
 
     def _heartbeat(self, t: float) -> None:
+        if self._down:
+            self._last_write = t     # no connection to keep alive
+            return
         self._drain(t)
         if self._qbytes > 0 or self._entered > t:
             self._last_write = t   # bytes still queued: the connection is visibly alive
@@ -333,6 +293,12 @@ class ClientStream:
     def _write(self, t: float, nbytes: float, ntok: int, force: bool = False) -> None:
         """Write a frame at ``t``: wait for room (block), switch (degrade), or enqueue."""
         p = self.p
+        if self._down:
+            # The client is reconnecting: into the replay log (``streamdrop``).
+            self._last_write = t
+            if ntok:
+                self._replay.append(ntok)
+            return
         if self._entered == INF:
             return   # an earlier write waits forever (client gone): nothing more goes out
         # Writes are serialised: one cannot enter before the previous one did.
@@ -364,6 +330,8 @@ class ClientStream:
                 # The client has not drained its socket for the write timeout: the
                 # server closes the stream; nothing more goes out.
                 self._blocked_s += wto
+                if self._timeout_drop(r + wto, ntok):
+                    return   # ... and the client reconnects (``streamdrop``)
                 self._entered = self._wait_until = INF
                 self._timed_out = True
                 if self.on_write_timeout is not None:
@@ -373,6 +341,7 @@ class ClientStream:
                 self._entered = self._wait_until = INF
                 return
             self._wait_until = e
+            self._wait_from = r
             self._blocked_s += e - r
             r = e
         self._entered = r
@@ -394,6 +363,9 @@ class ClientStream:
                 self._arr.append(a)
                 self._cnt.append(ntok)
                 self._wt.append(r)
+            if self.rc is not None and self._seg is None:
+                self._seg = a        # a segment of streaming starts (``streamdrop``)
+                self._set_next()
             if not self._first_done:
                 self._first_done = True
                 if self.on_first_token is not None:

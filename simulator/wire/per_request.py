@@ -10,6 +10,7 @@ import numpy as np
 from simulator.wire.clientstream import ClientStream, Link, StreamStats
 from simulator.report.metrics import batch_share_seconds
 from simulator.wire.network import NetworkTiming, net_time
+from simulator.wire.reconnect import Reconnects, reconnects_on
 from simulator.wire.stream import DisconnectDraws, stream_params
 
 
@@ -59,6 +60,12 @@ class Wire:
         self.left: dict[int, tuple] = {}            # rid -> (time the client left, seq)
         self.released_at: dict[int, float] = {}     # rid -> when its connection went idle
         self.timed_out: dict[int, object] = {}      # rid -> seq closed by the write timeout
+        #                                              (or by a drop it did not survive)
+        # Connection drops and SSE reconnects (``reconnect``); ``deliver`` (the driver's)
+        # takes a request sent again into a replica.
+        self.reconnects = (Reconnects(self, self.scfg.reconnect, draws.drops)
+                           if reconnects_on(self.scfg) else None)
+        self.deliver = None
 
     def _timing(self, rid: int) -> NetworkTiming:
         if self.topo is None:
@@ -111,10 +118,15 @@ class Wire:
             link = self.links.get(c)
             if link is None:
                 link = self.links[c] = Link()
-        cb = (lambda a, s=seq: self._first_token(s, a)) if self.dc.leaves[rid] else None
+        # A client drawn to leave does so after its first attempt's first token.
+        cb = ((lambda a, s=seq: self._first_token(s, a))
+              if self.dc.leaves[rid] and self.rec.attempts[rid] == 1 else None)
         wto = ((lambda t, s=seq: self._write_timeout(s, t))
                if self.scfg.write_timeout_s is not None else None)
-        return ClientStream(params, now, link, cb, wto)
+        st = ClientStream(params, now, link, cb, wto)
+        if self.reconnects is not None:
+            self.reconnects.attach(seq, st)
+        return st
 
     # -- a request's way out -----------------------------------------------------------
     def _release(self, seq, free_at: float) -> None:
@@ -233,6 +245,8 @@ class Wire:
             "wasted_cost_usd_unsignalled": (waste[False][2] / 3600.0 * price
                                             if price is not None else None),
         }}
+        if self.reconnects is not None:
+            out["stream"]["reconnect"] = self.reconnects.summary(self.stats)
         if self.topo is not None:
             routed = rec.replica >= 0
             reg = self.region[routed]

@@ -18,10 +18,12 @@ draws of which clients disconnect, when, and whether they say so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from simulator.wire.clientstream import StreamParams
+from simulator.wire.reconnect import drop_draws
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,17 @@ class DisconnectDraws:
     leaves: np.ndarray       # bool
     after_s: np.ndarray      # seconds after the first token's arrival
     signalled: np.ndarray    # bool
+    drops: Optional[np.ndarray] = None   # seconds of streaming to each drop (``reconnect``)
 
     @classmethod
-    def sample(cls, cfg, n: int, rng: np.random.Generator) -> "DisconnectDraws":
+    def sample(cls, cfg, n: int, rng: np.random.Generator,
+               reconnect=None) -> "DisconnectDraws":
         """Draw all three for ``n`` requests up front, so the run's event order cannot
-        change them (``cfg``: a ``DisconnectConfig``)."""
+        change them (``cfg``: a ``DisconnectConfig``); then, with ``reconnect`` (a
+        ``ReconnectConfig``) asking for drawn drops, the gaps between connection drops
+        (``reconnect.drop_draws``; after the others, which stay as they were)."""
         leaves = rng.random(n) < cfg.probability
         after = sample_durations(cfg.after_first_token, n, rng)
         signalled = rng.random(n) < cfg.signalled
-        return cls(leaves=leaves, after_s=after, signalled=signalled)
+        drops = drop_draws(reconnect, n, rng) if reconnect is not None else None
+        return cls(leaves=leaves, after_s=after, signalled=signalled, drops=drops)

@@ -22,6 +22,8 @@ class StreamStats:
     blocked_s: float = 0.0
     over_capacity: int = 0
     write_timeouts: int = 0
+    replayed_tokens: int = 0      # reconnections (``reconnect``): read by its summary
+    reconnect_s: float = 0.0
     peak_buffer_bytes: list = field(default_factory=list)
 
     def add(self, r: StreamResult) -> None:
@@ -37,6 +39,8 @@ class StreamStats:
         self.blocked_s += r.blocked_s
         self.over_capacity += r.over_capacity
         self.write_timeouts += r.timed_out
+        self.replayed_tokens += r.replayed_tokens
+        self.reconnect_s += r.reconnect_s
         self.peak_buffer_bytes.append(r.peak_buffer_bytes)
 
     def as_dict(self) -> dict:

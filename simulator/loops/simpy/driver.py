@@ -54,7 +54,8 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
     if rich:
         wire = Wire(scenario, env, rec, replicas, router, pools, topo, net,
                     client_downlinks_bps(scenario.stream, scenario.network.clients, rng_link),
-                    DisconnectDraws.sample(scenario.stream.disconnect, len(workload), rng_disc))
+                    DisconnectDraws.sample(scenario.stream.disconnect, len(workload), rng_disc,
+                                           scenario.stream.reconnect))
 
     arrival = workload.arrival_s
     prompt = workload.prompt_tokens
@@ -83,6 +84,9 @@ def run_simpy(*, scenario, env, rec, workload, policy, costs, capacity: int, kv_
             seq.stream = wire.open_stream(seq, env.now)
         rec.replica[rid] = k
         replicas[k].enqueue(seq)
+
+    if wire is not None:
+        wire.deliver = deliver   # a request its client sends again (``wire.reconnect``)
 
     def arrivals():
         t = 0.0
