@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -238,3 +239,20 @@ def test_planner_searches_dp_and_skips_inconsistent_points(tmp_path):
     import pandas as pd
     ev = pd.read_csv(tmp_path / "o" / "evaluations.csv")
     assert set(zip(ev["model.cost.dp"], ev["model.cost.ep"])) == {(1, 2), (4, 8)}
+
+
+def test_profile_rows_price_the_slowest_rank():
+    """``prefill_ms`` / ``decode_ms`` (what admission, the wait estimate and the KV report
+    ask) follow the split too: the step's core without bookkeeping and scale."""
+    m = RooflineCostModel(QWEN, GPU, tp=2, dp=4, ep=8, scale=2.0)
+    n, p, fl = (np.array([500], np.int64), np.array([0], np.int64), np.ones(1, np.bool_))
+    core = ph.step_core_ms(m.c, 0, 0, 0, n, p, fl, 1, False)
+    assert m.prefill_ms(2000, 0) == pytest.approx(
+        core + m.step_terms_ms(0, 1, [(2000, 0, True)])["added"], rel=1e-12)
+    zero, nof = np.zeros(1, np.int64), np.zeros(1, np.bool_)
+    core = ph.step_core_ms(m.c, 4, 300, 1200, zero, zero, nof, 0, False)
+    assert m.decode_ms(13, 300) == pytest.approx(
+        core + m.step_terms_ms(13, 1, [])["added"], rel=1e-12)
+    one = RooflineCostModel(QWEN, GPU, tp=2, ep=2)
+    base = RooflineCostModel(QWEN, GPU, tp=2)
+    assert one.prefill_ms(2000, 0) == base.prefill_ms(2000, 0)      # DP 1: as before

@@ -87,6 +87,24 @@ class ExpertSteps:
         add = self.step_terms_ms(batch, 1, [])["added"] * self.scale / 1000.0
         return [t + add for t in out]
 
+    def prefill_ms(self, chunk: int, prior: int) -> float:
+        """``FittedCostModel.prefill_ms`` (a profile row: no bookkeeping, no scale); at
+        DP > 1 the slowest rank's ``ceil(chunk / dp)`` tokens plus the step's terms (the
+        rank constants alone would price the whole chunk on one rank). At DP 1 as before."""
+        if self.dp <= 1:
+            return super().prefill_ms(chunk, prior)
+        ch = [(int(chunk), int(prior), True)]
+        s = rank_share(0, 0, 0, ch, self.dp)
+        return super().prefill_ms(s.chunks[0][0], prior) + self.step_terms_ms(0, 1, ch)["added"]
+
+    def decode_ms(self, batch: int, context: float) -> float:
+        """``FittedCostModel.decode_ms`` (a profile row); at DP > 1 the slowest rank's
+        ``ceil(batch / dp)`` sequences plus the step's terms. At DP 1 as before."""
+        if self.dp <= 1:
+            return super().decode_ms(batch, context)
+        nd = -(-int(batch) // self.dp)
+        return super().decode_ms(nd, context) + self.step_terms_ms(batch, 1, [])["added"]
+
     @property
     def min_step_s(self) -> float:
         """``FittedCostModel.min_step_s``; with EP, the smallest of it and the one-token
