@@ -209,3 +209,9 @@ def test_bad_reconnect_yaml_is_one_line_exit_2(tmp_path, field, value):
     line = r.output.strip()
     assert "\n" not in line and "bad.yaml" in line and f"stream.reconnect.{field}" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_drops_with_traffic_control_say_which_model_they_need():
+    with pytest.raises(ValueError, match="cluster.admission cannot be combined .*connection "
+                                         "drops"):
+        make_scenario(stream={"reconnect": {"drop_per_s": 0.1}}, cluster={"admission": {}})

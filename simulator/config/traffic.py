@@ -273,7 +273,8 @@ def check_traffic(sc) -> None:
     if on and (sc.stream.rich or sc.network.rich):
         raise ValueError(f"{on[0]} cannot be combined with the per-request stream and network "
                          "model (stream coalescing, heartbeats, buffers, disconnects, "
-                         "per-client downlinks, http2, regions): leave one of them out")
+                         "connection drops, per-client downlinks, http2, regions): leave one "
+                         "of them out")
     if cl.admission is not None:
         names = {c.name for c in getattr(sc.workload, "classes", None) or []}
         unknown = sorted(set(cl.admission.classes) - names - {"default"})
