@@ -212,6 +212,7 @@ def test_bad_reconnect_yaml_is_one_line_exit_2(tmp_path, field, value):
 
 
 def test_drops_with_traffic_control_say_which_model_they_need():
-    with pytest.raises(ValueError, match="cluster.admission cannot be combined .*connection "
-                                         "drops"):
+    from simulator.errors import LatsimError
+    with pytest.raises(LatsimError, match="cluster.admission cannot be combined .*connection "
+                                          "drops"):
         make_scenario(stream={"reconnect": {"drop_per_s": 0.1}}, cluster={"admission": {}})
