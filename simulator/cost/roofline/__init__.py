@@ -44,6 +44,9 @@ The modules:
 - ``model``: ``RooflineCostModel`` (``FittedCostModel`` with another constants
   vector, so every event loop treats the two alike), ``RooflineCostConfig``
   (``model.cost`` of ``kind: roofline``) and ``build_roofline``, its registry factory;
+- ``expert``: expert parallelism's named step terms (all-to-all, replaced all-reduce,
+  imbalance); ``dataparallel``: data-parallel attention ranks (the slowest rank's share
+  and constants); ``epsteps``: ``ExpertSteps``, the step times they give;
 - ``checks``: every prediction against measurements, as tables
   (``benchmarks/hardware_whatif.py``, ``notebooks/hardware_whatif.py``).
 

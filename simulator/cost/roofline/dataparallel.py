@@ -22,7 +22,11 @@ on each GPU (``rank_constants``), and the all-to-all carries them all. Two terms
 the step: ``dp_attention_share``, a chunk's attention as ``1 / dp`` of the whole
 chunk's (the rank's ``ceil(n / dp)`` tokens alone would price ``1 / dp^2`` of the
 causal pairs), and ``dp_sync``, the ranks agreeing on their token counts before each
-forward (vLLM's ``num_tokens_across_dp``: one collective's latency, ``ar_lat_us``).
+forward (vLLM v1's ``get_batch_metadata_across_dp``, ``vllm/v1/worker/gpu/dp_utils.py``:
+an all-reduce of every rank's token count and CUDA-graph size over the DP group's CPU
+group, each step; every rank then runs the largest graph, as the slowest rank's
+``ceil(decodes / dp)`` here does). latsim has no measurement of that host collective and
+prices it as one collective's latency (the family's ``ar_lat_us``).
 
 Stated approximations: a request lives on one rank in vLLM, its prefill chunk whole;
 balancing splits the work of each step evenly instead (a real step with one long
@@ -107,6 +111,6 @@ def attention_share_ms(c: np.ndarray, chunks: Sequence[tuple], dp: int) -> float
 
 
 def dp_sync_ms(c: np.ndarray, dp: int) -> float:
-    """``dp_sync`` (ms): the ranks' agreement on their token counts before a forward,
-    one collective's latency (the family's ``ar_lat_us``); 0 at DP 1."""
+    """``dp_sync`` (ms): the ranks' agreement on their token counts before a forward
+    (module doc), one collective's latency (the family's ``ar_lat_us``); 0 at DP 1."""
     return float(c[ph.C_AR_LAT_US]) * 1e-3 if dp > 1 else 0.0
