@@ -13,6 +13,7 @@ from simulator.config.strict import StrictModel
 
 MAX_RETRY_MS = 600_000.0    # ten minutes: past that a client has given up, not retried
 MAX_DROP_PER_S = 100.0      # a drop every 10 ms of streaming: nothing would stream
+MAX_DROP_AT_S = 1e7         # ~4 months: the run's clock goes on to its last drop
 
 
 class ReconnectConfig(StrictModel):
@@ -40,9 +41,10 @@ class ReconnectConfig(StrictModel):
     @field_validator("drops_at_s")
     @classmethod
     def _times(cls, v: list[float]) -> list[float]:
-        bad = [t for t in v if not 0 <= t < float("inf")]
+        bad = [t for t in v if not 0 <= t <= MAX_DROP_AT_S]
         if bad:
-            raise ValueError(f"drops_at_s must hold times >= 0 s, not {bad[0]!r}")
+            raise ValueError(f"drops_at_s must hold times of 0..{MAX_DROP_AT_S:g} s, "
+                             f"not {bad[0]!r}")
         return sorted(v)
 
     @property
