@@ -1,5 +1,6 @@
-"""Plug-ins: the built-in ones (imported here so their ``register`` calls run) and a
-user's own (``load_plugins``).
+"""Plug-ins: the built-in ones (declared here: each name with the module whose import
+registers it, imported when the name is first looked up) and a user's own
+(``load_plugins``).
 
 A user's plug-in is a Python module that registers a policy
 (``simulator.model.scheduling.register_policy``), a workload, an arrival process, a
@@ -7,7 +8,14 @@ length distribution, a cost model or a router, exactly as the built-in modules d
 It is named in a scenario's ``plugins:`` list (an import path such as
 ``mypkg.mypolicy``, or a ``.py`` file relative to the scenario), or installed as a
 package that declares an entry point in the group ``latsim.plugins``; either way it is
-imported before the scenario is validated, so its names can be used in it.
+imported before the scenario is validated, so its names can be used in it. Every
+built-in module is imported before the first user plug-in is, so that a user's module
+meets the built-ins (and the cost models' contract check) as registered.
+
+Declaring instead of importing keeps a run from importing what it does not use (the
+trace readers, ServeGen, sessions, the other cost models' tables): a name is listed,
+validated and offered in errors at once (``Registry.declare``); ``BUILTIN`` must name
+exactly what importing its modules registers (``tests/test_plugin_declare.py``).
 """
 from __future__ import annotations
 
@@ -18,16 +26,40 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Optional
 
-from simulator import cost as _cost  # noqa: F401  cost models
-from simulator import workload as _workload  # noqa: F401  arrivals, lengths, synthetic
-from simulator.cluster import prefix_router as _prefix_router  # noqa: F401  cache_aware
-from simulator.cluster import routers as _routers  # noqa: F401  replica routers
+from simulator.config.registry import ARRIVALS, COST_MODELS, LENGTHS, ROUTERS, WORKLOADS
 from simulator.errors import LatsimError, about, check_file, present
-from simulator.model import policies as _policies  # noqa: F401  scheduling policies
-from simulator.workload import servegen as _servegen  # noqa: F401  kind: servegen
-from simulator.workload import inference_perf as _ip  # noqa: F401  kind: inference_perf
-from simulator.workload import traces as _traces  # noqa: F401  kind: trace
-from simulator.workload import sessions as _sessions  # noqa: F401  kind: sessions
+from simulator.model.scheduling.policy import POLICIES
+
+_W = "simulator.workload."
+_P = "simulator.model.policies."
+# (registry, module, the names importing the module registers): every built-in plug-in.
+BUILTIN = (
+    (COST_MODELS, "simulator.cost", ("profile", "fitted", "roofline")),
+    (WORKLOADS, _W + "synthetic", ("synthetic",)),
+    (WORKLOADS, _W + "inference_perf", ("inference_perf",)),
+    (WORKLOADS, _W + "servegen", ("servegen",)),
+    (WORKLOADS, _W + "traces", ("trace",)),
+    (WORKLOADS, _W + "sessions", ("sessions",)),
+    (ARRIVALS, _W + "arrivals", ("poisson", "gamma", "constant")),
+    (ARRIVALS, _W + "rates", ("diurnal", "piecewise", "ramp", "servegen", "step")),
+    (LENGTHS, _W + "lengths", ("constant", "uniform", "lognormal", "exponential")),
+    (ROUTERS, "simulator.cluster.routers",
+     ("round_robin", "random", "least_outstanding", "nearest_region", "region_load_rtt")),
+    (ROUTERS, "simulator.cluster.prefix_router", ("cache_aware",)),
+    *((POLICIES, _P + name, (name,)) for name in
+      ("fifo", "chunked", "priority_aging", "fair_score", "static", "sjf", "edf")),
+)
+for _reg, _module, _names in BUILTIN:
+    for _name in _names:
+        _reg.declare(_name, _module)
+
+
+def import_builtins() -> None:
+    """Import every built-in plug-in module now (as a user's plug-in needs them: see the
+    module doc)."""
+    for _reg, module, _names in BUILTIN:
+        importlib.import_module(module)
+
 
 ENTRY_POINT_GROUP = "latsim.plugins"
 MAX_PLUGIN_BYTES = 16 * 2**20   # a plug-in is a few KB of Python; this only stops a wrong file
@@ -40,7 +72,10 @@ def _entry_points() -> None:
     if _loaded_entry_points:
         return
     _loaded_entry_points = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    eps = entry_points(group=ENTRY_POINT_GROUP)
+    if eps:
+        import_builtins()
+    for ep in eps:
         try:
             ep.load()
         except KeyboardInterrupt:
@@ -69,6 +104,8 @@ def load_plugins(names, base_dir: Optional[Path] = None, source: str = "<scenari
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         raise LatsimError("must be a list of module names or .py files", source=source,
                           field="plugins", value=names, has_value=True)
+    if names:
+        import_builtins()
     for i, name in enumerate(names):
         field = f"plugins[{i}]"
         try:

@@ -207,7 +207,7 @@ def register_policy(name: str):
     """Class decorator: register a ``Policy`` subclass under ``name`` (unique)."""
 
     def deco(cls: type[Policy]) -> type[Policy]:
-        if name in POLICIES and POLICIES.factory(name) is not cls:
+        if POLICIES.holder(name) not in (None, cls):
             raise RuntimeError(f"policy {name!r} registered twice")
         if not (isinstance(cls, type) and issubclass(cls, Policy)):
             raise TypeError(f"policy {name!r} must subclass simulator.model.scheduling.Policy")
