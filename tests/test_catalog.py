@@ -406,15 +406,16 @@ def test_qwen3_config_defaults_and_refusals(tmp_path):
     a = catalog.model(_write(tmp_path, cfg))
     assert a.head_dim == 128 and a.qk_norm and not a.tied_embeddings and not a.qkv_bias
     assert catalog.model(_write(tmp_path, {**cfg, "tie_word_embeddings": True})).lm_head_params() == 0
-    # A qwen3_moe config without moe_intermediate_size, MLA and shared experts: one line each.
+    # A qwen3_moe config without moe_intermediate_size, an MLA config without its rotary
+    # width: one line each (MLA is read for DeepSeek: tests/test_catalog_mla.py).
     for bad, field in ((_small_qwen3_moe(moe_intermediate_size=None), "moe_intermediate_size"),
                        (_small_qwen3_moe(mlp_only_layers=[6]), "mlp_only_layers"),
                        (_small_qwen3_moe(mlp_only_layers="0"), "mlp_only_layers"),
                        (_small_qwen3_moe(decoder_sparse_step=0), "decoder_sparse_step"),
                        ({**cfg, "model_type": "deepseek_v3", "kv_lora_rank": 512,
-                         "n_routed_experts": 256}, "kv_lora_rank"),
-                       ({**cfg, "model_type": "qwen2_moe", "num_experts": 60,
-                         "shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size")):
+                         "n_routed_experts": 256}, "qk_rope_head_dim"),
+                       ({**cfg, "model_type": "llama", "n_shared_experts": 2},
+                        "n_shared_experts")):
         with pytest.raises(LatsimError) as e:
             catalog.model(_write(tmp_path, bad))
         msg = str(e.value)

@@ -33,6 +33,13 @@ and per chunk that completes its prompt):
   blocks_per_SM`` at once: a batch past that runs in waves, and every further wave
   pays ``wave_cost`` of the latency bound again (the cliff a batch one past a full
   wave shows); ``blocks_per_SM = 0`` means no wave limit;
+- multi-head latent attention (DeepSeek MLA, ``kv_latent > 0``): a token caches one
+  latent of ``kv_latent`` elements a layer, whole on every GPU, in place of ``2 * Hkv
+  * hd``; prefill attention multiplies each pair through ``attn_pair`` widths per query
+  head (up-projected keys and values) in place of ``2 * hd``; decode attention reads
+  the latent and multiplies it through ``dec_pair`` widths per query head (the
+  up-projections absorbed), so its throughput bound is the larger of the bytes at
+  ``HBM * e_decode`` and those FLOPs at flash attention's rate;
 - prefill attention, per chunk of ``n`` tokens after ``prior`` cached ones: without a
   prefix, causal flash attention, ``4 * L * Hq * hd * n (n + 1) / 2`` FLOPs at
   ``peak * e_flash``; with one, a masked kernel over the whole ``n x (prior + n)``
@@ -182,7 +189,12 @@ C_EXPERT_PARAMS = C_TP + 18      # MoE: linear weights of one expert, all layers
 C_CA_LAT_US = C_TP + 19          # small-message (custom, in-graph) all-reduce latency, µs
 C_CA_GBS = C_TP + 20             # ... its bandwidth per GPU and direction, GB/s
 C_CA_MAX_BYTES = C_TP + 21       # ... up to this message size (0: every all-reduce is NCCL's)
-N_CONST = C_TP + 22
+# C_TP + 22, C_TP + 23: held for the GEMM tile constants (issue 30, work in progress).
+# Multi-head latent attention (DeepSeek MLA; ``catalog.ModelArch``), 0 for multi-head:
+C_KV_LATENT = C_TP + 24          # elements a token caches per layer, whole on every GPU
+C_ATTN_PAIR = C_TP + 25          # per query head, widths a prefill (query, key) pair multiplies
+C_DEC_PAIR = C_TP + 26           # ... a decode pair (the latent, up-projections absorbed)
+N_CONST = C_TP + 27
 # -- optional, after the constants: a decode table (``with_decode_table``) ---------------
 # Row ``nd`` holds ``step_terms`` of a decode-only step of ``nd`` sequences (7 numbers)
 # and the decode-attention unit of an eager step of that batch: an event loop's decode
@@ -213,6 +225,7 @@ NAMES = {
     C_ATTN_TFLOPS: "attn_tflops", C_PARAMS_READ: "params_read", C_EXPERTS: "experts",
     C_TOPK: "experts_per_token", C_EXPERT_PARAMS: "expert_params",
     C_CA_LAT_US: "ca_lat_us", C_CA_GBS: "ca_gbs", C_CA_MAX_BYTES: "ca_max_bytes",
+    C_KV_LATENT: "kv_latent", C_ATTN_PAIR: "attn_pair", C_DEC_PAIR: "dec_pair",
 }
 INDEX = {v: k for k, v in NAMES.items()}
 
@@ -247,6 +260,15 @@ def kv_heads_per_gpu(c):
     """KV heads one GPU holds: ``kv_heads / tp``, at least one (replicated beyond)."""
     k = c[C_KV_HEADS] / tp_of(c)
     return k if k >= 1.0 else 1.0
+
+
+@kernel(inline=True)
+def cached_elems(c):
+    """Elements one GPU caches per token and layer: its KV heads' K and V, or MLA's
+    latent (``kv_latent``), which every GPU holds whole."""
+    if c[C_KV_LATENT] > 0.0:
+        return c[C_KV_LATENT]
+    return 2.0 * kv_heads_per_gpu(c) * c[C_HEAD_DIM]
 
 
 @kernel
@@ -297,6 +319,12 @@ def chunk_attention_ms(c, n, prior):
     hq = c[C_HEADS] / tp_of(c)
     hd = c[C_HEAD_DIM]
     flops_per_pair = 4.0 * L * hq * hd
+    stream = 2.0 * hd          # one head's K and V elements of a key a block streams
+    if c[C_KV_LATENT] > 0.0:
+        # MLA's prefill runs on up-projected keys and values; a prefix's keys are read
+        # as the latent every head shares.
+        flops_per_pair = 2.0 * L * hq * c[C_ATTN_PAIR]
+        stream = c[C_KV_LATENT]
     nf = float(n)
     # The causal pairs (a query and a key it may see) at flash attention's rate.
     causal = nf * (float(prior) + (nf + 1.0) * 0.5)
@@ -305,7 +333,7 @@ def chunk_attention_ms(c, n, prior):
         return flash
     keys = float(prior) + nf
     thr = flops_per_pair * nf * keys / (attn_peak(c) * c[C_E_MASKED]) * 1e-9
-    lat = keys * L * 2.0 * hd * kv_elem_bytes(c) / c[C_CTA_PREFIX] * 1e-6
+    lat = keys * L * stream * kv_elem_bytes(c) / c[C_CTA_PREFIX] * 1e-6
     # The masked kernel never beats flash attention on the same pairs: a prefix only
     # ever adds work (and keeps cost monotone in the prefix whatever the fit).
     t = pnorm(lat, thr, c[C_P_ATTN])
@@ -327,11 +355,19 @@ def decode_attention_unit(c, nd, eager_in_graph_engine):
         return 0.0
     L = c[C_LAYERS]
     e = c[C_E_DECODE_EAGER] if eager_in_graph_engine else c[C_E_DECODE]
-    kvb = 2.0 * kv_heads_per_gpu(c) * c[C_HEAD_DIM] * kv_elem_bytes(c)
+    kvb = cached_elems(c) * kv_elem_bytes(c)
     # Throughput: the K/V bytes of every key read, at HBM * e.
     thr = L * kvb / (c[C_HBM_GBS] * e) * 1e-6
+    stream = 2.0 * c[C_HEAD_DIM]
+    if c[C_KV_LATENT] > 0.0:
+        # MLA: every head reads the one latent, and multiplies it through the absorbed
+        # up-projections (``dec_pair`` widths a key): the FLOPs can bind as well.
+        stream = c[C_KV_LATENT]
+        flops = 2.0 * L * c[C_HEADS] / tp_of(c) * c[C_DEC_PAIR]
+        t_c = flops / (attn_peak(c) * c[C_E_FLASH]) * 1e-9
+        thr = thr if thr > t_c else t_c
     # Latency: one block streams one head's keys of the longest context.
-    lat = L * 2.0 * c[C_HEAD_DIM] * kv_elem_bytes(c) / c[C_CTA_DECODE] * 1e-6
+    lat = L * stream * kv_elem_bytes(c) / c[C_CTA_DECODE] * 1e-6
     if c[C_PADDED] > 0.0:
         # keys = batch x longest context: per unit of the longest context.
         thr *= float(nd)
@@ -418,7 +454,7 @@ def act_ms(c, T):
     kvr = kv_elem_bytes(c) / c[C_DTYPE_BYTES]
     act_bytes = T * c[C_LAYERS] * c[C_DTYPE_BYTES] * (
         c[C_ACT_D] * d / tp + c[C_ACT_F] * c[C_FFN] / tp
-        + 2.0 * kv_heads_per_gpu(c) * c[C_HEAD_DIM] * kvr + c[C_ACT_D_REPL] * d)
+        + cached_elems(c) * kvr + c[C_ACT_D_REPL] * d)
     return act_bytes / (c[C_HBM_GBS] * c[C_E_ACT]) * 1e-6
 
 

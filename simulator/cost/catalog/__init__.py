@@ -21,8 +21,9 @@ from simulator.cost.catalog.memory import (MemoryPlan, activation_bytes_per_gpu,
                                            kv_bytes_per_token_per_gpu, kv_heads_per_gpu,
                                            kv_replication, plan_memory, weight_bytes_per_gpu,
                                            weight_bytes_per_stage)
-from simulator.cost.catalog.models import (DTYPE_BYTES, MODELS, WEIGHT_FORMATS, ModelArch,
+from simulator.cost.catalog.models import (DTYPE_BYTES, WEIGHT_FORMATS, ModelArch,
                                            WeightFormat, dtype_bytes, weight_format)
+from simulator.cost.catalog.modeltable import MODELS
 from simulator.cost.catalog.lookup import gpu, gpu_in_text, gpu_names, model, model_names
 
 __all__ = [

@@ -9,8 +9,12 @@ Yi), OPT, BLOOM and Falcon: ``num_hidden_layers``/``n_layer``,
 ``num_experts_per_tok``, ``max_position_embeddings``/``seq_length``; Qwen3 (``qwen3``:
 per-head q/k RMSNorm, an explicit ``head_dim``) and Qwen3-MoE (``qwen3_moe``:
 ``moe_intermediate_size`` experts, dense layers by ``decoder_sparse_step`` and
-``mlp_only_layers``). Multi-head latent attention (DeepSeek's ``kv_lora_rank``) and
-shared experts are refused, not misread.
+``mlp_only_layers``); DeepSeek-V2/V3 (``deepseek_v2``, ``deepseek_v3``: multi-head
+latent attention from ``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``,
+``qk_rope_head_dim``, ``v_head_dim``; ``n_shared_experts`` shared experts of
+``moe_intermediate_size``; dense layers by ``first_k_dense_replace`` and
+``moe_layer_freq``) and Qwen2-MoE's ``shared_expert_intermediate_size``. Latent
+attention in any other family is refused, not misread.
 
 Defaults follow the transformers config classes of each family where a key is
 absent: Llama-family configs default to untied embeddings, OPT/BLOOM/Falcon (and any
@@ -31,17 +35,20 @@ from simulator.cost.catalog.models import ModelArch
 # Families whose MLP is gated (SwiGLU: gate, up, down) and whose configs use the
 # Llama spellings; transformers' config classes default them to untied embeddings.
 _LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "yi", "internlm", "internlm2",
-               "codellama", "qwen3", "qwen3_moe"}
+               "codellama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3"}
+# DeepSeek-V2/V3: multi-head latent attention and shared experts (``_deepseek``).
+_DEEPSEEK = {"deepseek_v2", "deepseek_v3"}
 # Qwen3: RMSNorm on each head's q and k; transformers' Qwen3Config defaults head_dim to
 # 128 (not hidden / heads), Qwen3MoeConfig falls back to hidden / heads.
 _QK_NORM = {"qwen3", "qwen3_moe"}
 _HEAD_DIM_DEFAULT = {"qwen3": 128}
 # Attention or MoE layouts the shape cannot hold: refused rather than misread.
 _UNMODELLED = {
-    "kv_lora_rank": "multi-head latent attention (DeepSeek-V2/V3 MLA) is not modelled",
-    "q_lora_rank": "multi-head latent attention (DeepSeek-V2/V3 MLA) is not modelled",
-    "n_shared_experts": "shared experts are not modelled",
-    "shared_expert_intermediate_size": "shared experts are not modelled",
+    "kv_lora_rank": "multi-head latent attention is read for DeepSeek-V2/V3 "
+                    "(model_type deepseek_v2/deepseek_v3) only",
+    "q_lora_rank": "multi-head latent attention is read for DeepSeek-V2/V3 "
+                   "(model_type deepseek_v2/deepseek_v3) only",
+    "n_shared_experts": "shared experts are read for DeepSeek-V2/V3 and Qwen2-MoE only",
 }
 _TIED_BY_DEFAULT = {"opt", "bloom", "falcon", "refinedweb", "refinedwebmodel", "gpt2", "gpt_neox"}
 
@@ -117,10 +124,16 @@ def arch_from_config(cfg: dict, source: str = "config.json", name: str | None = 
     if heads % kv_heads:
         r.fail(f"must divide num_attention_heads ({heads})", "num_key_value_heads", kv_heads)
 
-    for key, why in _UNMODELLED.items():
-        if cfg.get(key):
-            r.fail(why, key, cfg[key])
-    head_dim = r.int_("head_dim", required=False) or _HEAD_DIM_DEFAULT.get(fam)
+    mla: dict[str, Any] = {}
+    if fam in _DEEPSEEK:
+        mla = _deepseek(r)
+        kv_heads = 1            # one cached latent, shared by every head (ModelArch)
+    else:
+        for key, why in _UNMODELLED.items():
+            if cfg.get(key):
+                r.fail(why, key, cfg[key])
+    head_dim = (mla.pop("head_dim", None) or r.int_("head_dim", required=False)
+                or _HEAD_DIM_DEFAULT.get(fam))
     if head_dim is None:
         if hidden % heads:
             r.fail(f"is not a multiple of num_attention_heads ({heads}) and no head_dim is given",
@@ -139,12 +152,17 @@ def arch_from_config(cfg: dict, source: str = "config.json", name: str | None = 
                    default=2 if experts > 1 else 1)
     if top_k > experts:
         r.fail(f"exceeds the number of experts ({experts})", "num_experts_per_tok", top_k)
-    dense_layers, dense_ffn = 0, 0
+    dense_layers, dense_ffn, shared_ffn = 0, 0, 0
     if experts > 1 and ("moe_intermediate_size" in cfg or fam == "qwen3_moe"):
-        # Qwen3-MoE: the experts' width is its own key; intermediate_size is the width of
-        # the dense MLP of layers that are not sparse.
-        dense_layers = _dense_layers(r, layers)
+        # Qwen3-MoE, DeepSeek: the experts' width is its own key; intermediate_size is
+        # the width of the dense MLP of layers that are not sparse.
+        dense_layers = (_deepseek_dense_layers(r, layers) if fam in _DEEPSEEK
+                        else _dense_layers(r, layers))
         dense_ffn, ffn = ffn, r.int_("moe_intermediate_size")
+        if fam in _DEEPSEEK:
+            shared_ffn = r.int_("n_shared_experts", default=0, required=False) * ffn
+    if experts > 1 and cfg.get("shared_expert_intermediate_size") is not None:
+        shared_ffn = r.int_("shared_expert_intermediate_size")   # Qwen2-MoE
 
     tied = r.bool_("tie_word_embeddings", fam in _TIED_BY_DEFAULT or fam not in _LLAMA_LIKE)
     max_ctx = r.int_("max_position_embeddings", "n_positions", "seq_length",
@@ -173,7 +191,7 @@ def arch_from_config(cfg: dict, source: str = "config.json", name: str | None = 
         kw.update(linear_bias=r.bool_("bias", False), norm="layernorm",
                   norms_per_layer=2 if (new_arch or not parallel) else 1)
     else:
-        kw.update(qkv_bias=r.bool_("attention_bias", fam == "qwen2"))
+        kw.update(qkv_bias=r.bool_("attention_bias", fam in ("qwen2", "qwen2_moe")))
         sw = cfg.get("sliding_window")
         if isinstance(sw, int) and not isinstance(sw, bool) and sw > 0 and r.bool_("use_sliding_window", True):
             kw["sliding_window"] = sw
@@ -186,7 +204,29 @@ def arch_from_config(cfg: dict, source: str = "config.json", name: str | None = 
         gated_mlp=gated, activation=str(act), max_context=max_ctx,
         experts=experts, experts_per_token=top_k if experts > 1 else 1,
         dense_layers=dense_layers, dense_ffn=dense_ffn if dense_layers else 0,
-        qk_norm=fam in _QK_NORM, source=str(source), **kw)
+        shared_ffn=shared_ffn, qk_norm=fam in _QK_NORM, source=str(source), **mla, **kw)
+
+
+def _deepseek(r: _Reader) -> dict[str, Any]:
+    """DeepSeek-V2/V3's latent attention: the ModelArch fields (``head_dim`` is a
+    query/key head's width, its no-rope part plus its rope part)."""
+    kv_lora = r.int_("kv_lora_rank")
+    rope = r.int_("qk_rope_head_dim")
+    nope = r.int_("qk_nope_head_dim")
+    return {"kv_lora_rank": kv_lora, "q_lora_rank": r.int_("q_lora_rank", default=0,
+                                                           required=False),
+            "qk_rope_dim": rope, "v_head_dim": r.int_("v_head_dim"), "head_dim": nope + rope}
+
+
+def _deepseek_dense_layers(r: _Reader, layers: int) -> int:
+    """How many layers of a DeepSeek config have a dense MLP: transformers' DeepSeek
+    models make layer ``i`` sparse when ``i >= first_k_dense_replace`` and ``i %
+    moe_layer_freq == 0``."""
+    first = r.cfg.get("first_k_dense_replace", 0)
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first <= layers:
+        r.fail(f"must be an integer 0..{layers}", "first_k_dense_replace", first)
+    freq = r.int_("moe_layer_freq", default=1)
+    return sum(1 for i in range(layers) if not (i >= first and i % freq == 0))
 
 
 def _dense_layers(r: _Reader, layers: int) -> int:

@@ -10,7 +10,8 @@ from pathlib import Path
 from simulator.errors import LatsimError
 from simulator.cost.catalog.gpus import GPUS, GpuSpec
 from simulator.cost.catalog.hf import load_config
-from simulator.cost.catalog.models import MODELS, ModelArch
+from simulator.cost.catalog.models import ModelArch
+from simulator.cost.catalog.modeltable import MODELS
 
 
 def _key(name: str) -> str:

@@ -117,10 +117,14 @@ def _layer_bytes_per_gpu(arch: ModelArch, tp: int, wf: WeightFormat, dp: int = 1
     if dp > 1:
         experts = arch.moe_layers * arch.experts * arch.expert_linear_weights()
         mlp = mlp - experts + experts / dp
-    linear = (h * arch.q_dim / tp + 2 * h * kvh * hd + arch.q_dim / tp * h
-              + mlp / arch.layers / tp)
+    attn = h * arch.q_dim / tp + 2 * h * kvh * hd + arch.q_dim / tp * h
+    if arch.is_mla:
+        # MLA: the up-projections and o_proj split by heads, the down-projections whole.
+        repl = arch.attn_replicated_weights()
+        attn = (arch.attn_linear_weights() - repl) / tp + repl
+    linear = attn + mlp / arch.layers / tp
     small = (arch.router_weights() * arch.moe_layers / arch.layers
-             + arch.norms_per_layer * arch.norm_params() + (2 * hd if arch.qk_norm else 0))
+             + arch.norms_per_layer * arch.norm_params() + arch.attn_norm_params())
     if arch.linear_bias:
         small += arch.q_dim / tp + 2 * kvh * hd + h          # qkv split, o bias replicated
         if dp > 1:
@@ -161,6 +165,8 @@ def kv_bytes_per_token_per_gpu(arch: ModelArch, tp: int = 1, pp: int = 1,
                                kv_dtype: str = "bf16") -> float:
     """K and V bytes one cached token takes on one GPU (its stage's layers, its KV heads)."""
     check_parallelism(arch, tp, pp, priced=False)
+    if arch.is_mla:   # one latent a token and layer, whole on every GPU
+        return float(arch.layers // pp * arch.kv_elems_per_layer() * dtype_bytes(kv_dtype))
     return float(kv_bytes(arch.layers // pp, kv_heads_per_gpu(arch, tp), arch.head_dim,
                           dtype_bytes(kv_dtype)))
 

@@ -115,6 +115,17 @@ class ModelArch:
     embedding_norm: bool = False  # BLOOM's word_embeddings_layernorm
     learned_positions: int = 0    # rows of a learned position table (OPT: 2048 + 2)
     sliding_window: int | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3 MLA; ``kv_lora_rank > 0`` marks it):
+    # keys and values are up-projected per head from one cached latent of
+    # ``kv_lora_rank`` elements plus a rotary key of ``qk_rope_dim`` shared by every head
+    # (``kv_heads`` is 1: the cache holds that one latent, whole on every TP rank);
+    # ``head_dim`` is a query/key head's width (no-rope part + rope part), ``v_head_dim``
+    # a value head's; queries go through a ``q_lora_rank`` bottleneck when it is > 0.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    shared_ffn: int = 0           # MoE: width of the always-active shared expert(s), summed
     source: str = ""              # where the shape numbers come from
     published_params: float | None = None         # total, as published
     published_active_params: float | None = None  # MoE: per token, as published
@@ -132,6 +143,16 @@ class ModelArch:
         return self.kv_heads * self.head_dim
 
     @property
+    def is_mla(self) -> bool:
+        """True for multi-head latent attention (module fields)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def v_dim(self) -> int:
+        """Width of the attention output before ``o_proj`` (heads x value head width)."""
+        return self.heads * (self.v_head_dim if self.is_mla else self.head_dim)
+
+    @property
     def is_moe(self) -> bool:
         """True for a mixture-of-experts MLP."""
         return self.experts > 1
@@ -142,8 +163,33 @@ class ModelArch:
 
     # -- parameter counts (elements) ----------------------------------------------
     def attn_linear_weights(self) -> int:
-        """Weights of q, k, v and o projections in one layer (no biases)."""
-        return self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+        """Weights of q, k, v and o projections in one layer (no biases). MLA: the
+        query's down and up projections (or one projection without ``q_lora_rank``), the
+        joint KV down-projection to the latent and the shared rotary key, the latent's
+        up-projection to every head's no-rope key and value, and ``o_proj``."""
+        if not self.is_mla:
+            return self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+        h, n = self.hidden, self.heads
+        q = (h * self.q_lora_rank + self.q_lora_rank * self.q_dim if self.q_lora_rank
+             else h * self.q_dim)
+        kv_a = h * (self.kv_lora_rank + self.qk_rope_dim)
+        kv_b = self.kv_lora_rank * n * (self.head_dim - self.qk_rope_dim + self.v_head_dim)
+        return q + kv_a + kv_b + self.v_dim * h
+
+    def attn_replicated_weights(self) -> int:
+        """Attention weights of one layer that every GPU of a TP group holds whole: MLA's
+        down-projections (vLLM runs them as replicated linears), 0 otherwise (the
+        replication of KV heads past ``kv_heads`` GPUs is the memory plan's)."""
+        if not self.is_mla:
+            return 0
+        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_dim)
+
+    def attn_norm_params(self) -> int:
+        """Norm weights inside one layer's attention: Qwen3's per-head q/k norms, MLA's
+        norms on the query and KV latents."""
+        if self.is_mla:
+            return self.q_lora_rank + self.kv_lora_rank
+        return 2 * self.head_dim if self.qk_norm else 0
 
     def attn_biases(self) -> int:
         """Bias elements of one layer's attention projections."""
@@ -163,6 +209,10 @@ class ModelArch:
             return 0
         return (2 if self.gated_mlp else 1) * self.ffn + self.hidden
 
+    def shared_expert_weights(self) -> int:
+        """Weights of one MoE layer's always-active shared expert(s) (0 without)."""
+        return (3 if self.gated_mlp else 2) * self.hidden * self.shared_ffn
+
     def router_weights(self) -> int:
         """The MoE gate: hidden x experts per layer (0 for dense models)."""
         return self.hidden * self.experts if self.is_moe else 0
@@ -180,7 +230,8 @@ class ModelArch:
         """MLP (expert) linear weights of all layers; ``active``: the routed experts only
         (those one token multiplies through), else every expert (those stored)."""
         n_exp = self.experts_per_token if active else self.experts
-        return (self.moe_layers * n_exp * self.expert_linear_weights()
+        return (self.moe_layers * (n_exp * self.expert_linear_weights()
+                                   + self.shared_expert_weights())
                 + self.dense_layers * self.dense_mlp_weights())
 
     def layer_params(self, active: bool = False) -> int:
@@ -189,14 +240,16 @@ class ModelArch:
         n_exp = self.experts_per_token if active else self.experts
         return (self.attn_linear_weights() + self.attn_biases()
                 + n_exp * (self.expert_linear_weights() + self.expert_biases())
+                + self.shared_expert_weights()
                 + self.router_weights() + self.norms_per_layer * self.norm_params()
-                + (2 * self.head_dim if self.qk_norm else 0))
+                + self.attn_norm_params())
 
     def blocks_params(self, active: bool = False) -> int:
         """Parameters of all transformer blocks: a mixture's ``dense_layers`` hold a dense
         MLP in place of the experts and the router."""
         n_exp = self.experts_per_token if active else self.experts
-        mixture = n_exp * (self.expert_linear_weights() + self.expert_biases()) + self.router_weights()
+        mixture = (n_exp * (self.expert_linear_weights() + self.expert_biases())
+                   + self.shared_expert_weights() + self.router_weights())
         return (self.layers * self.layer_params(active)
                 + self.dense_layers * (self.dense_mlp_weights() - mixture))
 
@@ -242,16 +295,38 @@ class ModelArch:
         return 2.0 * self.hidden * self.vocab
 
     def attn_flops_per_pair(self) -> float:
-        """FLOPs of QK^T plus PV for one (query, key) pair, over all heads and layers.
-
-        2 x head_dim for the dot product and 2 x head_dim for the weighted sum, per
-        query head. A causal prefill of n tokens has n(n+1)/2 pairs; a decode with
+        """FLOPs of QK^T plus PV for one (query, key) pair of a prefill, over all heads
+        and layers: 2 FLOPs per element of ``attn_pair_dims`` (2 x head_dim for the dot
+        product and 2 x head_dim for the weighted sum, per query head, in multi-head
+        attention). A causal prefill of n tokens has n(n+1)/2 pairs; a decode with
         context c has c pairs.
         """
-        return 4.0 * self.heads * self.head_dim * self.layers
+        return 2.0 * self.heads * self.layers * self.attn_pair_dims()
+
+    def attn_pair_dims(self, decode: bool = False) -> float:
+        """Per query head, the widths one (query, key) pair is multiplied through: the
+        q.k dot product's plus the weighted value sum's (2 x head_dim for multi-head
+        attention). MLA computes its prefill on up-projected keys and values (``head_dim
+        + v_head_dim``) and its decode on the latent with the up-projections absorbed
+        into the query and output (``kv_lora_rank + qk_rope_dim`` for q.k,
+        ``kv_lora_rank`` for the sum), as vLLM's MLA backends do."""
+        if not self.is_mla:
+            return 2.0 * self.head_dim
+        if decode:
+            return 2.0 * self.kv_lora_rank + self.qk_rope_dim
+        return float(self.head_dim + self.v_head_dim)
+
+    def kv_elems_per_layer(self) -> int:
+        """Elements one token caches per layer, all KV heads (MLA: the latent and the
+        shared rotary key, one copy)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_dim
+        return 2 * self.kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> float:
         """K and V bytes one token stores in the cache, all layers (no TP split)."""
+        if self.is_mla:
+            return float(self.layers * self.kv_elems_per_layer() * dtype_bytes(kv_dtype))
         return float(kv_bytes(self.layers, self.kv_heads, self.head_dim, dtype_bytes(kv_dtype)))
 
     def weight_bytes(self, fmt: str | WeightFormat = "bf16") -> float:
@@ -259,173 +334,3 @@ class ModelArch:
         wf = weight_format(fmt)
         linear = self.layers * self.attn_linear_weights() + self.mlp_linear_weights()
         return linear * wf.bytes_per_weight + 2.0 * (self.param_count() - linear)
-
-
-_META_L2 = "https://huggingface.co/meta-llama/{}/blob/main/config.json"
-_LLAMA = dict(family="llama", gated_mlp=True, activation="silu")
-_QWEN3 = dict(family="qwen3", gated_mlp=True, activation="silu", qk_norm=True, vocab=151936,
-              max_context=40960)
-_QWEN3_SRC = "https://huggingface.co/Qwen/Qwen3-{}/blob/main/config.json"
-
-# Shapes copied from each model's config.json on the Hugging Face Hub (source field).
-MODELS: dict[str, ModelArch] = {m.name: m for m in (
-    ModelArch(name="llama-2-7b", hf_id="meta-llama/Llama-2-7b-hf", **_LLAMA,
-              layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=11008,
-              vocab=32000, tied_embeddings=False, max_context=4096,
-              source=_META_L2.format("Llama-2-7b-hf"),
-              published_params=6.74e9, published_source="Hugging Face model page (safetensors: 6.74B params)"),
-    ModelArch(name="llama-2-13b", hf_id="meta-llama/Llama-2-13b-hf", **_LLAMA,
-              layers=40, hidden=5120, heads=40, kv_heads=40, head_dim=128, ffn=13824,
-              vocab=32000, tied_embeddings=False, max_context=4096,
-              source=_META_L2.format("Llama-2-13b-hf"),
-              published_params=13.0e9, published_source="Hugging Face model page (safetensors: 13B params)"),
-    ModelArch(name="llama-2-70b", hf_id="meta-llama/Llama-2-70b-hf", **_LLAMA,
-              layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672,
-              vocab=32000, tied_embeddings=False, max_context=4096,
-              source=_META_L2.format("Llama-2-70b-hf"),
-              published_params=69.0e9, published_source="Hugging Face model page (safetensors: 69B params)"),
-    ModelArch(name="llama-3-8b", hf_id="meta-llama/Meta-Llama-3-8B", **_LLAMA,
-              layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336,
-              vocab=128256, tied_embeddings=False, max_context=8192,
-              source=_META_L2.format("Meta-Llama-3-8B"),
-              published_params=8.03e9, published_source="Hugging Face model page (safetensors: 8.03B params)"),
-    ModelArch(name="llama-3-70b", hf_id="meta-llama/Meta-Llama-3-70B", **_LLAMA,
-              layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672,
-              vocab=128256, tied_embeddings=False, max_context=8192,
-              source=_META_L2.format("Meta-Llama-3-70B"),
-              published_params=70.6e9, published_source="Hugging Face model page (safetensors: 70.6B params)"),
-    ModelArch(name="llama-3.1-8b", hf_id="meta-llama/Llama-3.1-8B", **_LLAMA,
-              layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336,
-              vocab=128256, tied_embeddings=False, max_context=131072,
-              source=_META_L2.format("Llama-3.1-8B"),
-              published_params=8.03e9, published_source="Hugging Face model page (safetensors: 8.03B params)"),
-    ModelArch(name="llama-3.1-70b", hf_id="meta-llama/Llama-3.1-70B", **_LLAMA,
-              layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672,
-              vocab=128256, tied_embeddings=False, max_context=131072,
-              source=_META_L2.format("Llama-3.1-70B"),
-              published_params=70.6e9, published_source="Hugging Face model page (safetensors: 70.6B params)"),
-    # Small Llama-3.2 models: the usual draft models for speculative decoding of the
-    # Llama-3 family (same tokenizer and vocabulary).
-    ModelArch(name="llama-3.2-1b", hf_id="meta-llama/Llama-3.2-1B", **_LLAMA,
-              layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192,
-              vocab=128256, tied_embeddings=True, max_context=131072,
-              source=_META_L2.format("Llama-3.2-1B"),
-              published_params=1.24e9, published_source="Hugging Face model page (safetensors: 1.24B params)"),
-    ModelArch(name="llama-3.2-3b", hf_id="meta-llama/Llama-3.2-3B", **_LLAMA,
-              layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192,
-              vocab=128256, tied_embeddings=True, max_context=131072,
-              source=_META_L2.format("Llama-3.2-3B"),
-              published_params=3.21e9, published_source="Hugging Face model page (safetensors: 3.21B params)"),
-    ModelArch(name="mistral-7b", hf_id="mistralai/Mistral-7B-v0.1", family="mistral",
-              gated_mlp=True, activation="silu",
-              layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336,
-              vocab=32000, tied_embeddings=False, max_context=32768, sliding_window=4096,
-              source="https://huggingface.co/mistralai/Mistral-7B-v0.1/blob/main/config.json",
-              published_params=7.24e9,
-              published_source="Hugging Face model page (safetensors: 7.24B params); Mistral AI says 7.3B"),
-    ModelArch(name="mixtral-8x7b", hf_id="mistralai/Mixtral-8x7B-v0.1", family="mixtral",
-              gated_mlp=True, activation="silu",
-              layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336,
-              vocab=32000, tied_embeddings=False, max_context=32768,
-              experts=8, experts_per_token=2,
-              source="https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json",
-              published_params=46.7e9, published_active_params=12.9e9,
-              published_source="Mistral AI, 'Mixtral of experts' (46.7B total, 12.9B per token)"),
-    ModelArch(name="qwen2.5-7b", hf_id="Qwen/Qwen2.5-7B", family="qwen2",
-              gated_mlp=True, activation="silu", qkv_bias=True,
-              layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128, ffn=18944,
-              vocab=152064, tied_embeddings=False, max_context=131072,
-              source="https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json",
-              published_params=7.61e9, published_source="Qwen2.5-7B model card (7.61B; 6.53B non-embedding)"),
-    ModelArch(name="qwen2.5-72b", hf_id="Qwen/Qwen2.5-72B", family="qwen2",
-              gated_mlp=True, activation="silu", qkv_bias=True,
-              layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=29568,
-              vocab=152064, tied_embeddings=False, max_context=131072,
-              source="https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json",
-              published_params=72.7e9, published_source="Qwen2.5-72B model card (72.7B; 70.0B non-embedding)"),
-    # Qwen3 (dense and MoE): per-head q/k RMSNorm, head_dim 128 whatever hidden / heads
-    # is, the small models tie the LM head to the embedding. Published totals and
-    # non-embedding counts are each model card's "Number of Parameters".
-    *(ModelArch(name=f"qwen3-{size.lower()}", hf_id=f"Qwen/Qwen3-{size}", **_QWEN3,
-                layers=layers, hidden=hidden, heads=heads, kv_heads=8, head_dim=128, ffn=ffn,
-                tied_embeddings=tied, source=_QWEN3_SRC.format(size),
-                published_params=pub, published_source=f"Qwen/Qwen3-{size} model card ({note})")
-      for size, layers, hidden, heads, ffn, tied, pub, note in (
-          ("0.6B", 28, 1024, 16, 3072, True, 0.6e9, "0.6B; 0.44B non-embedding"),
-          ("1.7B", 28, 2048, 16, 6144, True, 1.7e9, "1.7B; 1.4B non-embedding"),
-          ("4B", 36, 2560, 32, 9728, True, 4.0e9, "4.0B; 3.6B non-embedding"),
-          ("8B", 36, 4096, 32, 12288, False, 8.2e9, "8.2B; 6.95B non-embedding"),
-          ("14B", 40, 5120, 40, 17408, False, 14.8e9, "14.8B; 13.2B non-embedding"),
-          ("32B", 64, 5120, 64, 25600, False, 32.8e9, "32.8B; 31.2B non-embedding"))),
-    ModelArch(name="qwen3-30b-a3b", hf_id="Qwen/Qwen3-30B-A3B", **{**_QWEN3, "family": "qwen3_moe"},
-              layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=768,
-              experts=128, experts_per_token=8, tied_embeddings=False,
-              source=_QWEN3_SRC.format("30B-A3B"),
-              published_params=30.5e9, published_active_params=3.3e9,
-              published_source="Qwen/Qwen3-30B-A3B model card (30.5B total, 3.3B activated, 29.9B non-embedding)"),
-    ModelArch(name="qwen3-235b-a22b", hf_id="Qwen/Qwen3-235B-A22B", **{**_QWEN3, "family": "qwen3_moe"},
-              layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128, ffn=1536,
-              experts=128, experts_per_token=8, tied_embeddings=False,
-              source=_QWEN3_SRC.format("235B-A22B"),
-              published_params=235e9, published_active_params=22e9,
-              published_source="Qwen/Qwen3-235B-A22B model card (235B total, 22B activated, 234B non-embedding)"),
-    ModelArch(name="codellama-34b", hf_id="codellama/CodeLlama-34b-hf", **_LLAMA,
-              layers=48, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=22016,
-              vocab=32000, tied_embeddings=False, max_context=16384,
-              source="https://huggingface.co/codellama/CodeLlama-34b-hf/blob/main/config.json",
-              published_params=33.7e9,
-              published_source="Hugging Face model page (safetensors: 33.7B params); Code Llama paper: 34B"),
-    ModelArch(name="mixtral-8x22b", hf_id="mistralai/Mixtral-8x22B-v0.1", family="mixtral",
-              gated_mlp=True, activation="silu",
-              layers=56, hidden=6144, heads=48, kv_heads=8, head_dim=128, ffn=16384,
-              vocab=32000, tied_embeddings=False, max_context=65536,
-              experts=8, experts_per_token=2,
-              source="https://huggingface.co/mistralai/Mixtral-8x22B-v0.1/blob/main/config.json",
-              published_params=141e9, published_active_params=39e9,
-              published_source="Mistral AI, 'Cheaper, Better, Faster, Stronger' (Mixtral 8x22B: "
-                               "39B active parameters out of 141B)"),
-    ModelArch(name="llama-3.1-405b", hf_id="meta-llama/Llama-3.1-405B", **_LLAMA,
-              layers=126, hidden=16384, heads=128, kv_heads=8, head_dim=128, ffn=53248,
-              vocab=128256, tied_embeddings=False, max_context=131072,
-              source=_META_L2.format("Llama-3.1-405B"),
-              published_params=406e9,
-              published_source="Hugging Face model page (safetensors: 406B params); Llama 3 paper "
-                               "(Grattafiori et al. 2024) Table 3: 126 layers, 16,384 wide, 8 KV heads"),
-    ModelArch(name="llama-3.3-70b", hf_id="meta-llama/Llama-3.3-70B-Instruct", **_LLAMA,
-              layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672,
-              vocab=128256, tied_embeddings=False, max_context=131072,
-              source=_META_L2.format("Llama-3.3-70B-Instruct"),
-              published_params=70.6e9, published_source="Hugging Face model page (safetensors: 70.6B params)"),
-    ModelArch(name="yi-34b", hf_id="01-ai/Yi-34B", family="llama",
-              gated_mlp=True, activation="silu",
-              layers=60, hidden=7168, heads=56, kv_heads=8, head_dim=128, ffn=20480,
-              vocab=64000, tied_embeddings=False, max_context=4096,
-              source="https://huggingface.co/01-ai/Yi-34B/blob/main/config.json",
-              published_params=34.4e9, published_source="Hugging Face model page (safetensors: 34.4B params)"),
-    ModelArch(name="opt-13b", hf_id="facebook/opt-13b", family="opt",
-              gated_mlp=False, activation="relu", linear_bias=True, norm="layernorm",
-              layers=40, hidden=5120, heads=40, kv_heads=40, head_dim=128, ffn=20480,
-              vocab=50272, tied_embeddings=True, max_context=2048, learned_positions=2050,
-              source="https://huggingface.co/facebook/opt-13b/blob/main/config.json",
-              published_params=13e9, published_source="Zhang et al., 'OPT' (2022), Table 1: 13B"),
-    ModelArch(name="opt-66b", hf_id="facebook/opt-66b", family="opt",
-              gated_mlp=False, activation="relu", linear_bias=True, norm="layernorm",
-              layers=64, hidden=9216, heads=72, kv_heads=72, head_dim=128, ffn=36864,
-              vocab=50272, tied_embeddings=True, max_context=2048, learned_positions=2050,
-              source="https://huggingface.co/facebook/opt-66b/blob/main/config.json",
-              published_params=66e9, published_source="Zhang et al., 'OPT' (2022), Table 1: 66B"),
-    ModelArch(name="bloom-176b", hf_id="bigscience/bloom", family="bloom",
-              gated_mlp=False, activation="gelu", linear_bias=True, norm="layernorm",
-              embedding_norm=True,
-              layers=70, hidden=14336, heads=112, kv_heads=112, head_dim=128, ffn=57344,
-              vocab=250880, tied_embeddings=True, max_context=2048,
-              source="https://huggingface.co/bigscience/bloom/blob/main/config.json",
-              published_params=176_247_271_424,
-              published_source="bigscience/bloom model card: 176,247,271,424 parameters"),
-    ModelArch(name="falcon-180b", hf_id="tiiuae/falcon-180B", family="falcon",
-              gated_mlp=False, activation="gelu", norm="layernorm",
-              layers=80, hidden=14848, heads=232, kv_heads=8, head_dim=64, ffn=59392,
-              vocab=65024, tied_embeddings=True, max_context=2048,
-              source="https://huggingface.co/tiiuae/falcon-180B/blob/main/config.json",
-              published_params=180e9, published_source="tiiuae/falcon-180B model card: 180B parameters"),
-)}

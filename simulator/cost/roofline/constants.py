@@ -116,6 +116,12 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
     # Past kv_heads GPUs, every GPU holds a whole KV head's projections, not 1/tp.
     kvh = catalog.kv_heads_per_gpu(arch, tp)
     c[ph.C_PARAMS_REPL] = L * 2 * d * hd * (kvh - arch.kv_heads / tp)
+    if arch.is_mla:
+        # MLA: the down-projections are whole on every GPU; the one cached latent too.
+        c[ph.C_PARAMS_REPL] = L * arch.attn_replicated_weights() * (1.0 - 1.0 / tp)
+        c[ph.C_KV_LATENT] = arch.kv_elems_per_layer()
+        c[ph.C_ATTN_PAIR] = arch.attn_pair_dims()
+        c[ph.C_DEC_PAIR] = arch.attn_pair_dims(decode=True)
     rope = eff["act_passes_rope"] * (arch.heads + arch.kv_heads) * hd / d if has_rotary(arch) else 0.0
     ffn_passes = eff["act_passes_ffn"] * (1.0 if arch.gated_mlp else 2.0 / 3.0)
     c[ph.C_ACT_D], c[ph.C_ACT_F], c[ph.C_E_ACT] = rope, ffn_passes, 1.0
