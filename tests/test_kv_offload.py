@@ -1,6 +1,6 @@
 """Tiered KV (``engine.kv.offload``, ``simulator.model.kv.offload``): the CPU tier's LRU,
 what an admission finds in each tier, the load time, a working set over the GPU cache,
-capacity 0 as no tier bit for bit, the compiled loop's refusal and bad input.
+capacity 0 as no tier bit for bit, the compiled loop against SimPy and bad input.
 
 The closed forms: a load copies ``blocks x one GPU's slice of a block`` at the link's
 rate (the swap copy rule); ``n`` cycles over ``k`` prompts of 32 blocks each, on a GPU
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import make_scenario, make_scenario_dict
+from conftest import make_scenario_dict
+from loopcheck import assert_identical
 from simulator import kernel
 from simulator.config.scenario import validate_scenario
-from simulator.errors import LatsimError, Unsupported
+from simulator.errors import LatsimError
 from simulator.loops.simulate import simulate
 from simulator.model.kv import offload as off
 from simulator.model.kv import prefixcache as pc
@@ -179,19 +180,30 @@ def test_a_tier_of_zero_blocks_is_no_offload_bit_for_bit():
         {k: v for k, v in zero.meta["kv"].items()}
 
 
-def test_the_compiled_loop_refuses_and_auto_says_why():
-    sc = make_scenario(engine={"policy": "chunked", "max_num_seqs": 32,
-                               "max_num_batched_tokens": 256,
-                               "kv": {"num_blocks": 4096, "offload": {"cpu_gb": 1}}})
-    assert sc.engine.kv.prefix_caching       # offload turns it on
-    with pytest.raises(Unsupported) as e:
-        simulate(sc, loop="compiled")
-    assert "\n" not in str(e.value)
-    res = simulate(sc, loop="auto")
-    assert res.meta["loop"].startswith("simpy (")
-    if kernel.ENABLED:      # (without numba the reason is that, checked first)
-        assert str(e.value) == "KV offload to a CPU tier (engine.kv.offload)"
-        assert res.meta["loop"] == "simpy (KV offload to a CPU tier (engine.kv.offload))"
+@pytest.mark.skipif(not kernel.ENABLED, reason="the compiled loop needs numba")
+@pytest.mark.parametrize("cpu_gb, replicas", [(0.3, 1), (0.2, 2), (0, 1)])
+def test_the_compiled_loop_runs_the_cpu_tier_bit_for_bit(cpu_gb, replicas):
+    # Eight system prompts over a GPU cache of 200 blocks (preemptions, evictions) and a
+    # tier of 143 blocks (0.3 GB) or 95 per replica (0.2 GB, two replicas), which each prompt
+    # block computed also enters (the unique questions too: most are evicted unused), or
+    # none.
+    d = make_scenario_dict(workload={
+        "kind": "synthetic", "num_requests": 300, "arrival": {"kind": "poisson", "rate": 20.0},
+        "prompt_tokens": {"kind": "uniform", "low": 50, "high": 400},
+        "output_tokens": {"kind": "uniform", "low": 5, "high": 60},
+        "classes": [{"name": f"c{i}", "system_prompt_tokens": 200 + 100 * i}
+                    for i in range(8)]})
+    d["engine"]["kv"] = {"num_blocks": 200, "offload": {"cpu_gb": cpu_gb}}
+    d["cluster"] = {"replicas": replicas}
+    sc = validate_scenario(d)
+    a, b = simulate(sc, loop="simpy"), simulate(sc, loop="compiled")
+    assert b.meta["loop"] == "compiled"
+    assert_identical(a, b)
+    for f in ("loaded_tokens", "kv_load_s"):
+        np.testing.assert_array_equal(getattr(a.rec, f), getattr(b.rec, f), err_msg=f)
+    assert a.meta["kv"] == b.meta["kv"]
+    if cpu_gb:
+        assert a.meta["kv"]["loaded_blocks"] > 0
 
 
 # -- bad input --------------------------------------------------------------------------

@@ -191,7 +191,8 @@ def simulate(scenario: Scenario, seed: Optional[int] = None, *, base_dir: Path |
                     output=workload.output_tokens, priority=workload.priority,
                     clients=clients, until=scenario.max_sim_time_s,
                     router=scenario.cluster.router, router_rng=rng_router, keys=keys_of,
-                    async_sched=eng.async_scheduling)
+                    async_sched=eng.async_scheduling,
+                    offload_bps=kv_args.get("offload_bps", 0.0))
             except Handback as e:
                 if loop == "compiled":
                     raise Unsupported(str(e)) from None

@@ -4,7 +4,8 @@ It runs the configurations large runs use: every policy whose kernels it knows (
 built-in ones: fifo, chunked prefill, priority classes with aging, the weighted fair
 score), paged or contiguous memory with watermarks and preemption (by recompute or swap,
 either victim rule), prefix caching (``prefix``: the block pools and tables of
-``model.kv.prefixcache``, whose kernels ``PrefixKV`` runs for SimPy), async scheduling
+``model.kv.prefixcache``, whose kernels ``PrefixKV`` runs for SimPy) with or without a CPU
+tier under it (``model.kv.offload``), async scheduling
 and the API server front end, round-robin, random or least-outstanding routing,
 keep-alive pools, a measured profile without noise, and a clock stop. The decisions are
 the very kernels the SimPy model calls: the policies' fill rules and order keys and the
@@ -92,8 +93,6 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         return "speculative decoding (engine.speculative)"
     if cost_given:
         return "a cost model passed in"
-    if getattr(rules, "offload_blocks", None) is not None:
-        return "KV offload to a CPU tier (engine.kv.offload)"
     if policy_ids(policy) is None:
         from simulator.model.scheduling.queues import heads_suffice
         if not heads_suffice(policy):   # e.g. sjf: prompts do not follow arrival order
@@ -127,12 +126,13 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                  pools, net, frame_time: float, one_way: float, series_interval: float,
                  arrival, prompt, output, priority, clients, until: Optional[float],
                  router: str, router_rng=None, keys=None,
-                 async_sched: bool = False) -> tuple[float, list]:
+                 async_sched: bool = False, offload_bps: float = 0.0) -> tuple[float, list]:
     """Run the model compiled; fills ``rec``, the pools' and cost models' tallies.
     ``swap``: bytes per block, CPU swap space (blocks), copy bandwidth (bytes/s);
     ``router_rng``: the random router's generator; ``keys``: the prefix keys
     (``prefixkeys.WorkloadKeys``) when prefix caching is on; ``async_sched``: async
-    scheduling (``model.scheduling.asyncsched``).
+    scheduling (``model.scheduling.asyncsched``); ``offload_bps``: the link of the CPU
+    tier of ``rules.offload_blocks`` blocks (``model.kv.offload``), when there is one.
     Returns (end of the run, each replica's ``KVStats``); raises ``Handback``.
 
     Long, and kept whole: it is the one place where the Python objects (policy limits,
@@ -175,7 +175,9 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                    (S.P_VICTIM, rules.victim == "priority"),
                    (S.P_CPUBLOCKS, swap[1]),
                    (S.P_PREFIX, rules.prefix_caching and rules.allocation == "paged"),
-                   (S.P_ASYNC, async_sched)):
+                   (S.P_ASYNC, async_sched),
+                   (S.P_OFFLOAD, rules.offload_blocks is not None and rules.prefix_caching
+                    and rules.allocation == "paged")):
         IP[col] = v
     FP = np.zeros(S.D_NCOLS)
     for col, v in ((S.D_HANDSHAKE, net.handshake), (S.D_ONEWAY, one_way),
@@ -183,7 +185,8 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
                    (S.D_UNTIL, float(until) if until is not None else 0.0),
                    (S.D_KEEPALIVE, pools.keepalive),
                    (S.D_BLOCKBYTES, swap[0]), (S.D_SWAPBPS, swap[2]),
-                   (S.D_NETONEWAY, net.one_way), (S.D_FIRSTOUT, net.frontend.per_output_s)):
+                   (S.D_NETONEWAY, net.one_way), (S.D_FIRSTOUT, net.frontend.per_output_s),
+                   (S.D_OFFBPS, offload_bps)):
         FP[col] = v
 
     prompt = np.ascontiguousarray(prompt, dtype=np.int64)
@@ -257,7 +260,8 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     cap = flush + MAX_EPOCH_STEPS + 2 * width + 16
     ITL = (np.zeros(cap), np.zeros(cap, dtype=np.int64), np.zeros(2 * width + 16, dtype=np.int64))
     # The cost model's arrays, the lookup counts per replica, epoch scratch, empty chunks.
-    PFX = pack_prefix(IP[S.P_PREFIX] != 0, keys, R, capacity, n)
+    PFX = pack_prefix(IP[S.P_PREFIX] != 0, keys, R, capacity, n,
+                      rules.offload_blocks if IP[S.P_OFFLOAD] else None)
     COST = pack_cost(costs[0]) + (np.zeros((R, 2), dtype=np.int64), np.zeros(MAX_EPOCH_STEPS),
                                   np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.bool_))
 
@@ -307,6 +311,9 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
     rec.steps += int(GI[S.G_STEPS])
     rec.step_time_total += float(GF[S.H_STEPTOT])
     rec.swap_copy_s += float(GF[S.H_SWAPCOPY])
+    if IP[S.P_OFFLOAD] and rec.kv_load_s is not None:
+        rec.loaded_tokens[:] = PFX[6]           # (``Recorder.track_offload``)
+        rec.kv_load_s[:] = PFX[7]
     pools.new_connections += int(GI[S.G_NEWC])
     pools.reused_connections += int(GI[S.G_REUSEDC])
     CL = COST[11]
@@ -315,7 +322,7 @@ def run_compiled(*, rec, n_replicas: int, policy, costs, capacity: int, rules, s
         costs[r].lookups += int(CL[r, 0])
         costs[r].extrapolations += int(CL[r, 1])
         if IP[S.P_PREFIX]:
-            stats.append(pool_stats(PFX[0][r]))
+            stats.append(pool_stats(PFX[0][r], PFX[5][r] if IP[S.P_OFFLOAD] else None))
             continue
         st = KVStats()
         st.admissions = int(RS[r, S.R_ADMISSIONS])

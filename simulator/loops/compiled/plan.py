@@ -42,6 +42,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
     ticks = RS[r, S.R_TICKS]
     bs = IP[S.P_BS]
     RF[r, S.F_COPY] = 0.0
+    RF[r, S.F_LOAD] = 0.0
     hold = False
     prefix = IP[S.P_PREFIX] != 0
     if IP[S.P_PAGED]:
@@ -105,7 +106,7 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
         if prefix:
             if need > RS[r, S.R_FREE]:
                 continue
-            cached = admit(r, rid, tokens, RS, IP, PFX)
+            cached = admit(r, rid, tokens, RS, RF, IP, FP, PFX)
             RQ[rid, S.Q_HELD] = ceil_blocks(tokens, bs)
         else:
             RS[r, S.R_FREE] -= need
@@ -171,6 +172,8 @@ def plan(r, now, heap, FH, GI, GF, RS, RF, RQ, RQF, IP, FP, WQ, cls, prio, DEC, 
         CHF[i] = prefill_progress(RQ[rid, S.Q_PREFILLED], CHN[r, i], RQ[rid, S.Q_PLEN])[1]
     dt = step_time(KIND, CF, A, X, Y, N, TO, G, YB, BEY, PC, CL[r], nd, ctx_max, ctx_sum,
                    CHN[r], CHP, CHF, nch) + copy_s
+    if RF[r, S.F_LOAD]:
+        dt += RF[r, S.F_LOAD]     # the admissions' KV loaded from the CPU tier first
     GI[S.G_STEPS] += 1
     GF[S.H_STEPTOT] += dt
     GF[S.H_SWAPCOPY] += copy_s

@@ -32,7 +32,8 @@ MODE_NONE, MODE_STEP, MODE_EPOCH, MODE_COPY = 0, 1, 2, 3
 
 # Per replica, floats (``F_DECIDED``: when the step now running was planned; ``F_STEPEND``:
 # when the last step ended; async scheduling's ``_decided_at`` and ``_step_end``).
-F_EPSTART, F_LASTSAMPLE, F_LASTDEC, F_COPY, F_COPYING, F_DECIDED, F_STEPEND, F_NCOLS = range(8)
+# ``F_LOAD``: this step's loads from the CPU tier (``model.kv.offload``).
+F_EPSTART, F_LASTSAMPLE, F_LASTDEC, F_COPY, F_COPYING, F_DECIDED, F_STEPEND, F_LOAD, F_NCOLS = range(9)
 
 # Run-wide integers and floats.
 # ``G_ITL`` entries buffered, the current flush segment's start, and how many flushes
@@ -43,18 +44,20 @@ H_STEPTOT, H_T, H_NOW, H_SWAPCOPY, H_NCOLS = range(5)
 
 # Integer parameters. The policy: its fill rule and order (numbers in ``queue.FILLS`` /
 # ``ORDERS``), its requeue rule, and whether its order changes with time alone;
-# ``P_PREFIX``: prefix caching (paged), the pools of ``prefix``.
+# ``P_PREFIX``: prefix caching (paged), the pools of ``prefix``; ``P_OFFLOAD``: a CPU tier
+# under it (``model.kv.offload``, its arrays in ``prefix``).
 (P_R, P_BUDGET, P_MAXSEQS, P_CHUNK, P_FILL, P_CAPACITY, P_WATERMARK, P_PAGED, P_BS,
  P_MAXLEN, P_ROUTER, P_REUSE, P_POOLSIZE, P_HASUNTIL, P_FLUSH, P_SERCAP,
  P_ORDER, P_SWAP, P_VICTIM, P_CPUBLOCKS, P_REQUEUE, P_TIMEDEP, P_PADDED, P_FILLBUDGET,
- P_FILLSEQS, P_PREFIX, P_ASYNC, P_NCOLS) = range(28)
+ P_FILLSEQS, P_PREFIX, P_ASYNC, P_OFFLOAD, P_NCOLS) = range(29)
 ROUTER_RR, ROUTER_LEAST, ROUTER_RANDOM = 0, 1, 2
 
 # Float parameters (``D_ONEWAY``: a frame's way to the client, with the API server's
 # response side; ``D_NETONEWAY``: the network's alone; ``D_FIRSTOUT``: the API server's
-# time per output listed ahead of a first token, ``wire.frontend``).
+# time per output listed ahead of a first token, ``wire.frontend``; ``D_OFFBPS``: the
+# link a CPU tier's loads take).
 (D_HANDSHAKE, D_ONEWAY, D_FT, D_INTERVAL, D_UNTIL, D_KEEPALIVE, D_BLOCKBYTES,
- D_SWAPBPS, D_NETONEWAY, D_FIRSTOUT, D_NCOLS) = range(11)
+ D_SWAPBPS, D_NETONEWAY, D_FIRSTOUT, D_OFFBPS, D_NCOLS) = range(12)
 
 # The waiting queues (``WQ[W_*]``, see ``queue``): per replica and class a FIFO linked
 # through ``Q_NEXT`` (head, tail, length), the classes in the order each replica first saw

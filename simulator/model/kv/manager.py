@@ -229,12 +229,7 @@ class PrefixKV:
 
     @property
     def stats(self) -> KVStats:
-        st = pool_stats(self.pool)
-        if self.tier is not None:
-            n = self.tier[1]
-            st.cpu_hit_blocks, st.loaded_blocks = int(n[off.C_HITS]), int(n[off.C_LOADED])
-            st.stored_blocks, st.cpu_evictions = int(n[off.C_STORED]), int(n[off.C_EVICTED])
-        return st
+        return pool_stats(self.pool, None if self.tier is None else self.tier[1])
 
     def holds(self, rid: int) -> bool:
         return rid in self._tables
@@ -339,9 +334,14 @@ class PrefixKV:
         assert sum(counts) == int(p[pc.H_NREFS]), "the reference total is off"
 
 
-def pool_stats(p: np.ndarray) -> KVStats:
-    """A pool's counters (``prefixcache`` header) as ``KVStats``."""
+def pool_stats(p: np.ndarray, tier_counts: Optional[np.ndarray] = None) -> KVStats:
+    """A pool's counters (``prefixcache`` header) as ``KVStats``, with its CPU tier's
+    (``offload.C_*``) when it has one."""
     st = KVStats()
+    if tier_counts is not None:
+        n = tier_counts
+        st.cpu_hit_blocks, st.loaded_blocks = int(n[off.C_HITS]), int(n[off.C_LOADED])
+        st.stored_blocks, st.cpu_evictions = int(n[off.C_STORED]), int(n[off.C_EVICTED])
     st.queried_blocks = int(p[pc.H_QBLOCKS])
     st.hit_blocks = int(p[pc.H_HBLOCKS])
     st.queried_tokens = int(p[pc.H_QTOKENS])

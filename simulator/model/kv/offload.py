@@ -2,7 +2,7 @@
 connector, ``--kv-transfer-config '{"kv_connector": "OffloadingConnector", ...}'`` /
 ``--kv-offloading-size``, and LMCache's CPU backend). Each rule is a ``@kernel``, like
 the prefix cache's (``prefixcache``); ``manager.PrefixKV`` runs them for the SimPy
-replica.
+replica, ``loops.compiled.prefix`` on the compiled loop's arrays.
 
 The tier is a pool array of ``blockpool``'s layout (``new_tier``): a slot per CPU block,
 the same key map (a block's key is its prefix key, ``prefixkeys``) and an LRU of every
