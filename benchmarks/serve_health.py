@@ -17,6 +17,8 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
+import signal
 import statistics
 import sys
 import time
@@ -61,10 +63,19 @@ def main() -> None:
     ap.add_argument("--serve-args", default="", help="more `latsim serve` flags, e.g. '--threads 1'")
     a = ap.parse_args()
     from serveproc import get_when_up, serve_process, stop
-    proc, port = serve_process({}, "--model", "tiny", "--max-num-seqs", str(a.max_num_seqs),
-                               "--num-blocks", "4096", *a.serve_args.split())
+    proc, port = serve_process({}, "--model", "tiny", "--max-num-seqs",
+                               str(a.max_num_seqs), "--num-blocks", "4096",
+                               *a.serve_args.split(), runner=[__file__, "--as-server"])
     try:
         assert get_when_up(port, "/health").status_code == 200
+        # Warm: first calls import and allocate; a serving server is past them.
+        import httpx
+        for stream in (False, True):
+            assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                              json={"prompt": "w w", "max_tokens": 4,
+                                    "stream": stream}).status_code == 200
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGUSR1)
         q1, q2 = mp.Queue(), mp.Queue()
         burst = mp.Process(target=_burst, args=(port, a.streams, a.prompt, a.max_tokens, q1))
         burst.start()
@@ -75,7 +86,9 @@ def main() -> None:
         times = q2.get()
         probe.join()
     finally:
-        stop(proc)
+        err = stop(proc)
+    loop = [json.loads(ln.split(" ", 1)[1]) for ln in err.splitlines()
+            if ln.startswith("LOOPSTATS ")]
     start = times[0][1] if times else 0.0
     worst = sorted(times, reverse=True)[:3]
     times = sorted(t for t, _ in times)
@@ -85,6 +98,64 @@ def main() -> None:
           f"p99 {p99 * 1e3:.1f} ms, max {times[-1] * 1e3:.1f} ms; worst at "
           + ", ".join(f"{(t0 - start):.1f} s ({t * 1e3:.0f} ms)" for t, t0 in worst)
           + " into the burst")
+    if loop:
+        it = loop[0]
+        print(f"event loop: {it['iterations']} iterations busier than 0.1 ms CPU, "
+              f"{it['cpu_s']:.2f} s CPU in all; per iteration CPU p50 {it['p50_ms']:.2f} ms, "
+              f"p99 {it['p99_ms']:.1f} ms, max {it['max_ms']:.1f} ms (what a /health waits "
+              f"behind on an idle box, whatever the load on this one); garbage "
+              f"collections by generation (count, longest ms): "
+              + ", ".join(f"{g}: {n} ({t:.1f})" for g, (n, t) in it["gc"].items()))
+
+
+def _as_server(args: list) -> None:
+    """``latsim serve ARGS`` with each event-loop iteration's CPU time recorded (the main
+    thread's ``time.thread_time``: its own work, not the time other processes or the
+    engine thread took the CPU or the GIL from it); printed to stderr at exit."""
+    import atexit
+    import os
+    import signal
+    from asyncio import base_events
+
+    import gc
+    cpu, gcs, gc_t0 = [], [], [0.0]
+    run_once = base_events.BaseEventLoop._run_once
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_t0[0] = time.thread_time()
+        else:
+            gcs.append((info["generation"], time.thread_time() - gc_t0[0]))
+    gc.callbacks.append(on_gc)
+
+    def timed(self):
+        c0 = time.thread_time()
+        run_once(self)
+        c = time.thread_time() - c0
+        if c > 1e-4:
+            cpu.append(c)
+
+    def report():
+        import numpy as np
+        if cpu:
+            ms = np.array(cpu) * 1e3
+
+            sys.stderr.write("LOOPSTATS " + json.dumps(
+                {"iterations": len(ms), "cpu_s": float(ms.sum() / 1e3),
+                 "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+                 "max_ms": float(ms.max()),
+                 "gc": {g: [sum(1 for k, _ in gcs if k == g),
+                            max([t * 1e3 for k, t in gcs if k == g] or [0.0])]
+                        for g in (0, 1, 2)}}) + "\n")
+    base_events.BaseEventLoop._run_once = timed
+    atexit.register(report)
+    # uvicorn ends on SIGTERM by raising it again once shut down (no atexit): report then.
+    signal.signal(signal.SIGTERM, lambda *_: (report(), os._exit(0)))
+    # Warmed up: count from here.
+    signal.signal(signal.SIGUSR1, lambda *_: (cpu.clear(), gcs.clear()))
+    from simulator.cli.main import main as cli
+    sys.argv = ["latsim", *args]
+    cli()
 
 
 def _probe_until(port: int, pid: int, out) -> None:
@@ -109,4 +180,7 @@ def _probe_until(port: int, pid: int, out) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--as-server"]:
+        _as_server(sys.argv[2:])
+    else:
+        main()

@@ -38,7 +38,9 @@ thread publishes after every step and command. The loop's per-token work (the
 hand-over in slices, the inbox, the frame) is kept small in ``real_engine.streams``,
 so ``/health`` waits behind a slice of streams, not a step's worth; ``serve`` shortens
 the GIL's switch interval (``SWITCH_INTERVAL_S``) so the loop, which gives the GIL up
-at every write, gets it back from the engine thread within half a millisecond.
+at every write, gets it back from the engine thread within half a millisecond, and
+freezes the start-up heap (``gc.freeze``), so no full garbage collection walks the
+model and torch on the loop mid-burst. ``benchmarks/serve_health.py`` measures it.
 
 Disconnects. When a client goes away mid-stream, Starlette cancels the
 streaming generator; its ``finally`` sends a cancel command, and the engine
@@ -78,6 +80,7 @@ comment is ignored by every SSE client, so the stream stays OpenAI-compatible;
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import sys
@@ -377,6 +380,12 @@ def serve(model: str = "tiny", device: str = "cpu", host: str = "127.0.0.1", por
         app = make_app(engine, name, heartbeat_s, backpressure, stream_buffer_frames,
                        api_key=api_key, max_body_bytes=max_body_bytes,
                        request_timeout_s=request_timeout_s)
+        # Everything built so far (the model, torch, the imports) lives as long as the
+        # server: out of the collector's sight (as vLLM's API server does after start-up).
+        # Else the first full collection of a burst walks it all, on the event loop: 137 ms
+        # at the start of serve_health.py's 300 streams (the burst's worst /health).
+        gc.collect()
+        gc.freeze()
         uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=access_log,
                                       lifespan="on")).run(sockets=[sock])
     finally:

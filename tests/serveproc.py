@@ -17,12 +17,15 @@ import httpx
 READ_S = 30.0        # socket read safety net: only a broken server gets near it
 
 
-def serve_process(extra_env: dict, *args: str):
-    """``latsim serve --port 0 ARGS`` in a subprocess; returns it and its banner's port."""
+def serve_process(extra_env: dict, *args: str, runner=None):
+    """``latsim serve --port 0 ARGS`` in a subprocess; returns it and its banner's port.
+    ``runner``: what Python runs instead of the CLI (a script and its first arguments,
+    which must pass the rest to the CLI: ``benchmarks/serve_health.py`` instruments the
+    server's event loop so)."""
     env = {k: v for k, v in os.environ.items() if k != "LATSIM_API_KEY"}
     env.update(PYTHONUNBUFFERED="1", **extra_env)
-    proc = subprocess.Popen([sys.executable, "-c", "from simulator.cli.main import main; main()",
-                             "serve", "--port", "0", *args],
+    run = runner or ["-c", "from simulator.cli.main import main; main()"]
+    proc = subprocess.Popen([sys.executable, *run, "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     t_end = time.monotonic() + 120
     port = None

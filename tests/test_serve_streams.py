@@ -120,3 +120,37 @@ def test_fanout_is_in_order_and_in_slices_with_polls_between():
         assert polled_at and polled_at[0] < len(boxes)
         assert not fan.draining and not fan.pending
     _run(main())
+
+
+def test_serve_freezes_its_start_up_heap_and_shortens_the_gil_switch(monkeypatch):
+    """``serve`` hands uvicorn a process whose start-up objects (model, torch, imports)
+    are out of the collector's sight and whose GIL switch interval is
+    ``SWITCH_INTERVAL_S``: else the first full collection of a burst walked them all on
+    the event loop (137 ms CPU at the start of ``benchmarks/serve_health.py``'s 300
+    streams, the burst's worst /health), and each socket write could wait 5 ms to take
+    the GIL back from the engine thread. uvicorn's run is replaced by a probe of both."""
+    import gc
+    import sys
+
+    pytest.importorskip("torch")
+    import uvicorn
+
+    from real_engine import server
+    from real_engine.hosting import listen_socket
+    from real_engine.profile import build_engine
+
+    seen = {}
+
+    def run(self, sockets=None):
+        seen.update(frozen=gc.get_freeze_count(), switch=sys.getswitchinterval())
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    before = sys.getswitchinterval()
+    try:
+        server.serve(engine=build_engine("tiny", "cpu", num_blocks=64),
+                     sock=listen_socket("127.0.0.1", 0))
+    finally:
+        gc.unfreeze()
+        sys.setswitchinterval(before)
+    assert seen["frozen"] > 10_000            # the model, torch and the imports
+    assert seen["switch"] == server.SWITCH_INTERVAL_S < before
