@@ -165,7 +165,10 @@ def test_a_long_prompt_in_budget_sized_chunks_costs_more_than_in_one_step():
     ``n (prior + (n + 1) / 2)`` sum to the whole prompt's ``N (N + 1) / 2``, so the flash
     bound is never below the one-step prompt's). Measured here: +13.6% at 1024, +9.0%
     at 2048, +27.8% at 512 (the cost model's side; how a run splits prompts is the
-    scheduler's)."""
+    scheduler's). With the GEMMs' sharper weight-read/FLOP maximum (``p_gemm`` 3) a
+    chunk of 2,048 or more hides its weight reads under its FLOPs, so past 2,048 the
+    chunks cost about the same (+6.8% at 2048, +7.0% at 4096, +7.8% at 1024, +14.7%
+    at 512)."""
     c = constants.build_constants(catalog.model("llama-2-7b"), catalog.gpu("h100-80gb"), 1)
     N = 8192
     whole = ph.step_breakdown(c, 0, 0, 0, [(N, 0, True)])
@@ -183,8 +186,8 @@ def test_a_long_prompt_in_budget_sized_chunks_costs_more_than_in_one_step():
         totals[n] = sum(s["ms"] for s in steps)
         # Each further step pays the per-step floor again at least.
         assert totals[n] - whole["ms"] >= (N // n - 1) * whole["floor"]
-    assert totals[512] > totals[1024] > totals[2048] > totals[4096] > whole["ms"]
-    assert 0.08 < totals[1024] / whole["ms"] - 1 < 0.20
+    assert totals[512] > totals[1024] > totals[2048] and min(totals.values()) > 1.05 * whole["ms"]
+    assert 0.05 < totals[1024] / whole["ms"] - 1 < 0.20
 
 
 def test_piecewise_graphs_price_a_mixed_step_at_its_device_time():
@@ -316,25 +319,26 @@ def test_published_step_times():
     batch-1 decode and first-token latency of Llama-2-7B/13B/70B on A100; NIM TTFT/ITL of
     Llama-3.3-70B on 2 H100; each priced with its engine's all-reduce, NCCL's: only the
     vLLM rows, among the other ones, run vLLM's custom kernel): median error within 12%
-    (measured 9.6%), every row within 50% (worst: gpt-fast Llama-2-7B batch-1 decode
-    at TP 8, +48%: a few ms of overhead-bound work per GPU, where the host time of a
-    graph replay, fitted on a different engine, decides); the 70B-180B rows at TP 2-8 within 27%
-    (worst: Falcon-180B fp8 2048-token prefill on 8 H100s, 205 ms measured). The rows
-    e_decode is fitted to are not among them."""
+    (measured 9.6%), every row within 60% (worst: gpt-fast Llama-2-7B batch-1 decode
+    at TP 8, +58%: a few ms of overhead-bound work per GPU, where the host time of a
+    graph replay, fitted on a different engine, and the per-layer GEMM floor decide); the
+    70B-180B rows at TP 2-8 within 30% (worst 27.9%). The rows e_decode is fitted to are
+    not among them."""
     rows = checks.published_check()
     check = [r for r in rows if r["use"] == "check"]
     assert len(check) == 34
     err = np.abs([r["error"] for r in check])
-    assert np.median(err) <= 0.12 and err.max() <= 0.50
+    assert np.median(err) <= 0.12 and err.max() <= 0.60
     big = [r for r in check if r["tp"] >= 2 and r["model"] != "llama-2-7b"]
-    assert len(big) == 20 and max(abs(r["error"]) for r in big) <= 0.27
+    assert len(big) == 20 and max(abs(r["error"]) for r in big) <= 0.30
     # lmdeploy (TurboMind) on A100, another engine: the 2048-token first-token latencies
-    # of Llama-2-7B/13B/70B-TP4 within 8% (139/242/402 ms measured: -2/+7/+1%), batch-1
-    # decode 13-14% fast (10.11/18.09/30.88 ms: its per-step overhead is above vLLM's).
+    # of Llama-2-7B/13B/70B-TP4 within 8% (139/242/402 ms measured: -4/+5/-0.5%), batch-1
+    # decode within 3% (10.11/18.09/30.88 ms: -1.4/+0.4/-2.0%; 13-14% fast while one
+    # weight-read efficiency, 0.93, stood for the A100's HBM2e too).
     lmd = [r for r in check if r["source"].startswith("InternLM")]
     assert len(lmd) == 6
     assert all(abs(r["error"]) <= 0.08 for r in lmd if r["kind"] == "prefill")
-    assert all(-0.16 <= r["error"] < 0 for r in lmd if r["kind"] == "decode")
+    assert all(abs(r["error"]) <= 0.03 for r in lmd if r["kind"] == "decode")
     # gpt-fast's batch-1 Mixtral-8x7B (top-2 of 8 experts) at TP 2/4/8: 12.70, 8.46,
     # 4.91 ms measured; within 20% (-19%, -19%, +7%) because a step of one token reads
     # two experts a layer, not eight (which made it +121%, +86%, +96%).
@@ -431,8 +435,10 @@ def test_two_rows_fit_compute_and_overhead_and_carry_the_physics():
 
 def test_rows_faster_than_any_overhead_fit_the_memory_efficiency():
     """Decode rows faster than the default's weight reads with no overhead at all: the
-    overhead cannot explain them, so the bandwidth efficiency is fitted instead."""
-    arch, spec = catalog.model("llama-2-70b"), catalog.gpu("h100-80gb")
+    overhead cannot explain them, so the bandwidth efficiency is fitted instead (on an
+    A100, whose HBM2e reads default to 0.83 of the datasheet: room for 5% more, where
+    the H100's 0.97 is capped at the peak)."""
+    arch, spec = catalog.model("llama-2-70b"), catalog.gpu("a100-80gb")
     truth = model.RooflineCostModel(arch, spec, 4)
     truth.c = transfer.apply_scales(truth.c, {"memory": 1.05, "compute": 0.9})
     m = model.RooflineCostModel(arch, spec, 4, profile=_two_rows(truth))

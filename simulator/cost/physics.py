@@ -19,7 +19,11 @@ and per chunk that completes its prompt):
 
 - linear layers: ``2 * P_lin * T + 2 * V * d * S`` FLOPs at ``peak * e_gemm``, or
   the weights read once per step (``P_lin``, plus the LM head when a row samples) at
-  ``HBM * e_weights``, whichever binds (p-norm ``p_gemm``);
+  ``HBM * e_weights``, whichever binds (p-norm ``p_gemm``); with ``gemm_tile`` set,
+  the FLOPs are those of the rows the GEMM kernels compute, the ``T`` tokens (``S``
+  rows of the LM head) rounded up to whole output tiles of ``gemm_tile_small`` rows
+  up to that many tokens, of ``gemm_tile`` rows beyond (``gemm_rows``: tile
+  quantisation, the steps a skinny GEMM's time takes at 64 and 128 tokens);
 - elementwise traffic (norms, rotary, residuals, SwiGLU) and K/V writes:
   ``T * L * (a_d * d + a_f * ffn + 2 * Hkv * hd) * bytes`` at ``HBM * e_act`` (a stated
   pass count and efficiency, not fitted: on one GPU it cannot be told apart from the
@@ -189,7 +193,8 @@ C_EXPERT_PARAMS = C_TP + 18      # MoE: linear weights of one expert, all layers
 C_CA_LAT_US = C_TP + 19          # small-message (custom, in-graph) all-reduce latency, µs
 C_CA_GBS = C_TP + 20             # ... its bandwidth per GPU and direction, GB/s
 C_CA_MAX_BYTES = C_TP + 21       # ... up to this message size (0: every all-reduce is NCCL's)
-# C_TP + 22, C_TP + 23: held for the GEMM tile constants (issue 30, work in progress).
+C_GEMM_TILE_SMALL = C_TP + 22    # GEMM output-tile rows up to this many tokens (``gemm_rows``)
+C_GEMM_TILE = C_TP + 23          # ... beyond them (0: FLOPs of the tokens themselves)
 # Multi-head latent attention (DeepSeek MLA; ``catalog.ModelArch``), 0 for multi-head:
 C_KV_LATENT = C_TP + 24          # elements a token caches per layer, whole on every GPU
 C_ATTN_PAIR = C_TP + 25          # per query head, widths a prefill (query, key) pair multiplies
@@ -225,6 +230,7 @@ NAMES = {
     C_ATTN_TFLOPS: "attn_tflops", C_PARAMS_READ: "params_read", C_EXPERTS: "experts",
     C_TOPK: "experts_per_token", C_EXPERT_PARAMS: "expert_params",
     C_CA_LAT_US: "ca_lat_us", C_CA_GBS: "ca_gbs", C_CA_MAX_BYTES: "ca_max_bytes",
+    C_GEMM_TILE_SMALL: "gemm_tile_small", C_GEMM_TILE: "gemm_tile",
     C_KV_LATENT: "kv_latent", C_ATTN_PAIR: "attn_pair", C_DEC_PAIR: "dec_pair",
 }
 INDEX = {v: k for k, v in NAMES.items()}
@@ -412,11 +418,31 @@ def routed_experts(experts, k, T):
 
 
 @kernel
+def gemm_rows(c, M):
+    """The rows a GEMM kernel computes for ``M`` tokens: ``M`` rounded up to whole
+    output tiles, of ``gemm_tile_small`` rows while ``M`` fits in one of them, of
+    ``gemm_tile`` rows beyond (a library's tile for skinny GEMMs grows with ``M``);
+    ``M`` itself when ``gemm_tile`` is 0. Every tile computes its whole rows: a padded
+    row costs the FLOPs of a real one, while the weights are still read once (the
+    output tiles along the weights' columns fill the SMs; a partial last wave is
+    split over K, so the SM count does not quantise the time: the Vidur tables show
+    no such steps, ``roofline.defaults``)."""
+    tile = c[C_GEMM_TILE]
+    if tile <= 0.0 or M <= 0.0:
+        return M
+    small = c[C_GEMM_TILE_SMALL]
+    if 0.0 < small and M <= small:
+        tile = small
+    return np.ceil(M / tile) * tile
+
+
+@kernel
 def linear_times(c, T, S):
     """``(weights ms, compute ms)`` of the linear layers and the LM head on one GPU for
     ``T`` packed tokens and ``S`` sampled rows: the weights (its TP share, the LM head
     when a row samples) read once at ``HBM * e_weights``, and the FLOPs at ``peak *
-    e_gemm`` (times the GEMM efficiency curve when ``gemm_half_gflop`` is set)."""
+    e_gemm`` (times the GEMM efficiency curve when ``gemm_half_gflop`` is set), of the
+    rows the kernels compute (``gemm_rows``)."""
     tp = tp_of(c)
     db = c[C_DTYPE_BYTES]
     wb = c[C_WEIGHT_BYTES] if c[C_WEIGHT_BYTES] > 0.0 else db
@@ -433,7 +459,7 @@ def linear_times(c, T, S):
     w_bytes = read * wb
     if S > 0.0:
         w_bytes += lm * db
-    flops = 2.0 * P * T + 2.0 * lm * S
+    flops = 2.0 * P * gemm_rows(c, T) + 2.0 * lm * gemm_rows(c, S)
     e = c[C_E_GEMM]
     if c[C_GEMM_HALF] > 0.0:
         # Small GEMMs leave SMs idle: the efficiency climbs with one layer's work.

@@ -47,6 +47,9 @@ class GpuSpec:
     source: str                    # datasheet title / URL the numbers come from
     notes: str = ""
     arch: str = ""                 # architecture family: ampere, ada, hopper, blackwell, cdna3
+    # the memory technology: gddr6, hbm2, hbm2e, hbm3, hbm3e (what the roofline's
+    # weight-read efficiency depends on: ``roofline.defaults.weight_read_efficiency``)
+    memory_type: str = ""
 
     @property
     def memory_bytes(self) -> int:
@@ -81,7 +84,7 @@ _NV_H100 = ("NVIDIA H100 Tensor Core GPU datasheet "
 # Each row: the numbers and where they come from. data/catalog-sources.md lists the same.
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec(
-        name="a10g", arch="ampere", aliases=("nvidia-a10g", "aws-a10g"), vendor="nvidia",
+        name="a10g", arch="ampere", memory_type="gddr6", aliases=("nvidia-a10g", "aws-a10g"), vendor="nvidia",
         bf16_tflops=70.0, fp8_tflops=None, int8_tops=140.0,
         memory_gb=24, reported_mib=23028, memory_bw_gbs=600, sm_count=80,
         link="pcie4", link_gbs_unidir=32, pcie_gen=4, pcie_gbs_unidir=32, tdp_w=300,
@@ -93,7 +96,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
                "with 125 TFLOPS BF16. No NVLink on G5: GPUs talk over PCIe."),
     ),
     GpuSpec(
-        name="l4", arch="ada", aliases=("nvidia-l4",), vendor="nvidia",
+        name="l4", arch="ada", memory_type="gddr6", aliases=("nvidia-l4",), vendor="nvidia",
         bf16_tflops=121.0, fp8_tflops=242.5, int8_tops=242.5,
         memory_gb=24, reported_mib=23034, memory_bw_gbs=300, sm_count=58,
         link="pcie4", link_gbs_unidir=32, pcie_gen=4, pcie_gbs_unidir=32, tdp_w=72,
@@ -103,7 +106,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
         notes="58 SMs = 232 fourth-generation tensor cores / 4. No NVLink.",
     ),
     GpuSpec(
-        name="l40s", arch="ada", aliases=("nvidia-l40s",), vendor="nvidia",
+        name="l40s", arch="ada", memory_type="gddr6", aliases=("nvidia-l40s",), vendor="nvidia",
         bf16_tflops=362.05, fp8_tflops=733.0, int8_tops=733.0,
         memory_gb=48, reported_mib=46068, memory_bw_gbs=864, sm_count=142,
         link="pcie4", link_gbs_unidir=32, pcie_gen=4, pcie_gbs_unidir=32, tdp_w=350,
@@ -113,7 +116,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
         notes="142 SMs = 568 tensor cores / 4. No NVLink.",
     ),
     GpuSpec(
-        name="a100-40gb", arch="ampere", aliases=("a100-sxm4-40gb", "a100-40g", "a100-sxm-40gb"), vendor="nvidia",
+        name="a100-40gb", arch="ampere", memory_type="hbm2", aliases=("a100-sxm4-40gb", "a100-40g", "a100-sxm-40gb"), vendor="nvidia",
         bf16_tflops=312.0, fp8_tflops=None, int8_tops=624.0,
         memory_gb=40, reported_mib=40960, memory_bw_gbs=1555, sm_count=108,
         link="nvlink3", link_gbs_unidir=300, pcie_gen=4, pcie_gbs_unidir=32, tdp_w=400,
@@ -121,7 +124,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
         source=_NV_A100 + " (SXM4 40GB: HBM2 1,555 GB/s, NVLink 600 GB/s, 400 W)",
     ),
     GpuSpec(
-        name="a100-80gb", arch="ampere", aliases=("a100", "a100-sxm4-80gb", "a100-80g", "a100-sxm"), vendor="nvidia",
+        name="a100-80gb", arch="ampere", memory_type="hbm2e", aliases=("a100", "a100-sxm4-80gb", "a100-80g", "a100-sxm"), vendor="nvidia",
         bf16_tflops=312.0, fp8_tflops=None, int8_tops=624.0,
         memory_gb=80, reported_mib=81920, memory_bw_gbs=2039, sm_count=108,
         link="nvlink3", link_gbs_unidir=300, pcie_gen=4, pcie_gbs_unidir=32, tdp_w=400,
@@ -130,7 +133,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
         notes="Vidur's 'a100' compute profiles were taken on 80 GB A100s.",
     ),
     GpuSpec(
-        name="h100-80gb", arch="hopper", aliases=("h100-sxm", "h100", "h100-sxm5", "h100-80gb-hbm3"), vendor="nvidia",
+        name="h100-80gb", arch="hopper", memory_type="hbm3", aliases=("h100-sxm", "h100", "h100-sxm5", "h100-80gb-hbm3"), vendor="nvidia",
         bf16_tflops=989.4, fp8_tflops=1978.9, int8_tops=1978.9,
         memory_gb=80, reported_mib=81559, memory_bw_gbs=3350, sm_count=132,
         link="nvlink4", link_gbs_unidir=450, pcie_gen=5, pcie_gbs_unidir=64, tdp_w=700,
@@ -138,7 +141,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
         source=_NV_H100 + " (H100 SXM: BF16 1,979*, FP8 3,958*, 3.35 TB/s, NVLink 900 GB/s, 700 W)",
     ),
     GpuSpec(
-        name="h100-pcie", arch="hopper", aliases=("h100-pcie-80gb",), vendor="nvidia",
+        name="h100-pcie", arch="hopper", memory_type="hbm2e", aliases=("h100-pcie-80gb",), vendor="nvidia",
         bf16_tflops=756.5, fp8_tflops=1513.0, int8_tops=1513.0,
         memory_gb=80, reported_mib=None, memory_bw_gbs=2000, sm_count=114,
         link="pcie5", link_gbs_unidir=64, pcie_gen=5, pcie_gbs_unidir=64, tdp_w=350,
@@ -148,7 +151,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
                "600 GB/s bidirectional (300 GB/s one way), only within a pair."),
     ),
     GpuSpec(
-        name="h200", arch="hopper", aliases=("h200-sxm", "h200-141gb", "h200-sxm5"), vendor="nvidia",
+        name="h200", arch="hopper", memory_type="hbm3e", aliases=("h200-sxm", "h200-141gb", "h200-sxm5"), vendor="nvidia",
         bf16_tflops=989.4, fp8_tflops=1978.9, int8_tops=1978.9,
         memory_gb=141, reported_mib=143771, memory_bw_gbs=4800, sm_count=132,
         link="nvlink4", link_gbs_unidir=450, pcie_gen=5, pcie_gbs_unidir=64, tdp_w=700,
@@ -158,7 +161,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
         notes="Same GH100 compute as the H100 SXM; only the memory differs.",
     ),
     GpuSpec(
-        name="b200", arch="blackwell", aliases=("b200-sxm", "hgx-b200", "b200-180gb"), vendor="nvidia",
+        name="b200", arch="blackwell", memory_type="hbm3e", aliases=("b200-sxm", "hgx-b200", "b200-180gb"), vendor="nvidia",
         bf16_tflops=2250.0, fp8_tflops=4500.0, int8_tops=4500.0,
         memory_gb=180, reported_mib=183359, memory_bw_gbs=8000, sm_count=148,
         link="nvlink5", link_gbs_unidir=900, pcie_gen=5, pcie_gbs_unidir=64, tdp_w=1000,
@@ -170,7 +173,7 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
                "is not catalogued. SM count 148 as the CUDA device query reports."),
     ),
     GpuSpec(
-        name="mi300x", arch="cdna3", aliases=("amd-mi300x", "instinct-mi300x"), vendor="amd",
+        name="mi300x", arch="cdna3", memory_type="hbm3", aliases=("amd-mi300x", "instinct-mi300x"), vendor="amd",
         bf16_tflops=1307.4, fp8_tflops=2614.9, int8_tops=2614.9,
         memory_gb=192, reported_mib=None, memory_bw_gbs=5300, sm_count=304,
         link="infinity-fabric", link_gbs_unidir=448, pcie_gen=5, pcie_gbs_unidir=64, tdp_w=750,

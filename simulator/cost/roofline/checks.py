@@ -81,7 +81,8 @@ def reverse_check() -> list[dict]:
     eff = dict(DEFAULTS)
     eff.update(e_gemm=float(ref.c[ph.C_E_GEMM] * H200_MEASURED_TFLOPS / h200.bf16_tflops),
                e_weights=float(ref.c[ph.C_E_WEIGHTS] * H200_MEASURED_GBS / h200.memory_bw_gbs),
-               p_gemm=float(ref.c[ph.C_P_GEMM]), gemm_half_gflop=0.0, gemm_floor_us=0.0)
+               p_gemm=float(ref.c[ph.C_P_GEMM]), gemm_half_gflop=0.0, gemm_floor_us=0.0,
+               gemm_tile_small=0.0, gemm_tile=0.0)      # a fitted profile has no tiles
     return vidur_check(eff, VIDUR_TRAIN + VIDUR_HELD_OUT)
 
 

@@ -18,7 +18,8 @@ from simulator.cost import physics as ph
 from simulator.cost.catalog import GpuSpec, ModelArch
 from simulator.cost.fit import NO_BOUND_GBS
 from simulator.cost.roofline.defaults import (DEFAULTS, custom_allreduce_terms,
-                                              flash_efficiency, link_terms)
+                                              flash_efficiency, link_terms,
+                                              weight_read_efficiency)
 
 # vLLM's default CUDA-graph capture sizes (batch 1, 2, 4, then every 8 up to 256).
 VLLM_GRAPH_BUCKETS = (1, 2, 4) + tuple(range(8, 257, 8))
@@ -152,8 +153,9 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
                             + ATTN_KERNELS * eff["elem_floor_us"] / ELEM_KERNELS)
     c[ph.C_DEV_STEP_MS] = 0.0
     # -- efficiencies
-    c[ph.C_E_GEMM], c[ph.C_GEMM_HALF] = eff["e_gemm"], eff["gemm_half_gflop"]
-    c[ph.C_E_WEIGHTS], c[ph.C_P_GEMM] = eff["e_weights"], eff["p_gemm"]
+    c[ph.C_E_GEMM], c[ph.C_GEMM_HALF] = eff["e_gemm"], eff.get("gemm_half_gflop", 0.0)
+    c[ph.C_E_WEIGHTS], c[ph.C_P_GEMM] = weight_read_efficiency(spec, eff), eff["p_gemm"]
+    c[ph.C_GEMM_TILE_SMALL], c[ph.C_GEMM_TILE] = eff["gemm_tile_small"], eff["gemm_tile"]
     c[ph.C_E_FLASH] = c[ph.C_E_MASKED] = flash_efficiency(spec, eff)
     c[ph.C_CTA_PREFIX] = c[ph.C_CTA_DECODE] = NO_BOUND_GBS
     c[ph.C_E_DECODE] = c[ph.C_E_DECODE_EAGER] = eff["e_decode"]

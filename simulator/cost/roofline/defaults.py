@@ -10,11 +10,35 @@ for others (``link_terms``, ``flash_efficiency``).
 ============================  ==========================================================
 term                          where it comes from
 ============================  ==========================================================
-``e_gemm``, ``gemm_half``,    Vidur's per-operator MLP tables (``data/vidur``: the four
-``e_weights``, ``p_gemm``,    GEMMs of a layer against batch tokens, TP 1-8): A100
-``gemm_floor_us``             Llama-2-7B, Llama-2-70B, Llama-3-8B and H100 Llama-2-7B;
-                              A100 Llama-3-70B and H100 Llama-2-70B held out
-                              (``vidur_check``)
+``e_gemm``,                   Vidur's per-operator MLP tables (``data/vidur``: the four
+``e_weights_hbm2e``,          GEMMs of a layer against batch tokens, TP 1-8): A100
+``e_weights_hbm3``,           Llama-2-7B, Llama-2-70B, Llama-3-8B and H100 Llama-2-7B;
+``gemm_floor_us``             A100 Llama-3-70B and H100 Llama-2-70B held out
+                              (``vidur_check``). The weight reads per memory technology:
+                              the A100's HBM2e and the H100's HBM3 stream at different
+                              shares of their datasheet rates (one shared value made the
+                              fit trade one against the other)
+``e_weights_hbm3e``           HBM3e (H200, B200): the reference H200's measured
+                              device-to-device copy, 4,282 GB/s (read + write) of the
+                              datasheet's 4,800 (``data/h200-refbench/README.md``)
+(assumed)                     HBM2 (A100 40GB) and GDDR6 (L4, L40S, A10G) take HBM2e's
+                              value, MI300X's HBM3 the H100's (``WEIGHT_READ``): no
+                              table or published streaming measurement of theirs here
+``gemm_tile_small``,          tile quantisation: a GEMM computes whole output tiles of
+``gemm_tile``                 64 rows up to 64 tokens, 128 rows beyond (cuBLAS's skinny
+                              tiles), read off the steps in Vidur's tables: A100
+                              Llama-2-70B gate-up 605 -> 748 µs between 64 and 80
+                              tokens, 720 -> 1,069 µs between 128 and 144; H100 327 ->
+                              368 µs between 128 and 144 (``physics.gemm_rows``)
+``p_gemm``                    3, fixed, not fitted: a pipelined GEMM (multi-stage
+                              cp.async on Ampere, TMA on Hopper) overlaps its weight
+                              loads with its MMAs, so near the ridge it costs about the
+                              larger of the two; p = 3 leaves 26% (2^(1/3)) at the ridge
+                              for the pipeline's fill and drain. Free, the fit drifts to
+                              p = 1.3-1.8 (a near-sum) to absorb what is not overlap:
+                              tiny GEMMs of 7B at TP 4-8 and an A100-only slowdown at
+                              65-128 tokens. Held-out GEMM error at p = 2, 3, 4, 6, 12:
+                              4.3, 4.4, 4.7, 4.9, 5.1% mean
 ``act_*``, ``elem_floor_us``  the same tables' norms, rotary, SiLU-and-mul and residual
                               add (effective passes over HBM at the datasheet rate)
 ``ar_lat_us_*``, ``e_link_*`` Vidur's NCCL all-reduce tables, per family: the 8-GPU
@@ -66,14 +90,18 @@ from __future__ import annotations
 from simulator.cost.catalog import GpuSpec
 
 DEFAULTS: dict = {
-    "e_gemm": 0.736, "gemm_half_gflop": 0.616, "e_weights": 0.9303, "p_gemm": 1.287,
-    "gemm_floor_us": 26.2,
+    "e_gemm": 0.7389, "e_weights_hbm2e": 0.8318, "e_weights_hbm3": 0.9701, "p_gemm": 3.0,
+    "gemm_floor_us": 33.45,
+    # GEMM output tiles (rows): cuBLAS's for skinny GEMMs, as Vidur's tables step.
+    "gemm_tile_small": 64.0, "gemm_tile": 128.0,
+    # HBM3e: the reference H200's measured device-to-device copy over its datasheet rate.
+    "e_weights_hbm3e": 0.8921,
     "act_passes_repl": 11.89, "act_passes_rope": 0.9385, "act_passes_ffn": 8.124,
     "elem_floor_us": 10.6,
     "ar_lat_us_ampere": 33.59, "e_link_ampere": 0.5129,
     "ar_lat_us_hopper": 22.59, "e_link_hopper": 0.7196,
     "e_flash_hopper": 0.3054, "e_flash_ampere": 0.5009,
-    "e_decode": 0.8605,
+    "e_decode": 0.8268,
     "h_layer_ms": 0.2582, "h_decode_layer_ms": 0.153, "h_graph_ms": 2.759, "p_step": 4.517,
     "p_attn": 2.345,
     # vLLM's custom all-reduce: a line through a published benchmark, and vLLM's size limit.
@@ -85,6 +113,10 @@ DEFAULTS: dict = {
 # PCIe-only Ada parts take Ampere's (the lower efficiency), Blackwell and MI300X Hopper's.
 LINK_ARCH = {"hopper": "hopper", "blackwell": "hopper", "cdna3": "hopper", "ampere": "ampere",
              "ada": "ampere"}
+# The weight-read efficiency each memory technology takes (module doc): HBM2e and HBM3
+# fitted (A100, H100), HBM3e measured (H200); the rest take the nearest one's.
+WEIGHT_READ = {"hbm2e": "e_weights_hbm2e", "hbm2": "e_weights_hbm2e", "gddr6": "e_weights_hbm2e",
+               "hbm3": "e_weights_hbm3", "hbm3e": "e_weights_hbm3e"}
 FLASH_ARCH = {"hopper": "e_flash_hopper", "blackwell": "e_flash_hopper", "cdna3": "e_flash_hopper",
               "ampere": "e_flash_ampere", "ada": "e_flash_ampere"}
 # How the roofline's fits (``derive``: these defaults; ``transfer``: a calibration's
@@ -92,6 +124,15 @@ FLASH_ARCH = {"hopper": "e_flash_hopper", "blackwell": "e_flash_hopper", "cdna3"
 # coefficient, lighter damping and a tighter stop than the profile fit's. Kept as they
 # were tuned, so that the defaults and calibrations reproduce.
 SOLVE = dict(ridge=1e-12, tol=1e-12, lam_min=1e-12, relative_step=True)
+
+
+def weight_read_efficiency(spec: GpuSpec, eff: dict) -> float:
+    """The share of the datasheet memory bandwidth the linear layers' weights stream at
+    on the GPU's memory technology (module doc); an ``e_weights`` in ``eff`` stands for
+    every technology (a fit of one GPU's rows carried to others: ``checks``)."""
+    if "e_weights" in eff:
+        return eff["e_weights"]
+    return eff[WEIGHT_READ.get(spec.memory_type, "e_weights_hbm3")]
 
 
 def flash_efficiency(spec: GpuSpec, eff: dict) -> float:

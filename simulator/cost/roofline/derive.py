@@ -103,9 +103,11 @@ def vidur_elem_ms(eff: dict, arch: ModelArch, spec: GpuSpec, tp: int,
 
 
 GEMM_HUBER = 0.05       # log error beyond which a Vidur point pulls less
-GEMM_PARAMS = (("e_gemm", 0.7, 0.2, 1.0), ("gemm_half_gflop", 1.0, 1e-3, 1e3),
-               ("e_weights", 0.8, 0.2, 1.0), ("p_gemm", 3.0, 1.2, 24.0),
-               ("gemm_floor_us", 5.0, 0.01, 200.0))
+# Fitted: the compute efficiency, the weight reads of the two memory technologies the
+# tables were measured on (A100 HBM2e, H100 HBM3) and the per-layer floor; ``p_gemm``
+# and the tiles are held at DEFAULTS' (defaults module doc).
+GEMM_PARAMS = (("e_gemm", 0.7, 0.2, 1.0), ("e_weights_hbm2e", 0.8, 0.2, 1.0),
+               ("e_weights_hbm3", 0.8, 0.2, 1.0), ("gemm_floor_us", 5.0, 0.01, 200.0))
 
 
 def fit_vidur(points: list[dict]) -> dict:
@@ -285,6 +287,7 @@ def calibrate_defaults(root=None) -> dict:
     eff["e_flash_hopper"] = float(ref.c[ph.C_E_FLASH] * H200_MEASURED_TFLOPS
                                   / catalog.gpu("h200").bf16_tflops)
     eff["e_flash_ampere"] = FA2_A100_CAUSAL_TFLOPS / catalog.gpu("a100-80gb").bf16_tflops
+    eff["e_weights_hbm3e"] = H200_MEASURED_GBS / catalog.gpu("h200").memory_bw_gbs
     layers = 32     # both H200 engines run the Llama-3-8B shape
     eff["h_layer_ms"] = float(ref.c[ph.C_H_STEP] + ref.c[ph.C_H_CHUNK]) / layers
     eff["h_decode_layer_ms"] = float(ref.c[ph.C_H_DECODE]) / layers
