@@ -381,7 +381,7 @@ def serve(model: str = "tiny", device: str = "cpu", host: str = "127.0.0.1", por
                        api_key=api_key, max_body_bytes=max_body_bytes,
                        request_timeout_s=request_timeout_s)
         # Everything built so far (the model, torch, the imports) lives as long as the
-        # server: out of the collector's sight (as vLLM's API server does after start-up).
+        # server: out of the collector's sight (vLLM freezes its heap once warmed up too).
         # Else the first full collection of a burst walks it all, on the event loop: 137 ms
         # at the start of serve_health.py's 300 streams (the burst's worst /health).
         gc.collect()

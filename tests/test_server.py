@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -343,23 +344,39 @@ def test_missing_web_stack_is_one_line_error(monkeypatch):
 
 
 def test_heartbeats_while_waiting():
-    """A stream silent for heartbeat_s gets ': ping' comments; content frames are unchanged."""
+    """A stream silent for heartbeat_s gets ': ping' comments; content frames are unchanged.
+
+    Structural: the engine's first step is held at a barrier until the client has read
+    three pings (the request is silent for as long as that takes, on any box), then the
+    request runs to its end. (A 30 ms sleep per step once stood for the silence: a loop
+    that fell behind found the tokens queued and owed no ping.)"""
     from real_engine.profile import build_engine
     from real_engine.hosting import BackgroundServer
     from real_engine.server import make_app
     eng = build_engine("tiny", "cpu", num_blocks=256)
-    slow = eng.step
+    real, release = eng.step, threading.Event()
 
-    def step():                         # a slow engine: 30 ms per step
-        time.sleep(0.03)
-        return slow()
+    def step():
+        assert release.wait(30.0), "the test never released the engine"
+        return real()
     eng.step = step
+    evs = []
     with BackgroundServer(make_app(eng, "tiny", heartbeat_s=0.01)) as s, \
             httpx.Client(base_url=s.url, timeout=30) as c:
-        evs = [e for _, e in _stream(c, "/v1/completions",
-                                     {"prompt": "a b", "max_tokens": 4, "stream": True})]
-    assert sum(e.comment is not None for e in evs) >= 3
+        with c.stream("POST", "/v1/completions",
+                      json={"prompt": "a b", "max_tokens": 4, "stream": True}) as r:
+            p = SseParser()
+            for line in r.iter_lines():
+                ev = p.feed(line)
+                if ev is None:
+                    continue
+                evs.append(ev)
+                if not release.is_set() and sum(e.comment is not None for e in evs) == 3:
+                    assert not any(e.data is not None for e in evs)   # nothing ran yet
+                    release.set()
+    assert release.is_set()
     assert sum(e.data is not None and not e.done for e in evs) == 4 and evs[-1].done
+    assert all(e.comment == "ping" for e in evs if e.comment is not None)
 
 
 def test_engine_failure_ends_streams_and_health():
