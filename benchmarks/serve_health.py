@@ -60,7 +60,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--serve-args", default="", help="more `latsim serve` flags, e.g. '--threads 1'")
+    ap.add_argument("--serve-args", default="",
+                    help="more `latsim serve` flags, e.g. '--threads 1'")
     a = ap.parse_args()
     from serveproc import get_when_up, serve_process, stop
     proc, port = serve_process({}, "--model", "tiny", "--max-num-seqs",

@@ -394,7 +394,7 @@ def test_engine_failure_ends_streams_and_health():
             raise RuntimeError("device lost")
         return real()
     eng.step = step
-    with BackgroundServer(make_app(eng, "tiny")) as s, httpx.Client(base_url=s.url, timeout=10) as c:
+    with BackgroundServer(make_app(eng, "tiny")) as s, httpx.Client(base_url=s.url, timeout=30) as c:
         evs = [e for _, e in _stream(c, "/v1/completions",
                                      {"prompt": "a b", "max_tokens": 50, "stream": True})]
         assert not evs[-1].done and "error" in json.loads(evs[-1].data)
@@ -567,7 +567,7 @@ def _slow_reader(engine, mode: str):
     app = make_app(engine, "tiny", heartbeat_s=None, backpressure=mode,
                    stream_buffer_frames=SLOW_BUFFER)
     with BackgroundServer(app, send_buffer_bytes=8192) as srv, \
-            httpx.Client(base_url=srv.url, timeout=10) as c:
+            httpx.Client(base_url=srv.url, timeout=30) as c:
         yield c, _raw_request(srv.port, {"prompt": "a b c", "max_tokens": SLOW_TOKENS,
                                          "stream": True})
 
