@@ -6,8 +6,9 @@ Each run of ``data/vllm-h100-runs/`` becomes its scenario exactly as
 ``benchmarks/vllm_runs.py`` builds it (imported, not copied: its model, launch arguments,
 inference-perf traffic, prefix caching on; ``engine: {preset: vllm}`` where this checkout
 has it, or ``--explicit``: vLLM's settings one by one, without the API-server front end
-and async scheduling). It prints per run the wall time of the whole command, the
-simulating time ``latsim run`` reports, the requests it simulated, simulated requests
+and async scheduling). It prints per run the wall time of the whole command, its CPU
+time (user + system: steadier than wall time on a shared machine), the simulating time
+``latsim run`` reports, the requests it simulated, simulated requests
 per wall second (whole command and simulating only) and the loop that ran (with why, when
 it is SimPy). Then ``scenarios/mooncake-prefix.yaml`` (Mooncake's hour of conversation
 traffic, prefix caching off and on: two runs in one command). A benchmark, not a test.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -44,10 +46,14 @@ def latsim_run(scenario: Path, out: Path, loop: str, *extra: str) -> dict:
     """``latsim run SCENARIO --out OUT``: wall time, what it reports, its exit code."""
     cmd = [sys.executable, "-m", "simulator.cli", "run", str(scenario), "--out", str(out),
            "--force", "--loop", loop, *extra]
+    before = os.times()
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
-    row = {"wall_s": wall, "rc": p.returncode}
+    after = os.times()
+    cpu = (after.children_user - before.children_user) + (after.children_system -
+                                                          before.children_system)
+    row = {"wall_s": wall, "cpu_s": cpu, "rc": p.returncode}
     m = _SIMULATED.search(p.stdout)
     row["sim_s"] = float(m.group(1)) if m else float("nan")
     summary = out / "summary.json"
@@ -87,7 +93,8 @@ def _fmt(row: dict) -> str:
     if "error" in row:
         return f"{row['run'][:44]:44s}  exit {row['rc']}: {row['error']}"
     n = row["requests"]
-    return (f"{row['run'][:44]:44s} {row['wall_s']:7.2f} {row['sim_s']:7.2f} {n:9,d} "
+    return (f"{row['run'][:44]:44s} {row['wall_s']:7.2f} {row['cpu_s']:7.2f} "
+            f"{row['sim_s']:7.2f} {n:9,d} "
             f"{n / row['wall_s']:9,.0f} {n / row['sim_s']:10,.0f}  {'; '.join(row['loops'])}")
 
 
@@ -114,15 +121,19 @@ def main(argv=None) -> int:
             print(f"... {MOONCAKE.name}", file=sys.stderr, flush=True)
             rows.append({"run": MOONCAKE.name + " (2 runs)",
                          **latsim_run(MOONCAKE, work / "mooncake", a.loop)})
-    print(f"{'run':44s} {'wall s':>7s} {'sim s':>7s} {'requests':>9s} {'req/s':>9s} "
-          f"{'sim req/s':>10s}  loop")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+          + ("; PYTHONDONTWRITEBYTECODE set: latsim's modules are compiled from source at "
+             "every start" if os.environ.get("PYTHONDONTWRITEBYTECODE") else ""))
+    print(f"{'run':44s} {'wall s':>7s} {'cpu s':>7s} {'sim s':>7s} {'requests':>9s} "
+          f"{'req/s':>9s} {'sim req/s':>10s}  loop")
     for row in rows:
         print(_fmt(row))
     done = [r for r in rows if "requests" in r]
     if done:
         tot_n = sum(r["requests"] for r in done)
         tot_w = sum(r["wall_s"] for r in done)
-        print(f"{'total':44s} {tot_w:7.2f} {sum(r['sim_s'] for r in done):7.2f} "
+        print(f"{'total':44s} {tot_w:7.2f} {sum(r['cpu_s'] for r in done):7.2f} "
+              f"{sum(r['sim_s'] for r in done):7.2f} "
               f"{tot_n:9,d} {tot_n / tot_w:9,.0f}")
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

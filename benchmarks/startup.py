@@ -2,7 +2,9 @@
 ``latsim run --help`` (a fresh interpreter each, the installed console script when on
 PATH, else ``python -m simulator.cli``), median of ``--repeat`` runs. The goal is under
 0.3 s on a quiet machine: no command's modules (pandas, numba, the web stack) are
-imported for either (``tests/test_startup.py`` checks which modules are imported)."""
+imported for either (``tests/test_startup.py`` checks which modules are imported). The
+header says when ``PYTHONDONTWRITEBYTECODE`` is set: an editable install then compiles
+latsim's own modules from source at every start (a pip-installed one has their bytecode)."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +38,9 @@ def main() -> None:
     base = [exe] if exe else [sys.executable, "-m", "simulator.cli"]
     wall(base + ["--version"])   # warm the file cache once
     print(f"{' '.join(base)}; load average {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} CPUs; median of {args.repeat}")
+          f"on {os.cpu_count()} CPUs; median of {args.repeat}"
+          + ("; PYTHONDONTWRITEBYTECODE set: latsim's modules are compiled from source at "
+             "every start" if os.environ.get("PYTHONDONTWRITEBYTECODE") else ""))
     for case in CASES:
         runs = [wall(base + case) for _ in range(args.repeat)]
         print(f"latsim {' '.join(case):<12} wall {statistics.median(r[0] for r in runs):.3f} s"

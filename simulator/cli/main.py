@@ -176,10 +176,14 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 def _click_errors() -> tuple[tuple, tuple, tuple]:
     """Click's usage errors, its other errors and its abort, from the click typer runs on
-    (typer may carry its own copy) and from click itself."""
+    (typer may carry its own copy) and from click itself where it is imported (a typer
+    that runs on click has imported it; importing it otherwise costs every command's
+    start-up, and nothing in latsim raises its errors)."""
     import importlib
     usage, other, abort = [], [], [typer.Abort]
     for name in ("typer._click.exceptions", "click.exceptions"):
+        if name == "click.exceptions" and "click" not in sys.modules:
+            continue
         try:
             m = importlib.import_module(name)
         except ImportError:
