@@ -137,14 +137,17 @@ show(OUT / "timeseries.png")
 # %% [markdown]
 # ## A CPU tier under the prefix cache: no offload vs offload
 #
-# `scenarios/kv-offload.yaml`: 80 system prompts of 2,048 tokens (inference-perf's
-# shared-prefix traffic, 8 questions each), a GPU cache of 64k tokens and, in the second
-# run, a 64 GB CPU tier (`engine.kv.offload`, as vLLM's `--kv-offloading-size`; the
-# rules: `simulator/model/kv/offload.py`). The prefixes (164k tokens) do not fit on the
-# GPU, so LRU drops most of a group's prompt before its next question; the CPU tier
-# keeps them all, and a hit there is copied back over PCIe 4.0 (25 GB/s: 10.7 ms for a
-# whole prompt) instead of prefilled again (~0.1 s). Hits by tier are shares of the
-# full prompt blocks looked up at admissions; the rest were recomputed.
+# `scenarios/kv-offload.yaml`: multi-turn chat, 32 closed-loop users whose every turn
+# sends the whole history (a 512-token system prompt, earlier messages and answers) plus
+# a new message, with ~3 s of thinking between turns. The GPU cache holds 32k tokens,
+# fewer than the users' histories together, so while a user thinks LRU drops part of
+# the history; the second and third runs add a 64 GB CPU tier (`engine.kv.offload`, as
+# vLLM's `--kv-offloading-size`; the rules: `simulator/model/kv/offload.py`), which keeps
+# every history. A turn that finds its history there loads it over PCIe 4.0 (25 GB/s,
+# 84 us a block) instead of prefilling it again: in the admitting step (`load: sync`,
+# LMCache's default) or while the others run (`load: async`, vLLM's OffloadingConnector).
+# Hits by tier are shares of the full prompt blocks looked up at admissions; the rest
+# were recomputed.
 
 # %%
 osc, obase = load_scenario(REPO / "scenarios" / "kv-offload.yaml")
@@ -156,19 +159,20 @@ for label, run_sc in osc.policy_runs():     # the same requests: drawn from the 
                     "CPU hit": kv.get("cpu_block_hit_ratio", 0.0),
                     "recomputed": 1 - kv["block_hit_ratio"] - kv.get("cpu_block_hit_ratio", 0.0),
                     "TTFT P50 ms": s["median_ttft_ms"], "TTFT P99 ms": s["p99_ttft_ms"],
+                    "ITL P99 ms": s["p99_itl_ms"],
                     "GB loaded": kv.get("loaded_gb", 0.0), "GB stored": kv.get("stored_gb", 0.0),
                     "load s": kv.get("offload_load_s", 0.0)}
 otable = pd.DataFrame(orows).T
 print(otable.to_string(float_format=lambda v: f"{v:,.3f}"))
 
 # %% [markdown]
-# **Why.** The GPU share barely moves (about a third of the blocks are hits there in both
-# runs: questions of a group that come while its prompt is still cached). What the GPU
-# misses, the tier finds: recomputed blocks fall from about two thirds to about an
-# eighth (the rest: each request's own question, and the prompts' first appearance).
-# A CPU hit costs its copy (about 10 ms per prompt, added to the step that admits it)
-# instead of about 0.1 s of prefill that would also take the step's token budget from
-# the others, so median TTFT more than halves and P99 TTFT falls by about 40%. The copy
-# back to the tier runs between steps and costs no step time here (vLLM defers it to
-# the next step on its own stream); the load is synchronous (LMCache's default), an
-# upper bound on what it costs the step's other requests.
+# **Why.** The GPU share hardly moves (about three quarters of the blocks: the turns of
+# users whose history is still on the GPU). What the GPU misses, the tier finds:
+# recomputed blocks fall from about a quarter to about a tenth (the rest: each turn's
+# new message and answer, and first turns). The median turn was a GPU hit anyway, so
+# median TTFT is unchanged; the tail is the turns that prefilled a whole history again
+# behind others, and P99 TTFT about halves. The copies back to the tier run between
+# steps and cost no step time here (vLLM defers them to the next step on their own
+# stream). Loading synchronously (LMCache's default) makes every request of the
+# admitting step wait for the copy; asynchronously (vLLM's own connector) only the
+# request itself waits, so P99 ITL falls a little further.

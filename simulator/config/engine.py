@@ -25,6 +25,9 @@ class OffloadConfig(StrictModel):
                           "that holds nothing")
     pcie_gb_per_s: float = Field(25.0, gt=0, description="host-to-device copy rate of one "
                                  "GPU's link (PCIe 4.0 x16 ~25, 5.0 x16 ~50 effective)")
+    load: Literal["sync", "async"] = Field(
+        "sync", description="sync: the admitting step waits for the copy (LMCache's "
+        "default); async: the request waits, the others run (vLLM's OffloadingConnector)")
 
 
 class KVConfig(StrictModel):

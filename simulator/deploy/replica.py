@@ -61,7 +61,8 @@ def replica_kv_args(scenario) -> dict:
         from simulator.model.kv.offload import tier_blocks
         whole = kv_bytes_per_token(scenario) * kv.block_size
         args["kv_rules"] = replace(args["kv_rules"],
-                                   offload_blocks=tier_blocks(kv.offload.cpu_gb * 1e9, whole))
+                                   offload_blocks=tier_blocks(kv.offload.cpu_gb * 1e9, whole),
+                                   offload_async=kv.offload.load == "async")
         args["offload_bps"] = kv.offload.pcie_gb_per_s * 1e9
     if scenario.engine.async_scheduling:
         args["async_sched"] = True   # (``model.scheduling.asyncsched``)

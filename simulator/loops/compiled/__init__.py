@@ -93,6 +93,8 @@ def kernel_reason(policy, rules, pools, costs, router: str, priority=None, *,
         return "speculative decoding (engine.speculative)"
     if cost_given:
         return "a cost model passed in"
+    if getattr(rules, "offload_async", False):
+        return "asynchronous KV loads from the CPU tier (engine.kv.offload.load: async)"
     if policy_ids(policy) is None:
         from simulator.model.scheduling.queues import heads_suffice
         if not heads_suffice(policy):   # e.g. sjf: prompts do not follow arrival order

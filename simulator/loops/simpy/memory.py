@@ -227,6 +227,8 @@ class ReplicaMemory:
                     if self.fast:
                         self._leave_fast(s)
                     self.decoding.remove(s)
+                elif where == "w":      # its KV still loading from the CPU tier
+                    self.loading = [e for e in self.loading if e[1] is not s]
                 else:
                     self.prefilling.remove(s)
                 self.kv_tokens -= _held_tokens(where == "d", s.prompt_tokens, s.generated,

@@ -82,7 +82,8 @@ class SimSeq(Seq):
         self.key = 0           # fast mode: context = key + ticks
         self.finish_tick = 0   # fast mode: ticks value at which it has all its tokens
         self.keys = None       # prefix-cache keys of its prompt blocks (or None)
-        # q waiting, p prefilling, d decoding, s swapped, x gone; disaggregated serving
+        # q waiting, p prefilling, d decoding, s swapped, x gone, w admitted with its KV
+        # loading from the CPU tier (``offload.load: async``); disaggregated serving
         # (``handoff``): t sent on by its prefill replica, i waiting for a decode replica
         # to take it in, l its KV landing there
         self.where = "q"
@@ -109,7 +110,9 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
     the engine plans each step while the previous one runs (``asyncsched``): a new
     arrival waits in an inbox until a decision sees it, and epochs are off.
     ``offload_bps``: the link a CPU tier's loads take (``kv_rules.offload_blocks``; the
-    rules: ``model.kv.offload``): a load lengthens the step that admits the request."""
+    rules: ``model.kv.offload``): a load lengthens the step that admits the request, or,
+    with ``kv_rules.offload_async`` (vLLM's OffloadingConnector), the request waits
+    (``loading``) while the others run, the link copying one load after another."""
 
     def queued(self) -> list:
         """Every request held here that no step has admitted yet: the waiting queue,
@@ -143,6 +146,9 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self._copy_s = 0.0
         self.offload_bps = offload_bps
         self._load_s = 0.0     # this step's loads from the CPU tier (``model.kv.offload``)
+        self._async_load = kv_rules is not None and kv_rules.offload_async
+        self.loading: list = []   # async loads: (when its KV has landed, request), in order
+        self._link_free = 0.0     # when the link ends the loads queued on it
         self.rec = rec
         self.trace = getattr(rec, "trace", None)   # a ``report.decisions`` trace, or None
         self.frame_time = frame_time
@@ -269,7 +275,10 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 self._join_landed()
             if self._inbox:
                 self._see_arrivals()
-            if not (self.decoding or self.prefilling or len(self.waiting) or self.swapped):
+            if self.loading:
+                self._loads_landed(env.now)
+            if not (self.decoding or self.prefilling or len(self.waiting) or self.swapped
+                    or self.loading):
                 if self.incoming:
                     self._intake(env.now)
                 self._wakeup = env.event()
@@ -294,7 +303,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 decoding = [d for d in decoding if d.stream is None or not d.stream.blocked(now)]
             state = SchedulerState(now, self.waiting, decoding, self.prefilling,
                                    kv.policy_free(hold), kv=kv,
-                                   num_running=len(self.decoding) + len(self.prefilling))
+                                   num_running=len(self.decoding) + len(self.prefilling)
+                                   + len(self.loading))
             plan = policy.schedule(state)
             if self.trace is not None:
                 self.trace.decide(self.index, policy, state, plan, hold)
@@ -313,7 +323,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 self._wakeup = None
                 continue
             if plan.is_empty:
-                if self.swapped and not (self.decoding or self.prefilling or self._landing):
+                if self.swapped and not (self.decoding or self.prefilling or self._landing
+                                         or self.loading):
                     raise RuntimeError(f"replica {self.index}: swapped requests cannot "
                                        f"come back into an empty cache")
                 if self._copy_s:
@@ -323,6 +334,13 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                     self.busy_s += self._copy_s
                     if self.util is not None:
                         self.util.idle_copy(self._copy_s)
+                    continue
+                if self.loading:
+                    # Only KV loads in flight: wait for the first to land (or an arrival).
+                    self._wakeup = env.event()
+                    until = self.loading[0][0]
+                    yield env.any_of([self._wakeup, env.timeout(max(until - now, 0.0))])
+                    self._wakeup = None
                     continue
                 if self._sent or self._landing:
                     # Blocks held by KV in flight (``handoff``: to be sent, or landing here);
@@ -342,7 +360,8 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
             k_room = 0
             # An epoch repeats this plan until something happens; a step that held
             # admissions back (a preemption, swapped requests) is not one to repeat.
-            if self.epochs and _may_start(nd, len(plan.prefill), hold, self._copy_s,
+            if self.epochs and _may_start(nd, len(plan.prefill), hold or bool(self.loading),
+                                           self._copy_s,
                                            self._aging, len(self.waiting)):
                 self._clean_top(self._finish_heap)
                 k_room = _epoch_length(self._finish_heap[0][0], self.ticks, kv.paged, nd,
@@ -421,8 +440,11 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
         self._inbox = keep
 
     def _admit(self, plan: StepPlan, now: float) -> StepPlan:
-        """Move the plan's admissions into the running set (``KVSpace.admit_plan``)."""
+        """Move the plan's admissions into the running set (``KVSpace.admit_plan``); with
+        asynchronous loads, one whose KV is loading waits (``loading``), its chunk out of
+        this step."""
         rec = self.rec
+        deferred = []
 
         def admitted(seq, cached: int, recovered: int) -> None:
             rid = seq.rid
@@ -439,16 +461,42 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
                 rec.recomputed_tokens[rid] -= recovered
             loaded = self.kv.manager.loaded
             if loaded:
-                # Its KV from the CPU tier: copied before the step's forward pass.
+                # Its KV from the CPU tier: copied before the step's forward pass (sync),
+                # or while other steps run (async).
                 secs = _load_time(loaded, self.block_bytes, self.offload_bps)[1]
-                self._load_s += secs
                 if rec.kv_load_s is not None:
                     rec.loaded_tokens[rid] += loaded * self.kv.bs
                     rec.kv_load_s[rid] += secs
+                if self._async_load:
+                    # One link: a load starts when the one before it ends.
+                    ready = (now if now > self._link_free else self._link_free) + secs
+                    self._link_free = ready
+                    seq.where = "w"
+                    self.loading.append((ready, seq))
+                    deferred.append(rid)
+                    return
+                self._load_s += secs
             seq.where = "p"
             self.prefilling.append(seq)
 
-        return self.kv.admit_plan(plan, self.by_id.__getitem__, admitted)
+        plan = self.kv.admit_plan(plan, self.by_id.__getitem__, admitted)
+        if deferred:
+            plan = StepPlan(decode=plan.decode,
+                            prefill=tuple(c for c in plan.prefill if c[0] not in deferred),
+                            admit=plan.admit)
+        return plan
+
+    def _loads_landed(self, now: float) -> None:
+        """Asynchronous loads whose KV has landed by ``now``: those requests prefill from
+        the next step on (vLLM schedules them once ``finished_recving`` reports them)."""
+        keep = []
+        for e in self.loading:
+            if e[0] <= now:
+                e[1].where = "p"
+                self.prefilling.append(e[1])
+            else:
+                keep.append(e)
+        self.loading = keep
 
     def _epoch(self, nd: int, k: int):
         """``k`` decode-only steps, or fewer if an admissible arrival (or a cancel)

@@ -28,12 +28,15 @@ of counters ``C_*``. What vLLM's ``OffloadingConnectorScheduler`` does, and this
 - **Load time** (``load_time``): ``blocks x block bytes / link bytes per second``: the
   copy rule of swapping (``rules.swap_copy``), over the same PCIe link.
 
-Where the load time goes: latsim adds it to the step that admits the request (its
-first prefill chunk waits for its KV: a synchronous load before the forward pass, as
-LMCache's connector does by default in ``start_load_kv``, and as a swap-in does here).
-vLLM's own OffloadingConnector loads asynchronously instead (the request waits in
-``WAITING_FOR_REMOTE_KVS`` while the others run); that overlap is not modelled, so the
-other requests of that step wait for the copy too: an upper bound on its cost to them.
+Where the load time goes (``engine.kv.offload.load``): ``sync`` (the default) adds it to
+the step that admits the request (its first prefill chunk waits for its KV: a
+synchronous load before the forward pass, as LMCache's connector does by default in
+``start_load_kv``, and as a swap-in does here), so the other requests of that step wait
+for the copy too. ``async`` is vLLM's own OffloadingConnector (``get_num_new_matched_tokens``
+answers ``is_async``): the request, its blocks allocated, waits in
+``WAITING_FOR_REMOTE_KVS`` while the others run, the link copying one load after another,
+and prefills from the first step after its KV has landed (the SimPy replica's
+``loading``; the compiled loop runs ``sync`` only).
 
 A tier of 0 blocks holds nothing: every lookup misses, every store is dropped, and a
 run is the run without offloading, bit for bit (``tests/test_kv_offload.py``).

@@ -48,6 +48,7 @@ class KVRules:
     prefix_caching: bool = False
     lookahead: int = 0                 # speculative decoding: draft tokens a step verifies
     offload_blocks: Optional[int] = None   # a CPU tier of this many blocks (``offload``)
+    offload_async: bool = False        # its loads overlap other requests' steps
 
     @classmethod
     def from_config(cls, kv) -> "KVRules":
