@@ -96,7 +96,8 @@ from simulator.wire.benchclient import TIMING_COMMENT, TIMING_HEADER
 
 from real_engine.engine import EngineCore
 from real_engine.engineloop import _ABORT, _DONE, EngineLoop, Failed, _Stream
-from real_engine.guards import MAX_BODY_BYTES, ApiKeyGuard, Deadline, DeadlineStream, read_body
+from real_engine.guards import (MAX_BODY_BYTES, AdmissionGate, ApiKeyGuard, Deadline,
+                                DeadlineStream, read_body)
 from real_engine.hosting import listen_socket
 from real_engine.metrics import ServerMetrics
 from real_engine.openai_api import (MAX_JSON_DEPTH, ApiError, Parsed, chunk, completion,
@@ -161,7 +162,8 @@ def make_app(engine: EngineCore, model_name: str = "latsim",
     app = FastAPI(title="latsim real engine", lifespan=lifespan)
     app.state.engine_loop = loop_
     app.state.metrics = server_metrics
-    if api_key:
+    app.add_middleware(AdmissionGate)
+    if api_key:                 # outside the gate: a refused request is never held
         app.add_middleware(ApiKeyGuard, key=api_key)
 
     @app.get("/health")
