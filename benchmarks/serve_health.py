@@ -1,13 +1,18 @@
 """How long ``GET /health`` of ``latsim serve`` takes while a burst of streams runs.
 
-Starts ``latsim serve --model tiny`` on a free loopback port in its own process, opens
-``--streams`` streamed completions at once (raw sockets, one asyncio client in another
-process, so the client's own work does not share the server's GIL), and meanwhile a
-third process times ``GET /health`` on a kept-alive connection every 20 ms. Prints the
-probe's median, p99 and max and how many streams completed. A wall-clock figure: it
-depends on the machine and its load (run it on a quiet one), which is why it is here and
-not in the tests (``tests/test_serve_api.py`` checks the same structurally: /health is
-answered while the engine is held mid-step).
+Starts ``latsim serve --model tiny`` on a free loopback port in its own process (warmed
+up by two requests), opens ``--streams`` streamed completions at once (raw sockets, one
+asyncio client in another process, so the client's own work does not share the server's
+GIL), and meanwhile a third process times ``GET /health`` on a kept-alive connection
+every 20 ms. Prints the probe's median, p99 and max and how many streams completed; and,
+from inside the server (``_as_server``), each event-loop iteration's CPU time (what a
+``/health`` waits behind, less sensitive to other processes than the wall clock; on a
+VM, time stolen by the host can still count) and its garbage collections by generation.
+A wall-clock figure: it depends on the machine and its load (run it on a quiet one),
+which is why it is here and not in the tests (``tests/test_serve_api.py`` and
+``tests/test_serve_streams.py`` check the mechanisms structurally: /health answered
+while the engine is held mid-step, the hand-over in slices, the admission gate, the
+frozen start-up heap).
 
     python benchmarks/serve_health.py --streams 300 --max-tokens 64
 """

@@ -65,7 +65,8 @@ when it reaches ``stream_buffer_frames``:
   collected and sent as one final frame (as a non-streamed response would
   carry them), so the engine never waits for it.
 
-Limits, authentication and timeouts: ``real_engine.guards``. Binding and running
+Limits, authentication, timeouts and the admission of a burst (16 new requests per
+loop iteration): ``real_engine.guards``. Binding and running
 the server in a thread: ``real_engine.hosting``.
 
 Timing. A request carrying the header ``x-latsim-timing`` gets, just before
