@@ -8,6 +8,7 @@ from pydantic import (Field, ValidationError, field_validator,
                       model_serializer, model_validator)
 
 from simulator.errors import LatsimError
+from simulator.model.kv.offload import PCIE4_X16_BPS
 from simulator.model.policies.priority_aging import DEFAULT_AGING_S, MIN_AGING_S
 from simulator.model.scheduling import check_policy_name, make_policy, policy_class
 from simulator.config.strict import StrictModel
@@ -23,7 +24,8 @@ class OffloadConfig(StrictModel):
     cpu_gb: float = Field(ge=0, description="CPU memory for offloaded KV, per replica (all "
                           "its GPUs together, as vLLM's --kv-offloading-size); 0: a tier "
                           "that holds nothing")
-    pcie_gb_per_s: float = Field(25.0, gt=0, description="host-to-device copy rate of one "
+    pcie_gb_per_s: float = Field(PCIE4_X16_BPS / 1e9, gt=0, description="host-to-device "
+                                 "copy rate of one "
                                  "GPU's link (PCIe 4.0 x16 ~25, 5.0 x16 ~50 effective)")
     load: Literal["sync", "async"] = Field(
         "sync", description="sync: the admitting step waits for the copy (LMCache's "

@@ -9,9 +9,10 @@ the same key map (a block's key is its prefix key, ``prefixkeys``) and an LRU of
 slot held (nothing references a CPU block, so every held one is evictable); plus a row
 of counters ``C_*``. What vLLM's ``OffloadingConnectorScheduler`` does, and this models:
 
-- **Store, write-through** (``store_run``): a full prompt block is copied to the CPU
-  tier when it is computed (``PrefixKV.register``: vLLM's ``_get_reqs_to_store`` after
-  each step), not when the GPU evicts it; a key the tier holds already is only touched
+- **Store, write-through** (``store_run``): a full block the prefix cache names (of a
+  prompt; in sessions of an answer too) is copied to the CPU tier when it is computed
+  (``PrefixKV.register``: vLLM's ``_get_reqs_to_store`` after each step), not when the
+  GPU evicts it; a key the tier holds already is only touched
   (``prepare_store`` skips it). A new key takes a free slot, else the least recently
   used one (its key forgotten). The device-to-host copy runs on its own stream between
   steps (vLLM defers it to the next step's start), so it adds no step time here: it is
@@ -59,10 +60,13 @@ C_HITS, C_LOADED, C_STORED, C_EVICTED, C_NCOLS = range(5)
 
 # Effective host<->device copy rates of one x16 link (bytes/s). The spec's raw rate per
 # direction is 16 GT/s (PCIe 4.0) or 32 GT/s (5.0) per lane x 16 lanes x 128/130
-# encoding / 8 = 31.5 / 63.0 GB/s (PCI-SIG, PCI Express Base Specification 4.0 / 5.0);
-# a pinned-memory DMA copy reaches about 80% of it (packet headers, flow control):
-# ~25 GB/s on PCIe 4.0 (A100), ~50 GB/s on PCIe 5.0 (H100/H200). 25 GB/s is also the
-# default of ``engine.kv.swap_gb_per_s``.
+# encoding / 8 = 31.5 / 63.0 GB/s (PCI-SIG, PCI Express Base Specification 4.0 / 5.0).
+# A DMA copy from pinned memory carries each 256-byte payload in a packet with ~24 bytes
+# of header and framing, plus flow-control and acknowledgement packets: about 80% of the
+# raw rate is left, ~25 GB/s on PCIe 4.0 (A100), ~50 GB/s on 5.0 (H100/H200). That 80%
+# is an estimate of the protocol's overhead, not a measurement made here; set
+# ``pcie_gb_per_s`` to a ``bandwidthTest`` / ``nvbandwidth`` result of the machine when
+# one is at hand. 25 GB/s is also ``engine.kv.swap_gb_per_s``'s default.
 PCIE4_X16_BPS = 25e9
 PCIE5_X16_BPS = 50e9
 
