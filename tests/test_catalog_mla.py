@@ -179,3 +179,25 @@ def test_deepseek_v3_runs_on_eight_h200(tmp_path):
     assert (df["ttft"] > 0).all() and (df["tpot"] > 0).all()
     plan = catalog.plan_memory("deepseek-v3", "h200", 8, weight_dtype="fp8")
     assert plan.fits and 84e9 < plan.weight_bytes_per_gpu < 86e9
+
+
+def test_moe_and_mla_layers_add_their_kernels_floors():
+    """A layer's kernel floor counts the kernels vLLM launches for it, each at the floor
+    of one of Vidur's GEMMs (gemm_floor_us / 4) or elementwise ops (elem_floor_us / 5):
+    a dense multi-head model keeps Vidur's floor exactly; Mixtral adds the router GEMM
+    and three small kernels in each of its 32 mixture layers; DeepSeek-V3 adds, in 58
+    of 61 layers, those and its shared expert's 2 GEMMs and 2 small kernels, and in
+    every layer MLA's 4 GEMMs and 2 norms."""
+    from simulator.cost import physics as ph
+    from simulator.cost.roofline.constants import build_constants
+    from simulator.cost.roofline.defaults import DEFAULTS
+    g, e = DEFAULTS["gemm_floor_us"] / 4, DEFAULTS["elem_floor_us"] / 5
+    base = DEFAULTS["gemm_floor_us"] + DEFAULTS["elem_floor_us"] + 2 * e
+    spec = catalog.gpu("h100-sxm")
+
+    def floor(name, tp=1):
+        return build_constants(catalog.model(name), spec, tp)[ph.C_DEV_LAYER_US]
+    assert floor("llama-2-7b") == base and floor("llama-3-70b", 4) == base
+    assert floor("mixtral-8x7b", 2) == pytest.approx(base + g + 3 * e, rel=1e-12)
+    want = base + 58 / 61 * ((g + 3 * e) + (2 * g + 2 * e)) + (4 * g + 2 * e)
+    assert floor("deepseek-v3", 8) == pytest.approx(want, rel=1e-12)

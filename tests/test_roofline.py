@@ -319,7 +319,7 @@ def test_published_step_times():
     batch-1 decode and first-token latency of Llama-2-7B/13B/70B on A100; NIM TTFT/ITL of
     Llama-3.3-70B on 2 H100; each priced with its engine's all-reduce, NCCL's: only the
     vLLM rows, among the other ones, run vLLM's custom kernel): median error within 12%
-    (measured 9.6%), every row within 60% (worst: gpt-fast Llama-2-7B batch-1 decode
+    (measured 9.0%), every row within 60% (worst: gpt-fast Llama-2-7B batch-1 decode
     at TP 8, +58%: a few ms of overhead-bound work per GPU, where the host time of a
     graph replay, fitted on a different engine, and the per-layer GEMM floor decide); the
     70B-180B rows at TP 2-8 within 30% (worst 27.9%). The rows e_decode is fitted to are
@@ -340,11 +340,13 @@ def test_published_step_times():
     assert all(abs(r["error"]) <= 0.08 for r in lmd if r["kind"] == "prefill")
     assert all(abs(r["error"]) <= 0.03 for r in lmd if r["kind"] == "decode")
     # gpt-fast's batch-1 Mixtral-8x7B (top-2 of 8 experts) at TP 2/4/8: 12.70, 8.46,
-    # 4.91 ms measured; within 20% (-19%, -19%, +7%) because a step of one token reads
-    # two experts a layer, not eight (which made it +121%, +86%, +96%).
-    moe = [r for r in check if r["model"] == "mixtral-8x7b"]
-    assert sorted(r["tp"] for r in moe) == [2, 4, 8]
-    assert all(abs(r["error"]) <= 0.20 for r in moe)
+    # 4.91 ms measured; a step of one token reads two experts a layer, not eight (which
+    # made it +121%, +86%, +96%), and each mixture layer launches its router GEMM and
+    # routing kernels (constants.extra_floor_us; without them -19%, -19%, +7%): -6%,
+    # -5%, +25% (TP 8: 0.6 ms of work a GPU, where every kernel floor counts).
+    moe = {r["tp"]: abs(r["error"]) for r in check if r["model"] == "mixtral-8x7b"}
+    assert sorted(moe) == [2, 4, 8]
+    assert moe[2] <= 0.10 and moe[4] <= 0.10 and moe[8] <= 0.30
     assert {(r["model"], r["gpu"], r["batch"]) for r in rows if r["use"] == "calibration"} == set(
         derive.DECODE_CALIBRATION_ROWS)
 

@@ -28,6 +28,16 @@ NO_RANGE = 1e18         # a roofline has no measured range: nothing counts as ex
 # duration the floor counts: the attention kernel and the K/V cache write.
 ATTN_KERNELS = 2
 ELEM_KERNELS = 5        # two norms, rotary, SiLU-and-mul, residual add (Vidur's ops)
+GEMM_KERNELS = 4        # QKV, O, gate-up, down: the GEMMs ``gemm_floor_us`` is the floor of
+# Kernels a layer launches beyond a dense multi-head layer's (``extra_floor_us``), from
+# vLLM's model code: a mixture's layer (``fused_moe``) adds the router GEMM and three
+# small kernels (top-k softmax, ``moe_align_block_size``, ``moe_sum``); shared experts
+# their own gate-up and down GEMMs, SiLU-and-mul and the add; MLA (DeepSeek) replaces
+# the QKV GEMM by the q down/up and KV down projections and adds the two absorbed
+# up-projection batched GEMMs of decode, and the q and KV latent norms.
+MOE_EXTRA = (1, 3)      # (GEMMs, small kernels) per mixture layer
+SHARED_EXTRA = (2, 2)   # ... per shared-expert block
+MLA_EXTRA = (4, 2)      # ... per latent-attention layer
 WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
 KV_DTYPES = ("bf16", "fp16", "fp8")
 
@@ -75,6 +85,26 @@ def token_ffn(arch: ModelArch) -> float:
 def has_rotary(arch: ModelArch) -> bool:
     """Whether the model applies rotary embeddings to q and k (OPT and BLOOM do not)."""
     return arch.family not in ("opt", "bloom")
+
+
+def extra_floor_us(arch: ModelArch, eff: dict) -> float:
+    """The minimum device time (µs) an average layer of ``arch`` adds to a dense
+    multi-head layer's kernel floor: each further kernel it launches (``MOE_EXTRA``,
+    ``SHARED_EXTRA``, ``MLA_EXTRA``) at the floor of one of Vidur's GEMMs
+    (``gemm_floor_us / GEMM_KERNELS``) or elementwise ops (``elem_floor_us /
+    ELEM_KERNELS``), mixture terms over the mixture's layers only. 0 for a dense
+    multi-head model (its floor is the one Vidur's tables give)."""
+    gemm = eff["gemm_floor_us"] / GEMM_KERNELS
+    elem = eff["elem_floor_us"] / ELEM_KERNELS
+    out = 0.0
+    if arch.is_moe:
+        share = arch.moe_layers / arch.layers
+        out += share * (MOE_EXTRA[0] * gemm + MOE_EXTRA[1] * elem)
+        if arch.shared_ffn:
+            out += share * (SHARED_EXTRA[0] * gemm + SHARED_EXTRA[1] * elem)
+    if arch.is_mla:
+        out += MLA_EXTRA[0] * gemm + MLA_EXTRA[1] * elem
+    return out
 
 
 def piecewise_host_ms(eff: dict, stage_layers: float) -> float:
@@ -151,6 +181,9 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
     c[ph.C_DEV_PER_HOST] = 0.0
     c[ph.C_DEV_LAYER_US] = (eff["gemm_floor_us"] + eff["elem_floor_us"]
                             + ATTN_KERNELS * eff["elem_floor_us"] / ELEM_KERNELS)
+    extra = extra_floor_us(arch, eff)
+    if extra > 0.0:
+        c[ph.C_DEV_LAYER_US] += extra
     c[ph.C_DEV_STEP_MS] = 0.0
     # -- efficiencies
     c[ph.C_E_GEMM], c[ph.C_GEMM_HALF] = eff["e_gemm"], eff.get("gemm_half_gflop", 0.0)
