@@ -285,3 +285,19 @@ def test_cli_exits_2_on_a_bad_offload_before_running(tmp_path):
     assert r.exit_code == 2, r.output[-800:]
     assert "engine.kv.offload.cpu_gb" in r.output
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("base, entry, says", [
+    ({"offload": {"cpu_gb": 8}}, {"prefix_caching": False}, "offload needs prefix_caching"),
+    ({"prefix_caching": True}, {"allocation": "contiguous"}, "needs allocation: paged"),
+])
+def test_a_policy_entry_that_breaks_the_merged_kv_is_refused_at_load(base, entry, says):
+    # A run's engine.kv is the scenario's with its entry's changes: checked when read,
+    # one line naming the entry, not an internal error when that run starts.
+    d = make_scenario_dict(policies=[{"policy": "chunked", "label": "a"},
+                                     {"policy": "chunked", "label": "b", "kv": entry}])
+    d["engine"]["kv"].update(base)
+    with pytest.raises(LatsimError) as e:
+        validate_scenario(d)
+    assert "policies ('b'): kv: " in str(e.value) and says in str(e.value)
+    assert "\n" not in str(e.value)

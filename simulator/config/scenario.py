@@ -122,6 +122,22 @@ class Scenario(StrictModel):
                              "at most 10,000,000")
         return self
 
+    @model_validator(mode="after")
+    def _policy_kv(self):
+        # A run's engine.kv is the scenario's with its entry's ``kv`` changes over it
+        # (``policy_runs``): the merged one must hold together too (prefix_caching with
+        # allocation, offload with prefix_caching), found now rather than mid-sweep.
+        for p in self.policies or []:
+            if isinstance(p, str) or not p.kv:
+                continue
+            try:
+                KVConfig.model_validate({**self.engine.kv.model_dump(exclude_unset=True),
+                                         **p.kv})
+            except ValidationError as e:
+                msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+                raise ValueError(f"policies ({p.name!r}): kv: {msg}") from None
+        return self
+
     @field_validator("policies")
     @classmethod
     def _policies(cls, v):
