@@ -245,18 +245,26 @@ class ClientStream(StreamDrops):
 
     # -- internals -------------------------------------------------------------------
     def _advance(self, t: float) -> None:
-        """Fire the flush and heartbeat timers due by ``t``, in time order."""
-        if self.rc is not None:
-            self._advance_rc(t)      # with drops and reconnections (``streamdrop``)
-            return
+        """Fire the flush and heartbeat timers due by ``t``, and with ``stream.reconnect``
+        the drop and resume timers (``streamdrop``), in time order (a flush or heartbeat
+        due at the same time as a drop goes first)."""
         every = self._every_s
         hb = self.p.heartbeat_s
-        if every is None and hb is None:
+        rc = self.rc is not None
+        if not rc and every is None and hb is None:
             return
         while True:
             due_flush = self._pending_t0 + every if (every is not None and self._pending) else INF
             due_hb = self._last_write + hb if hb is not None else INF
-            if due_flush <= due_hb:
+            due_rc = self._rc_due() if rc else INF
+            if due_rc < due_flush and due_rc < due_hb:
+                if due_rc > t:
+                    return
+                if self._down:
+                    self._resume(due_rc)
+                else:
+                    self._drop_at(due_rc)
+            elif due_flush <= due_hb:
                 if due_flush > t:
                     return
                 self._flush(due_flush)

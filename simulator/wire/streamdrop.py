@@ -79,31 +79,6 @@ class StreamDrops:
         sched = rc.scheduled[i] if i < len(rc.scheduled) else INF
         self._next_drop = rand if rand < sched else sched
 
-    def _advance_rc(self, t: float) -> None:
-        """``_advance`` with drop and resume timers: every timer due by ``t``, in time
-        order (a flush or heartbeat due at the same time goes first)."""
-        every = self._every_s
-        hb = self.p.heartbeat_s
-        while True:
-            due_flush = self._pending_t0 + every if (every is not None and self._pending) else INF
-            due_hb = self._last_write + hb if hb is not None else INF
-            due_rc = self._rc_due()
-            if due_rc < due_flush and due_rc < due_hb:
-                if due_rc > t:
-                    return
-                if self._down:
-                    self._resume(due_rc)
-                else:
-                    self._drop_at(due_rc)
-            elif due_flush <= due_hb:
-                if due_flush > t:
-                    return
-                self._flush(due_flush)
-            else:
-                if due_hb > t:
-                    return
-                self._heartbeat(due_hb)
-
     def _drop_at(self, t: float) -> None:
         """A drop on the network at ``t`` (drawn or scheduled)."""
         sched = self.rc.scheduled
