@@ -12,7 +12,7 @@ from simulator.model.kv.space import KVRules
 
 def replica_capacity(scenario) -> int:
     """KV blocks one replica holds (``CostModel.kv_capacity``; with a roofline cost model
-    it sets ``cluster.gpus_per_replica`` to tp x pp when left out)."""
+    it sets ``cluster.gpus_per_replica`` to tp x pp x dp when left out)."""
     return scenario.model.cost.kv_capacity(scenario)
 
 
@@ -30,13 +30,13 @@ def roofline_memory_plan(scenario, require_fit: bool = True):
 
 def replica_gpus(sc) -> int:
     """GPUs one replica occupies: what its cost model takes (``gpus_per_replica()``: tp x
-    pp of a roofline), else ``cluster.gpus_per_replica`` (one-line error when they
+    pp x dp of a roofline), else ``cluster.gpus_per_replica`` (one-line error when they
     disagree)."""
     n = sc.model.cost.gpus_per_replica()
     if n is None:
         return sc.cluster.gpus_per_replica
     if "gpus_per_replica" in sc.cluster.model_fields_set and sc.cluster.gpus_per_replica != n:
-        raise LatsimError(f"must equal model.cost tp x pp = {n}",
+        raise LatsimError(f"must equal the GPUs model.cost takes (tp x pp x dp) = {n}",
                           field="cluster.gpus_per_replica",
                           value=sc.cluster.gpus_per_replica, has_value=True)
     return n
