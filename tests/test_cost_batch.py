@@ -154,3 +154,22 @@ def test_out_file_and_force(tmp_path):
     assert "exists" in _error(r)
     assert _cost(*ROOF, "--steps", path, "--out", out, "--force").exit_code == 0
     assert out.read_text() == first
+
+
+def test_expert_and_data_parallel_options_price_what_the_config_prices():
+    """``latsim cost --ep/--dp`` builds the roofline a ``model.cost`` with ``ep``/``dp``
+    builds (the same step time, to the bit), and its refusals name the option."""
+    from simulator.cost.roofline.model import RooflineCostModel
+    mix = ["--model", "mixtral-8x7b", "--gpu", "h100-sxm"]
+    for tp, dp, ep in ((8, 1, 8), (4, 2, 8)):
+        got = _single([*mix, "--tp", tp, "--dp", dp, "--ep", ep], "", "64@1024")
+        want = RooflineCostModel("mixtral-8x7b", "h100-sxm", tp, ep=ep, dp=dp)
+        assert got["ms"] == want.step_time(64, 1024, 64 * 1024, []) * 1000.0
+        assert (got["cost_model"]["ep"], got["cost_model"]["dp"]) == (ep, dp)
+    for extra, flag in ((["--tp", 8, "--ep", 3], "--ep"), (["--tp", 2, "--dp", 2], "--ep"),
+                        (["--tp", 8, "--ep", 0], "--ep")):
+        msg = _error(_cost(*mix, *extra, "--decode", "8@100"))
+        assert msg.startswith(f"{flag}:") and "\n" not in msg, msg
+    msg = _error(_cost("--model", "llama-3-8b", "--gpu", "h100-sxm", "--tp", 2, "--ep", 2,
+                       "--decode", "8@100"))
+    assert msg.startswith("--ep:") and "dense" in msg

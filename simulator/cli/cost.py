@@ -130,6 +130,10 @@ def cost(
     gpu: Optional[str] = typer.Option(None, "--gpu", help="catalogued GPU (e.g. a100-80gb)"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel GPUs"),
     pp: int = typer.Option(1, "--pp", help="pipeline stages (no micro-batching)"),
+    ep: int = typer.Option(1, "--ep", help="a mixture's expert-parallel GPUs: 1 or tp x dp "
+                           "(vLLM --enable-expert-parallel)"),
+    dp: int = typer.Option(1, "--dp", help="data-parallel attention ranks (vLLM "
+                           "--data-parallel-size, with --ep tp x dp)"),
     weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="bf16 | fp16 | fp8 | "
                                      "int8 | int4"),
     kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="bf16 | fp16 | fp8"),
@@ -162,7 +166,8 @@ def cost(
     """Time one engine step (roofline estimate from datasheets, or a profile's model)."""
     from simulator.cost.steps import cost_model, parse_decode, parse_prefill
     config = dict(model=model, gpu=gpu, tp=tp, pp=pp, weight_dtype=weight_dtype,
-                  kv_dtype=kv_dtype, calibrate=calibrate, profile=profile, kind=kind)
+                  kv_dtype=kv_dtype, calibrate=calibrate, profile=profile, kind=kind,
+                  ep=ep, dp=dp)
     if steps is not None or out is not None or force or terms:
         from simulator.cli.costbatch import cost_batch
         return cost_batch(steps, out, force, as_json, terms, config,

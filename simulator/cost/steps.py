@@ -49,9 +49,10 @@ def named(flag: str, lookup):
 
 
 def roofline_model(model: str, gpu: str, tp: int, pp: int, weight_dtype: str, kv_dtype: str,
-                   calibrate: Optional[Path]):
-    """The roofline cost model of ``model`` on ``gpu`` (TP x PP), checked as ``latsim cost``
-    checks its options."""
+                   calibrate: Optional[Path], ep: int = 1, dp: int = 1):
+    """The roofline cost model of ``model`` on ``gpu`` (TP x PP, expert parallelism over
+    ``ep`` GPUs, ``dp`` data-parallel attention ranks), checked as ``latsim cost`` checks
+    its options."""
     from simulator.cost import catalog
     from simulator.cost.roofline.constants import KV_DTYPES, WEIGHT_DTYPES
     from simulator.cost.roofline.model import (RooflineCostModel, load_calibration_profile,
@@ -64,7 +65,7 @@ def roofline_model(model: str, gpu: str, tp: int, pp: int, weight_dtype: str, kv
                           value=kv_dtype, has_value=True)
     spec = named("--gpu", lambda: catalog.gpu(gpu))
     arch = named("--model", lambda: model_arch(model, [Path.cwd()]))
-    for flag, v in (("--tp", tp), ("--pp", pp)):
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--dp", dp)):
         if v < 1:
             raise LatsimError("must be a positive integer", source=flag, value=v, has_value=True)
     try:
@@ -75,8 +76,16 @@ def roofline_model(model: str, gpu: str, tp: int, pp: int, weight_dtype: str, kv
     profile, src = None, ""
     if calibrate is not None:
         profile, src = load_calibration_profile(str(calibrate), [Path.cwd()])
-    return RooflineCostModel(arch, spec, tp, pp, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                             profile=profile, profile_source=src)
+    try:
+        return RooflineCostModel(arch, spec, tp, pp, weight_dtype=weight_dtype,
+                                 kv_dtype=kv_dtype, profile=profile, profile_source=src,
+                                 ep=ep, dp=dp)
+    except LatsimError as e:
+        # The config's field names (model.cost.ep / dp) as the options they came from.
+        m = re.match(r"^field 'model\.cost\.(ep|dp)': (.*)$", str(e))
+        if m is None:
+            raise
+        raise LatsimError(m.group(2), source=f"--{m.group(1)}") from None
 
 
 def measured_model(profile: Path, kind: str, model: Optional[str]):
@@ -117,21 +126,21 @@ def check_profile_model(prof: dict, model: str, path: Path) -> None:
 
 def cost_model(model: Optional[str] = None, gpu: Optional[str] = None, *, tp: int = 1,
                pp: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-               calibrate=None, profile=None, kind: str = "fitted"):
+               calibrate=None, profile=None, kind: str = "fitted", ep: int = 1, dp: int = 1):
     """The cost model ``latsim cost`` prices with for these options (roofline: ``model``
     and ``gpu``; measured: ``profile`` and ``kind``), built once per configuration."""
     return _cost_model(model, gpu, int(tp), int(pp), weight_dtype, kv_dtype,
                        None if calibrate is None else str(calibrate),
-                       None if profile is None else str(profile), kind)
+                       None if profile is None else str(profile), kind, int(ep), int(dp))
 
 
 @functools.lru_cache(maxsize=16)
-def _cost_model(model, gpu, tp, pp, weight_dtype, kv_dtype, calibrate, profile, kind):
+def _cost_model(model, gpu, tp, pp, weight_dtype, kv_dtype, calibrate, profile, kind, ep, dp):
     if profile is not None:
-        if gpu is not None or calibrate is not None:
-            raise LatsimError("--profile times the step with the profile's own model; --gpu "
-                              "and --calibrate belong to the roofline (leave --profile out)",
-                              source="--profile")
+        if gpu is not None or calibrate is not None or ep != 1 or dp != 1:
+            raise LatsimError("--profile times the step with the profile's own model; --gpu, "
+                              "--calibrate, --ep and --dp belong to the roofline (leave "
+                              "--profile out)", source="--profile")
         return measured_model(Path(profile), kind, model)[0]
     if kind != "fitted":
         raise LatsimError("chooses the model of a --profile: give --profile", source="--kind",
@@ -140,7 +149,7 @@ def _cost_model(model, gpu, tp, pp, weight_dtype, kv_dtype, calibrate, profile, 
         raise LatsimError("the roofline needs --model and --gpu (or give --profile)",
                           source="latsim cost")
     return roofline_model(model, gpu, tp, pp, weight_dtype, kv_dtype,
-                          None if calibrate is None else Path(calibrate))
+                          None if calibrate is None else Path(calibrate), ep, dp)
 
 
 def step_args(pre: Optional[tuple], dec: Optional[tuple]) -> tuple:
