@@ -229,7 +229,9 @@ def _print_step(rep: dict) -> None:
     if s["prefill"]:
         parts.append(f"prefill {s['prefill']['prompts']}x{s['prefill']['tokens']}")
     if d.get("kind") == "roofline":
-        console.print(f"[bold]{d['model']}[/] on {d['gpus']} x {d['gpu']} (TP{d['tp']} PP{d['pp']}), "
+        par = f"TP{d['tp']} PP{d['pp']}" + "".join(
+            f" {k.upper()}{d[k]}" for k in ("dp", "ep") if d.get(k, 1) > 1)
+        console.print(f"[bold]{d['model']}[/] on {d['gpus']} x {d['gpu']} ({par}), "
                       f"{d['weight_dtype']} weights, {d['kv_dtype']} KV", highlight=False)
     console.print(f"{rep['estimate']}", style="yellow", highlight=False)
     console.print(f"step {' + '.join(parts)}: [bold]{rep['ms']:,.2f} ms[/]", highlight=False)
