@@ -156,7 +156,8 @@ def test_the_autoscaler_scales_the_pool_it_names(monkeypatch):
     _df, out = run_outputs(res)
     cl = out["cluster"]
     assert cl["autoscaled_pool"] == "h100" and cl["pools"]["h100"]["autoscaled"]
-    assert seen["provisioned"] and set(seen["provisioned"]) <= {1, 2}   # h100's slots 0..2
+    # h100's slots are 0..2 (slot 0 may drain and start again), a100's replica slot 3.
+    assert seen["provisioned"] and set(seen["provisioned"]) <= {0, 1, 2}
     assert cl["pools"]["a100"]["gpu_hours"] == pytest.approx(res.sim_end / 3600.0)
     assert cl["pools"]["h100"]["gpu_hours"] > res.sim_end / 3600.0
     assert cl["gpu_hours"] == pytest.approx(sum(p["gpu_hours"] for p in cl["pools"].values()))
@@ -232,3 +233,23 @@ def test_shipped_scenario_loads():
     runs = sc.policy_runs()
     assert [r.cluster.router for _l, r in runs] == ["round_robin", "least_outstanding"]
     assert all(r.cluster.pools for _l, r in runs)
+
+
+def test_a_scale_up_while_slots_drain_starts_only_the_free_slots():
+    """A draining replica keeps its slot until it empties: a decision that wants more
+    replicas than there are free slots starts only the free ones (it crashed with
+    StopIteration looking for a third free slot of three)."""
+    import simpy
+
+    from simulator.cluster.autoscaler import DRAINING, OFF, PROVISIONING, READY, Autoscaler, Fleet
+    from simulator.config.traffic import AutoscalerConfig
+    env = simpy.Environment()
+    f = Fleet(env, lambda i: None, n_ready=2, n_slots=3)
+    f._set(1, DRAINING)
+    cfg = AutoscalerConfig(min_replicas=1, max_replicas=3, metric="queue", target=1.0)
+    a = Autoscaler(env, cfg, f, 100, lambda now, w: [], lambda: True)
+    a.metric = lambda now: 10.0        # ten times the target: wants every slot
+    a._decide(1.0)
+    assert f.state == [READY, DRAINING, PROVISIONING] and f.scale_ups == 1
+    a._decide(2.0)                     # nothing free: nothing more to start
+    assert f.scale_ups == 1 and OFF not in f.state

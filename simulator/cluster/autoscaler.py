@@ -208,8 +208,11 @@ class Autoscaler:
         desired = total if abs(ratio - 1.0) <= cfg.tolerance else math.ceil(total * ratio)
         desired = min(cfg.max_replicas, max(cfg.min_replicas, desired - fixed))
         self.decisions.append((now, m, desired))
-        if desired > ready + prov:
-            for _ in range(desired - ready - prov):
+        # A draining slot still holds its GPUs until it empties: only slots that are off
+        # can be started (the pool's slots are its max_replicas).
+        free = sum(1 for i in self._scalable if f.state[i] == OFF)
+        if desired > ready + prov and free:
+            for _ in range(min(desired - ready - prov, free)):
                 f.provision(cfg.scale_up_delay_s)
             self.last_scale = now
         elif (desired < ready and prov == 0
