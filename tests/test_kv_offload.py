@@ -257,6 +257,7 @@ def test_the_compiled_loop_runs_the_cpu_tier_bit_for_bit(cpu_gb, replicas):
     ({"cpu_gb": 8, "pcie_gbs": 25}, "engine.kv.offload.pcie_gbs"),
     ({"pcie_gb_per_s": 25}, "engine.kv.offload.cpu_gb"),
     ({"cpu_gb": True}, "engine.kv.offload.cpu_gb"),
+    ({"cpu_gb": 1e300}, "engine.kv.offload.cpu_gb"),   # past 1 PB (an internal error once)
 ])
 def test_bad_offload_keys_name_the_field(offload, field):
     d = make_scenario_dict()
@@ -264,6 +265,19 @@ def test_bad_offload_keys_name_the_field(offload, field):
     with pytest.raises(LatsimError) as e:
         validate_scenario(d)
     assert field in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_tier_whose_bookkeeping_does_not_fit_is_refused_before_running(monkeypatch):
+    """A tier of more blocks than this machine can index is one line naming cpu_gb, from
+    the scenario's replica arguments (before any simulation), not an out-of-memory."""
+    import simulator.errors as E
+    from simulator.deploy.replica import replica_kv_args
+    monkeypatch.setattr(E, "available_memory", lambda: 2**30)      # a 1 GiB machine
+    d = make_scenario_dict()
+    d["engine"]["kv"]["offload"] = {"cpu_gb": 1e5}
+    with pytest.raises(LatsimError) as e:
+        replica_kv_args(validate_scenario(d))
+    assert "engine.kv.offload.cpu_gb" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_offload_with_prefix_caching_off_is_refused():

@@ -21,7 +21,7 @@ class OffloadConfig(StrictModel):
     are copied there (LRU), and a prefix found there and not on the GPU is loaded back
     over PCIe instead of recomputed (the rules: ``simulator.model.kv.offload``)."""
 
-    cpu_gb: float = Field(ge=0, description="CPU memory for offloaded KV, per replica (all "
+    cpu_gb: float = Field(ge=0, le=1e6, description="CPU memory for offloaded KV, per replica (all "
                           "its GPUs together, as vLLM's --kv-offloading-size); 0: a tier "
                           "that holds nothing")
     pcie_gb_per_s: float = Field(PCIE4_X16_BPS / 1e9, gt=0, description="host-to-device "

@@ -59,9 +59,14 @@ def replica_kv_args(scenario) -> dict:
         # replica's); a load copies each GPU's slice over its own link, like a swap.
         from dataclasses import replace
         from simulator.model.kv.offload import tier_blocks
+        from simulator.errors import check_memory
+        from simulator.model.kv.blockpool import pool_size
         whole = kv_bytes_per_token(scenario) * kv.block_size
-        args["kv_rules"] = replace(args["kv_rules"],
-                                   offload_blocks=tier_blocks(kv.offload.cpu_gb * 1e9, whole),
+        blocks = tier_blocks(kv.offload.cpu_gb * 1e9, whole)
+        # The tier's bookkeeping (a block pool of that many blocks), before any work.
+        check_memory(8.0 * pool_size(blocks), f"a CPU KV tier of {blocks:,} blocks",
+                     field="engine.kv.offload.cpu_gb", hint="give a smaller cpu_gb")
+        args["kv_rules"] = replace(args["kv_rules"], offload_blocks=blocks,
                                    offload_async=kv.offload.load == "async")
         args["offload_bps"] = kv.offload.pcie_gb_per_s * 1e9
     if scenario.engine.async_scheduling:
