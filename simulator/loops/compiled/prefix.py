@@ -56,9 +56,9 @@ def admit(r, rid, tokens, RS, RF, IP, FP, PFX):
         cached, loaded = off.allocate(p, PFX[1][rid], PFX[4][r], PFX[5][r], keys_of(rid, PFX),
                                       tokens, bs)
         if loaded:
-            secs = off.load_time(loaded, FP[S.D_BLOCKBYTES], FP[S.D_OFFBPS])[1]
+            tok, secs = off.load_charge(loaded, bs, FP[S.D_BLOCKBYTES], FP[S.D_OFFBPS])
             RF[r, S.F_LOAD] += secs
-            PFX[6][rid] += loaded * bs
+            PFX[6][rid] += tok
             PFX[7][rid] += secs
     else:
         cached = pc.allocate(p, PFX[1][rid], keys_of(rid, PFX), tokens, bs)

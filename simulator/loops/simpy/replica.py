@@ -45,7 +45,7 @@ import simpy
 
 from simulator.cost.decodectx import epoch_context, tick_contexts
 from simulator.kernel import python_of
-from simulator.model.kv.offload import load_time
+from simulator.model.kv.offload import load_charge
 from simulator.model.kv.space import KVRules, KVSpace
 from simulator.loops.simpy.apply import ReplicaApply
 from simulator.loops.simpy.handoff import ReplicaHandoff
@@ -62,7 +62,7 @@ _may_start, _epoch_length, _arrival_interrupts, _fits_now, _tick_contexts, _admi
     python_of(f) for f in (E.may_start, E.epoch_length, E.arrival_interrupts, E.fits_now,
                            tick_contexts, admission_times))
 _sees = python_of(sees)
-_load_time = python_of(load_time)
+_load_charge = python_of(load_charge)
 
 
 class SimSeq(Seq):
@@ -463,9 +463,10 @@ class Replica(ReplicaMemory, ReplicaApply, ReplicaHandoff):
             if loaded:
                 # Its KV from the CPU tier: copied before the step's forward pass (sync),
                 # or while other steps run (async).
-                secs = _load_time(loaded, self.block_bytes, self.offload_bps)[1]
+                tok, secs = _load_charge(loaded, self.kv.bs, self.block_bytes,
+                                         self.offload_bps)
                 if rec.kv_load_s is not None:
-                    rec.loaded_tokens[rid] += loaded * self.kv.bs
+                    rec.loaded_tokens[rid] += tok
                     rec.kv_load_s[rid] += secs
                 if self._async_load:
                     # One link: a load starts when the one before it ends.

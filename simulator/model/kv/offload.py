@@ -90,6 +90,13 @@ def load_time(blocks, block_bytes, link_bps):
     return kvr.swap_copy(blocks, block_bytes, link_bps)
 
 
+@kernel
+def load_charge(loaded, block_size, block_bytes, link_bps):
+    """What an admission that loads ``loaded`` blocks from the tier is charged, for every
+    executor: ``(tokens loaded, seconds of the copy)``."""
+    return loaded * block_size, load_time(loaded, block_bytes, link_bps)[1]
+
+
 # -- the tier's own LRU -----------------------------------------------------------------
 @kernel
 def touch(c, key):
