@@ -75,14 +75,9 @@ class RooflineCostConfig(CatalogSized, StrictModel):
     @field_validator("ep")
     @classmethod
     def _ep(cls, v: int, info: ValidationInfo) -> int:
-        tp, dp = info.data.get("tp", 1), info.data.get("dp", 1)
-        if dp > 1 and v != tp * dp:
-            raise ValueError(f"must be tp x dp = {tp * dp} with dp {dp}: data-parallel "
-                             "attention is modelled with vLLM's --enable-expert-parallel "
-                             "(EP = TP x DP); TP-sharded experts over tp x dp GPUs are not")
-        if v > 1 and v != tp * dp:
-            raise ValueError(f"must be 1 or tp x dp ({tp * dp}): vLLM's expert parallelism "
-                             "runs EP = TP x DP over the same GPUs")
+        why = ep_group_error(info.data.get("tp", 1), info.data.get("dp", 1), v)
+        if why:
+            raise ValueError(why)
         return v
 
     def model_formats(self, arch) -> Optional[tuple]:
@@ -119,6 +114,17 @@ def _calibration(profile: dict, source: str, key: tuple, **kw) -> Calibration:
     if k not in _CALIBRATIONS:
         _CALIBRATIONS[k] = calibrate(profile, source, **kw)
     return _CALIBRATIONS[k]
+
+
+def ep_group_error(tp: int, dp: int, ep: int) -> Optional[str]:
+    """Why ``ep`` cannot be the expert-parallel group of ``tp`` GPUs x ``dp`` ranks, or
+    None: vLLM's --enable-expert-parallel runs EP = TP x DP over the same GPUs, and DP
+    attention is modelled with it only (TP-sharded experts over tp x dp GPUs are not)."""
+    if dp > 1 and ep != tp * dp:
+        return f"must be tp x dp = {tp * dp} with dp {dp} (vLLM: EP = TP x DP)"
+    if ep > 1 and ep != tp * dp:
+        return f"must be 1 or tp x dp = {tp * dp} (vLLM: EP = TP x DP)"
+    return None
 
 
 def check_expert_parallel(arch: ModelArch, tp: int, pp: int, dp: int, ep: int,
@@ -192,10 +198,9 @@ class RooflineCostModel(ExpertSteps, FittedCostModel):
         self.ep, self.dp = int(ep), int(dp)
         self.expert = None
         check_expert_parallel(self.arch, self.tp, self.pp, self.dp, self.ep, "model.cost.")
-        if self.ep not in (1, self.tp * self.dp) or (self.dp > 1 and self.ep == 1):
-            raise LatsimError(f"must be {'1 or ' if self.dp == 1 else ''}tp x dp = "
-                              f"{self.tp * self.dp} (vLLM: EP = TP x DP)",
-                              field="model.cost.ep", value=ep, has_value=True)
+        why = ep_group_error(self.tp, self.dp, self.ep)
+        if why:
+            raise LatsimError(why, field="model.cost.ep", value=ep, has_value=True)
         if self.ep > 1:
             self.expert = ExpertParallel.of(self.arch, self.spec, c, self.ep, expert_imbalance)
         if self.dp > 1:
