@@ -83,6 +83,12 @@ class RankShare:
         return dp * self.tokens
 
 
+def rank_count(n: int, dp: int) -> int:
+    """The slowest rank's share of ``n`` (decodes, or a chunk's tokens) split evenly over
+    ``dp`` ranks: ``ceil(n / dp)`` (``n`` itself at DP 1)."""
+    return -(-int(n) // dp) if dp > 1 else int(n)
+
+
 def rank_share(n_decode: int, ctx_max: int, ctx_sum: int, chunks: Sequence[tuple], dp: int,
                q: int = 1) -> RankShare:
     """The step split evenly over ``dp`` ranks, the slowest rank's share (module doc):
@@ -92,10 +98,10 @@ def rank_share(n_decode: int, ctx_max: int, ctx_sum: int, chunks: Sequence[tuple
     total = n_decode * q + sum(int(ch[0]) for ch in chunks)
     if dp <= 1:
         return RankShare(n_decode, ctx_max, ctx_sum, chunks, total, total)
-    nd = -(-n_decode // dp)
+    nd = rank_count(n_decode, dp)
     cs = -(-ctx_sum * nd // n_decode) if n_decode else 0
     cm = min(ctx_max, cs)
-    ch = [(-(-int(c[0]) // dp),) + tuple(c[1:]) for c in chunks]
+    ch = [(rank_count(c[0], dp),) + tuple(c[1:]) for c in chunks]
     return RankShare(nd, cm, cs, ch, nd * q + sum(c[0] for c in ch), total)
 
 
@@ -108,7 +114,7 @@ def attention_share_ms(c: np.ndarray, chunks: Sequence[tuple], dp: int) -> float
     out = 0.0
     for ch in chunks:
         n, prior = int(ch[0]), int(ch[1])
-        m = -(-n // dp)
+        m = rank_count(n, dp)
         out += (float(ph.chunk_attention_ms(c, n, prior)) / dp
                 - float(ph.chunk_attention_ms(c, m, prior)))
     return out

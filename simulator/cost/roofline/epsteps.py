@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from simulator.cost.roofline.dataparallel import (attention_share_ms, dp_sync_ms,
-                                                  rank_share)
+                                                  rank_count, rank_share)
 from simulator.cost.roofline.expert import ep_terms
 
 _EP_KEYS = ("ep_dispatch", "ep_combine", "ep_allreduce_replaced", "ep_imbalance", "ep_total")
@@ -51,7 +51,7 @@ class ExpertSteps:
             return {k: 0.0 for k in _EP_KEYS}
         if self.dp <= 1:
             return ep_terms(self.expert, self.c, tokens)
-        t = -(-int(tokens) // self.dp)
+        t = rank_count(tokens, self.dp)
         return ep_terms(self.expert, self.c, self.dp * t, rank_tokens=t)
 
     def _priced(self, base, n_decode, q, ctx_max, ctx_sum, chunks) -> float:
@@ -82,7 +82,7 @@ class ExpertSteps:
         sequences (at the same context); with EP every step gains the batch's terms."""
         if self.expert is None:
             return super().decode_times(batch, ctx0, k)
-        nd = -(-batch // self.dp)
+        nd = rank_count(batch, self.dp)
         out = super().decode_times(nd, ctx0, k)
         add = self.step_terms_ms(batch, 1, [])["added"] * self.scale / 1000.0
         return [t + add for t in out]
@@ -102,7 +102,7 @@ class ExpertSteps:
         ``ceil(batch / dp)`` sequences plus the step's terms. At DP 1 as before."""
         if self.dp <= 1:
             return super().decode_ms(batch, context)
-        nd = -(-int(batch) // self.dp)
+        nd = rank_count(batch, self.dp)
         return super().decode_ms(nd, context) + self.step_terms_ms(batch, 1, [])["added"]
 
     @property
