@@ -189,6 +189,22 @@ def _lru_remove(p, b):
     p[H_NEVICT] -= 1
 
 
+@kernel
+def pop_or_evict(p):
+    """A block for a new occupant: the top of the free stack, else the least recently
+    used one, taken off the LRU list and its key forgotten in the map. Returns
+    ``(block, evicted)``; the caller keeps its own counters (the GPU cache's, a CPU
+    tier's)."""
+    n = p[H_NFREE]
+    if n > 0:
+        p[H_NFREE] = n - 1
+        return p[_free(p, n - 1)], False
+    b = p[H_LHEAD]
+    _lru_remove(p, b)
+    _map_del(p, p[_key(p, b)])
+    return b, True
+
+
 @kernel(inline=True)
 def num_free(p):
     """Blocks an allocation may take: never-cached free plus evictable cached."""

@@ -49,9 +49,9 @@ import numpy as np
 from simulator.kernel import kernel
 from simulator.model.kv import prefixcache as pc
 from simulator.model.kv import rules as kvr
-from simulator.model.kv.blockpool import (H_CAP, H_LHEAD, H_NFREE, _free, _key,
-                                          _lru_append, _lru_remove, _map_del, _map_put,
-                                          block_of, new_pool, stack_ids)
+from simulator.model.kv.blockpool import (H_CAP, _key, _lru_append, _lru_remove,
+                                          _map_put, block_of, new_pool, pop_or_evict,
+                                          stack_ids)
 
 # The tier's counters: blocks found in the CPU tier at admissions (the leading run after
 # the GPU's, like ``KVStats.hit_blocks``), blocks loaded from it, blocks copied into it,
@@ -118,13 +118,8 @@ def store(c, n, key):
         return 0
     if touch(c, key):
         return 0
-    if c[H_NFREE] > 0:
-        b = c[_free(c, c[H_NFREE] - 1)]
-        c[H_NFREE] -= 1
-    else:
-        b = c[H_LHEAD]
-        _lru_remove(c, b)
-        _map_del(c, c[_key(c, b)])
+    b, evicted = pop_or_evict(c)
+    if evicted:
         n[C_EVICTED] += 1
     _map_put(c, key, b)
     c[_key(c, b)] = key
@@ -149,12 +144,10 @@ def tier_hits(p, c, keys, tokens, block_size):
     """``(GPU leading keys, GPU usable blocks, CPU keys after them, CPU usable blocks)``
     of a prompt of ``tokens`` tokens (see module doc)."""
     found, h = pc.leading_hits(p, keys, tokens, block_size)
-    use = (tokens - 1) // block_size
+    use = pc.usable_blocks(tokens, block_size)
     if c[H_CAP] == 0 or found >= use:     # nothing, or the GPU hit is capped already
         return found, h, 0, 0
-    full = tokens // block_size
-    if keys.shape[0] < full:
-        full = keys.shape[0]
+    full = pc.full_blocks(keys, tokens, block_size)
     j = found
     while j < full and block_of(c, keys[j]) >= 0:
         j += 1
@@ -181,10 +174,7 @@ def allocate(p, t, c, n, keys, tokens, block_size):
     cached = pc.allocate(p, t, keys, tokens, block_size)
     if cached < 0:
         return -1, 0
-    full = tokens // block_size
-    if keys.shape[0] < full:
-        full = keys.shape[0]
-    for i in range(full - 1, -1, -1):
+    for i in range(pc.full_blocks(keys, tokens, block_size) - 1, -1, -1):
         touch(c, keys[i])
     if cu > 0:
         pc.register(p, t, keys, (h + cu) * block_size, block_size)

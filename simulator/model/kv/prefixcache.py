@@ -31,8 +31,8 @@ from simulator.model.kv.blockpool import (EMPTY, H_ADMISSIONS, H_CAP, H_CTOKENS,
                                           T_HEAD, T_NCOLS, T_NOWN, T_REG, T_TAIL, _free,
                                           _key, _limbo, _lru_append, _lru_remove, _map_del,
                                           _map_put, _onext, _oprev, _ref, block_of, key_at,
-                                          new_pool, new_table, num_free, pool_size, ref_of,
-                                          stack_ids)
+                                          new_pool, new_table, num_free, pool_size,
+                                          pop_or_evict, ref_of, stack_ids)
 
 # -- queries ----------------------------------------------------------------------------
 @kernel
@@ -41,14 +41,26 @@ def leading_hits(p, keys, tokens, block_size):
     at least one prompt token is recomputed (the step must produce logits)."""
     if p[H_PREFIX] == 0 or keys.shape[0] == 0:
         return 0, 0
-    full = tokens // block_size
-    if keys.shape[0] < full:
-        full = keys.shape[0]
+    full = full_blocks(keys, tokens, block_size)
     h = 0
     while h < full and block_of(p, keys[h]) >= 0:
         h += 1
-    use = (tokens - 1) // block_size
+    use = usable_blocks(tokens, block_size)
     return h, (h if h < use else use)
+
+
+@kernel(inline=True)
+def full_blocks(keys, tokens, block_size):
+    """The prompt's full blocks that have a key (a partial last block has none)."""
+    full = tokens // block_size
+    return keys.shape[0] if keys.shape[0] < full else full
+
+
+@kernel(inline=True)
+def usable_blocks(tokens, block_size):
+    """The most hit blocks a prompt of ``tokens`` may use: at least one prompt token is
+    recomputed (the step must produce logits)."""
+    return (tokens - 1) // block_size
 
 
 @kernel
@@ -68,14 +80,8 @@ def price(p, keys, tokens, block_size):
 def take(p):
     """One block from the free pool (referenced once): a never-cached free block, else
     the least recently freed cached one, evicted (its key forgotten)."""
-    n = p[H_NFREE]
-    if n > 0:
-        b = p[_free(p, n - 1)]
-        p[H_NFREE] = n - 1
-    else:
-        b = p[H_LHEAD]
-        _lru_remove(p, b)
-        _map_del(p, p[_key(p, b)])
+    b, evicted = pop_or_evict(p)
+    if evicted:
         p[_key(p, b)] = EMPTY
         p[H_NCACHED] -= 1
         p[H_EVICTIONS] += 1
