@@ -119,16 +119,11 @@ def piecewise_host_ms(eff: dict, stage_layers: float) -> float:
     return eff["h_graph_ms"] + eff["h_piece_us"] * 1e-3 * stage_layers
 
 
-def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
-                    weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                    engine: Optional[Engine] = None, eff: Optional[dict] = None) -> np.ndarray:
-    """The physics constants of ``arch`` served on ``tp x pp`` GPUs of type ``spec``
-    by ``engine`` (default: vLLM-like), with the efficiencies ``eff`` (default:
-    ``DEFAULTS``). Checks that the split is possible (one-line errors)."""
-    catalog.check_parallelism(arch, tp, pp)
-    eff = DEFAULTS if eff is None else eff
-    engine = engine or Engine()
-    c = ph.new_constants()
+def _model_terms(c: np.ndarray, arch: ModelArch, tp: int, weight_dtype: str,
+                 kv_dtype: str, eff: dict) -> None:
+    """``build_constants``' model part: the shape, formats, linear weights (a mixture's
+    routed reads, what every GPU holds whole), MLA's attention widths and the
+    elementwise passes."""
     L, d, hd = arch.layers, arch.hidden, arch.head_dim
     c[ph.C_LAYERS], c[ph.C_DMODEL], c[ph.C_HEADS] = L, d, arch.heads
     c[ph.C_KV_HEADS], c[ph.C_HEAD_DIM], c[ph.C_FFN], c[ph.C_VOCAB] = (
@@ -157,6 +152,20 @@ def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
     ffn_passes = eff["act_passes_ffn"] * (1.0 if arch.gated_mlp else 2.0 / 3.0)
     c[ph.C_ACT_D], c[ph.C_ACT_F], c[ph.C_E_ACT] = rope, ffn_passes, 1.0
     c[ph.C_ACT_D_REPL] = eff["act_passes_repl"]
+
+
+def build_constants(arch: ModelArch, spec: GpuSpec, tp: int = 1, pp: int = 1,
+                    weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                    engine: Optional[Engine] = None, eff: Optional[dict] = None) -> np.ndarray:
+    """The physics constants of ``arch`` served on ``tp x pp`` GPUs of type ``spec``
+    by ``engine`` (default: vLLM-like), with the efficiencies ``eff`` (default:
+    ``DEFAULTS``). Checks that the split is possible (one-line errors)."""
+    catalog.check_parallelism(arch, tp, pp)
+    eff = DEFAULTS if eff is None else eff
+    engine = engine or Engine()
+    c = ph.new_constants()
+    _model_terms(c, arch, tp, weight_dtype, kv_dtype, eff)
+    L = arch.layers
     # -- hardware
     peak, _ = compute_peak(spec, weight_dtype)
     c[ph.C_PEAK_TFLOPS], c[ph.C_ATTN_TFLOPS] = peak, spec.bf16_tflops
