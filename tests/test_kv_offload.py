@@ -201,14 +201,19 @@ def test_an_async_load_does_not_stall_a_running_decoder():
     assert a["ttft"][4] >= s["ttft"][4] - 1e-12
 
 
-def test_a_tier_of_zero_blocks_is_no_offload_bit_for_bit():
-    # Shared system prompts under memory pressure: hits, evictions and preemptions.
-    d = make_scenario_dict(workload={
+def _eight_system_prompts() -> dict:
+    """300 requests of eight classes, each with its own system prompt (200-900 tokens)."""
+    return make_scenario_dict(workload={
         "kind": "synthetic", "num_requests": 300, "arrival": {"kind": "poisson", "rate": 20.0},
         "prompt_tokens": {"kind": "uniform", "low": 50, "high": 400},
         "output_tokens": {"kind": "uniform", "low": 5, "high": 60},
         "classes": [{"name": f"c{i}", "system_prompt_tokens": 200 + 100 * i}
                     for i in range(8)]})
+
+
+def test_a_tier_of_zero_blocks_is_no_offload_bit_for_bit():
+    # Shared system prompts under memory pressure: hits, evictions and preemptions.
+    d = _eight_system_prompts()
     d["engine"]["kv"] = {"num_blocks": 200, "prefix_caching": True}
     base = simulate(validate_scenario(d), loop="simpy")
     d["engine"]["kv"]["offload"] = {"cpu_gb": 0}
@@ -231,12 +236,7 @@ def test_the_compiled_loop_runs_the_cpu_tier_bit_for_bit(cpu_gb, replicas):
     # tier of 143 blocks (0.3 GB) or 95 per replica (0.2 GB, two replicas), which each prompt
     # block computed also enters (the unique questions too: most are evicted unused), or
     # none.
-    d = make_scenario_dict(workload={
-        "kind": "synthetic", "num_requests": 300, "arrival": {"kind": "poisson", "rate": 20.0},
-        "prompt_tokens": {"kind": "uniform", "low": 50, "high": 400},
-        "output_tokens": {"kind": "uniform", "low": 5, "high": 60},
-        "classes": [{"name": f"c{i}", "system_prompt_tokens": 200 + 100 * i}
-                    for i in range(8)]})
+    d = _eight_system_prompts()
     d["engine"]["kv"] = {"num_blocks": 200, "offload": {"cpu_gb": cpu_gb}}
     d["cluster"] = {"replicas": replicas}
     sc = validate_scenario(d)
