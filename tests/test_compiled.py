@@ -31,6 +31,19 @@ from simulator.report.recorder import ItlHistogram  # noqa: E402
 from simulator.loops.simulate import simulate  # noqa: E402
 
 
+def _same_on_both_loops(sc, flush: int, series_cap=None) -> None:
+    """Run ``sc`` on SimPy and compiled with the ITL histogram flushing every ``flush``
+    tokens (and the compiled time series capped at ``series_cap``): bit for bit."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ItlHistogram, "FLUSH", flush)
+        if series_cap is not None:
+            mp.setattr(compiled, "SERIES_CAP", series_cap)
+        ref = simulate(sc, loop="simpy")
+        res = simulate(sc, loop="compiled")
+    assert res.meta["loop"] == "compiled"
+    assert_identical(ref, res)
+
+
 @settings(max_examples=80, deadline=None, derandomize=True)
 @given(**BROAD, until=st.sampled_from([None, 0.7, 5.0]),
        flush=st.sampled_from([3, 64, ItlHistogram.FLUSH]), series_cap=st.sampled_from([2, 4096]),
@@ -39,13 +52,7 @@ def test_compiled_loop_is_the_simpy_model_bit_for_bit(flush, series_cap, **cfg):
     """Tiny ITL and time-series buffers exercise every hand-over to Python (the ITL sum
     is formed per flush, so SimPy's histogram flushes as often)."""
     sc = loop_scenario(noise=False, **cfg)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ItlHistogram, "FLUSH", flush)
-        mp.setattr(compiled, "SERIES_CAP", series_cap)
-        ref = simulate(sc, loop="simpy")
-        res = simulate(sc, loop="compiled")
-    assert res.meta["loop"] == "compiled"
-    assert_identical(ref, res)
+    _same_on_both_loops(sc, flush, series_cap)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -55,12 +62,7 @@ def test_under_memory_pressure_the_compiled_loop_preempts_as_simpy_does(flush, *
     """Few blocks, long outputs: most runs preempt (by recompute or swap; a full swap
     space recomputes), some many times over; each must be SimPy's run bit for bit."""
     sc = pressure_scenario(**cfg)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ItlHistogram, "FLUSH", flush)
-        ref = simulate(sc, loop="simpy")
-        res = simulate(sc, loop="compiled")
-    assert res.meta["loop"] == "compiled"
-    assert_identical(ref, res)
+    _same_on_both_loops(sc, flush)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -73,12 +75,7 @@ def test_prefix_caching_under_memory_pressure_is_the_simpy_run(flush, **cfg):
     freed prefix), swap, and drop an admission whose hit an earlier one evicted.
     Not vacuous: the draws hit, evict and preempt (counted below)."""
     sc = pressure_scenario(caching=True, **cfg)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ItlHistogram, "FLUSH", flush)
-        ref = simulate(sc, loop="simpy")
-        res = simulate(sc, loop="compiled")
-    assert res.meta["loop"] == "compiled"
-    assert_identical(ref, res)
+    _same_on_both_loops(sc, flush)
 
 
 @pytest.mark.parametrize("policy", ["chunked", "fifo", "priority_aging"])
